@@ -1,0 +1,1 @@
+"""megand: Megatron-style ND-parallel pretraining for GPT and LLaMA."""
