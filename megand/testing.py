@@ -57,3 +57,42 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
     if errors:
         raise RuntimeError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The training lines of ``metrics.jsonl`` (evaluation lines left out)."""
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, extra_env=None, check=True):
+    """Launch ``pretrain_gpt.py`` with torchrun on ``nproc`` local ranks (gloo on CPU); return the
+    completed process. The run's files go to ``run_dir``."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(root, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def assert_parity(reference: list[dict], run: list[dict], steps: int = 10) -> None:
+    """DESIGN.md section 3: step 1 loss and grad norm within 1e-5 relative, every step's loss within 1e-4."""
+    assert len(reference) >= steps and len(run) >= steps, (len(reference), len(run))
+
+    def rel(a, b):
+        return abs(a - b) / max(abs(b), 1e-12)
+
+    for key in ("loss", "grad_norm"):
+        assert rel(run[0][key], reference[0][key]) <= 1e-5, f"step 1 {key}: {run[0][key]} vs reference {reference[0][key]}"
+    for i in range(steps):
+        for key in ("loss", "grad_norm"):
+            assert rel(run[i][key], reference[i][key]) <= 1e-4, (
+                f"step {i + 1} {key}: {run[i][key]} vs reference {reference[i][key]}")

@@ -1,0 +1,1 @@
+"""The training loop, batches and reporting."""

@@ -1,0 +1,223 @@
+"""The run's configuration: a structured schema (unknown keys are errors) and the checks of its values.
+
+Hydra composes ``conf/`` on top of :class:`Config`; :func:`validate` then checks every value and every
+divisibility the layout needs, before any work, and names the offending values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"  # gpt | llama
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # null: multi-head attention
+    seq_length: int = 32
+    vocab_size: int = 256
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    activation: str = "gelu"  # gelu | swiglu
+    position_embedding: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B); null: no interleaving
+    cp: int = 1
+    dp: Optional[int] = None  # null: world size / (tp*pp*cp)
+    sequence_parallel: bool = False
+    order: str = "tp-cp-dp-pp"  # fastest- to slowest-varying rank dimension
+    pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
+    cp_comm: str = "p2p"  # p2p (ring) | all_gather
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    recompute: str = "none"  # none | selective | full
+    log_interval: int = 1
+    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_iters: int = 2
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    warmup_iters: int = 10
+    decay_iters: Optional[int] = None  # null: train.iters
+    schedule: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1.0e-8
+    clip_grad: float = 1.0  # 0: no clipping
+    distributed: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int = 40_000_000  # elements per gradient bucket
+    initial_loss_scale: float = 65536.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    kind: str = "mock"  # mock | indexed
+    paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
+    tokenizer: Optional[str] = None
+    split: str = "969,30,1"
+    cache_dir: str = "${run_dir}/data_cache"
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
+    async_save: bool = False
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "megand"
+    name: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    hydra: Any = MISSING  # filled by Hydra; not ours
+
+
+def register_schema() -> None:
+    """Make ``base_config`` (the schema) available to ``conf/config.yaml``'s defaults list."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+CHOICES = {
+    "model.arch": ("gpt", "llama"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.position_embedding": ("learned", "rope"),
+    "parallel.cp_comm": ("p2p", "all_gather"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.recompute": ("none", "selective", "full"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "data.kind": ("mock", "indexed"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; raised before any work, naming the keys and values."""
+
+
+def _get(cfg, dotted):
+    for key in dotted.split("."):
+        cfg = cfg[key]
+    return cfg
+
+
+def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout) -> list[int]:
+    """Layers per virtual stage (pp*vpp entries, in virtual-stage order)."""
+    stages = pp * (vpp or 1)
+    if layout is None:
+        if num_layers % stages:
+            raise ConfigError(f"model.num_layers={num_layers} cannot be split evenly over parallel.pp={pp} x "
+                              f"parallel.vpp={vpp or 1} = {stages} stages; set parallel.pipeline_layout")
+        return [num_layers // stages] * stages
+    layout = list(layout)
+    if len(layout) != stages or sum(layout) != num_layers or min(layout) < 0:
+        raise ConfigError(f"parallel.pipeline_layout={layout} must have pp*vpp = {stages} non-negative entries "
+                          f"summing to model.num_layers={num_layers} (it has {len(layout)} summing to {sum(layout)})")
+    return layout
+
+
+def validate(cfg, world_size: int) -> None:
+    """Check every value and divisibility; raise ConfigError naming the values."""
+    from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
+
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+        if m[key] < 1:
+            raise ConfigError(f"model.{key}={m[key]} must be positive")
+    try:
+        parse_order(p.order)
+        sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    groups = m.num_query_groups or m.num_attention_heads
+    checks = [
+        (m.hidden_size % m.num_attention_heads == 0,
+         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"),
+        (m.num_attention_heads % groups == 0,
+         f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"),
+        (m.num_attention_heads % p.tp == 0,
+         f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"),
+        (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
+        (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
+        (m.position_embedding != "rope" or (m.hidden_size // m.num_attention_heads) % 2 == 0,
+         f"rope needs an even head dim, got {m.hidden_size // m.num_attention_heads}"),
+        (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
+         f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
+         f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
+    ]
+    seq_multiple = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
+    checks.append((m.seq_length % seq_multiple == 0,
+                   f"model.seq_length={m.seq_length} is not divisible by {seq_multiple} "
+                   f"(2*cp={2 * p.cp if p.cp > 1 else 1} x tp={p.tp if p.sequence_parallel else 1} under sequence parallelism)"))
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if p.vpp is not None:
+        if p.pp < 2 or p.vpp < 1:
+            raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp}) and vpp >= 1")
+        micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+        if micro_batches % p.pp:
+            raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({micro_batches} = "
+                              f"global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}))"
+                              f" to be a multiple of parallel.pp={p.pp}")
+    pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
+    if p.cp > 1 and m.attention_dropout > 0:
+        raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
+    if cfg.data.kind == "indexed" and not cfg.data.paths:
+        raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")

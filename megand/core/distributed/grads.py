@@ -1,0 +1,46 @@
+"""Gradient reductions that follow from how parameters are sharded.
+
+After the last backward of a step every gradient must be the gradient of the global loss:
+- over dp x cp, replicas saw different tokens: sum (the loss is already divided by the global token count);
+- over tp under sequence parallelism, replicated parameters saw different sequence shards: sum;
+- over the embedding group, the tied output layer of the last stage and the word embedding of the first
+  stage are one parameter: sum, so both copies take the same step.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce_coalesced(tensors, group):
+    """One all-reduce of all ``tensors`` (same dtype) through a flat buffer."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _by_dtype(tensors):
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups.values()
+
+
+def all_reduce_data_parallel_grads(params, topo):
+    for same_dtype in _by_dtype([p.grad for p in params if p.grad is not None]):
+        _all_reduce_coalesced(same_dtype, topo.dp_cp_group)
+
+
+def all_reduce_layout_grads(params, topo):
+    """The sequence-parallel and tied-embedding reductions (the dp reduction is the data-parallel engine's)."""
+    params = [p for p in params if p.grad is not None]
+    if topo.tp_size > 1:
+        for same_dtype in _by_dtype([p.grad for p in params if p.meta.sequence_parallel_grad]):
+            _all_reduce_coalesced(same_dtype, topo.tp_group)
+    if topo.pp_size > 1 and topo.in_embedding_group:
+        for same_dtype in _by_dtype([p.grad for p in params if p.meta.embedding_group_grad]):
+            _all_reduce_coalesced(same_dtype, topo.embedding_group)

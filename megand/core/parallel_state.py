@@ -1,0 +1,214 @@
+"""Topology: the rank grid and every process group of a run.
+
+The grid has four dimensions: tensor (tp), context (cp), data (dp) and pipeline (pp). An order string
+such as ``"tp-cp-dp-pp"`` lists them from fastest- to slowest-varying rank index, so with the default
+order tensor-parallel peers are neighbouring ranks (same node) and pipeline stages are farthest apart.
+
+:func:`rank_groups` is a pure function of (world size, sizes, order) returning plain rank lists, so the
+layout is unit-tested without processes. :class:`Topology` creates the live groups from those lists
+(collectively: every rank creates every group, in the same order) and is the one object passed to
+whatever needs a group. There is no module-level state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DIMS = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+# Every group a run needs, as the grid dimensions it spans.
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("dp", "cp"),  # gradient reduction and the distributed optimizer's shards
+    "tp_cp": ("tp", "cp"),
+    "mp": ("tp", "pp"),  # model parallel: one full replica of the model
+    "tp_cp_pp": ("tp", "cp", "pp"),  # everything but dp: the ranks of one data-parallel replica
+}
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the values."""
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @classmethod
+    def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None):
+        """Sizes for ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
+        for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp if dp is not None else 1)):
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"parallel.{name}={size} must be a positive integer")
+        model_ranks = tp * pp * cp
+        if world_size % model_ranks:
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
+        inferred_dp = world_size // model_ranks
+        if dp is not None and dp != inferred_dp:
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = {inferred_dp}")
+        return cls(tp=tp, cp=cp, dp=inferred_dp, pp=pp)
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(order.split("-"))
+    if sorted(dims) != sorted(DIMS):
+        raise LayoutError(f"parallel.order={order!r} must list each of {'-'.join(DIMS)} exactly once")
+    return dims
+
+
+def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, int]:
+    """The grid coordinates of ``rank``: the first dimension of ``order`` varies fastest."""
+    coords = {}
+    for dim in parse_order(order):
+        size = getattr(sizes, dim)
+        coords[dim] = rank % size
+        rank //= size
+    return coords
+
+
+def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+    """For each group kind, the list of rank lists (each sorted ascending; pp lists are in stage order).
+
+    Pure: no processes involved. A group of kind ``k`` holds the ranks that differ only in the
+    dimensions ``GROUP_DIMS[k]``. The embedding group joins the first and last stage of each pipeline.
+    """
+    dims = parse_order(order)
+    world = sizes.world_size
+    coords = [rank_coords(r, sizes, order) for r in range(world)]
+    groups = {}
+    for kind, spanned in GROUP_DIMS.items():
+        fixed = [d for d in dims if d not in spanned]
+        by_key: dict[tuple, list[int]] = {}
+        for r in range(world):
+            by_key.setdefault(tuple(coords[r][d] for d in fixed), []).append(r)
+        groups[kind] = sorted(by_key.values())
+    groups["embedding"] = [sorted({p[0], p[-1]}) for p in groups["pp"]]
+    return groups
+
+
+def choose_device_and_backend() -> tuple[torch.device, str]:
+    """The one place where the device and the collective backend are chosen."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed() -> torch.device:
+    """Join (or create) the default process group; a plain ``python`` launch is a world of one."""
+    device, backend = choose_device_and_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # not launched by torchrun: a one-process world
+            from megand.testing import free_port
+
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, **kwargs)
+    return device
+
+
+@dataclass
+class Topology:
+    """This rank's place in the grid and its live process groups.
+
+    Built once, collectively, after the default process group exists; passed explicitly to the model,
+    schedules, optimizer and checkpointing. ``vpp`` is the number of model chunks per pipeline rank
+    (interleaved schedule); ``None`` means no interleaving.
+    """
+
+    sizes: ParallelSizes
+    order: str = DEFAULT_ORDER
+    vpp: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self):
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if self.world_size != self.sizes.world_size:
+            raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
+        self.coords = rank_coords(self.rank, self.sizes, self.order)
+        self.ranks: dict[str, list[int]] = {}
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        for kind, rank_lists in rank_groups(self.sizes, self.order).items():
+            for ranks in rank_lists:  # every rank must take part in creating every group
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.ranks[kind], self.groups[kind] = ranks, group
+
+    # sizes and ranks within each dimension
+    tp_size = property(lambda self: self.sizes.tp)
+    cp_size = property(lambda self: self.sizes.cp)
+    dp_size = property(lambda self: self.sizes.dp)
+    pp_size = property(lambda self: self.sizes.pp)
+    tp_rank = property(lambda self: self.coords["tp"])
+    cp_rank = property(lambda self: self.coords["cp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    dp_cp_size = property(lambda self: self.sizes.dp * self.sizes.cp)
+    dp_cp_rank = property(lambda self: self.ranks["dp_cp"].index(self.rank))
+
+    # live groups
+    tp_group = property(lambda self: self.groups["tp"])
+    cp_group = property(lambda self: self.groups["cp"])
+    dp_group = property(lambda self: self.groups["dp"])
+    pp_group = property(lambda self: self.groups["pp"])
+    dp_cp_group = property(lambda self: self.groups["dp_cp"])
+    tp_cp_group = property(lambda self: self.groups["tp_cp"])
+    mp_group = property(lambda self: self.groups["mp"])
+    embedding_group = property(lambda self: self.groups.get("embedding"))
+
+    # pipeline neighbours (global ranks) and stage roles
+    @property
+    def pp_next_rank(self) -> int:
+        return self.ranks["pp"][(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def pp_prev_rank(self) -> int:
+        return self.ranks["pp"][(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.is_first_stage or self.is_last_stage
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that writes logs and shared files: last stage, first of every other dimension."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size} order {self.order}")
+
+
+def all_decompositions(world_size: int):
+    """Every (tp, cp, dp, pp) whose product is ``world_size`` (for tests and tools)."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp, cp, pp in itertools.product(divisors, repeat=3):
+        if world_size % (tp * cp * pp) == 0:
+            yield ParallelSizes(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp)

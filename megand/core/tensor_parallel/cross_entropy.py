@@ -1,0 +1,52 @@
+"""Cross entropy over vocab-sharded logits: the full-vocab logits are never gathered.
+
+Each tp rank holds the logits of its vocab slice. Three all-reduces over tp (of [s, b] tensors, not
+[s, b, V]) give the max, the target logit and the softmax denominator. Padding columns beyond the real
+vocab are masked out, so they are never predicted.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, vocab_start, vocab_size):
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        padding = vocab_start + local_vocab - vocab_size
+        if padding > 0:
+            logits = logits.clone()
+            logits[..., local_vocab - padding:] = float("-inf")
+
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= local_vocab)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, group=tp_group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=tp_group)
+
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), scaled by the incoming gradient
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group, vocab_start: int, vocab_size: int):
+    """Per-token loss ``[...]`` from local logits ``[..., V_local]`` and global target ids ``[...]``."""
+    return VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)

@@ -1,0 +1,105 @@
+"""Tensor-parallel layers. Each layer owns a contiguous slice of its full weight along one dim.
+
+ColumnParallelLinear splits the output features (weight rows), RowParallelLinear the input features
+(weight columns); a column layer followed by a row layer needs one all-reduce (or, under sequence
+parallelism, one all-gather before and one reduce-scatter after). The communication is in
+:mod:`megand.core.tensor_parallel.mappings`; here it is only called.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megand.core.sharding import ParamMeta, tag
+from megand.core.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def _param(shape, meta, dtype, device):
+    return tag(torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device)), meta)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``y = x A^T + b`` with A split by rows: this rank computes ``out_features / tp`` outputs.
+
+    Input: the full activation (replicated over tp), or under sequence parallelism this rank's sequence
+    shard, all-gathered here. Output: this rank's slice of the features (not gathered). ``padded_out``
+    lets the output dim exceed ``out_features`` (vocab padding); padded rows stay zero.
+    """
+
+    def __init__(self, in_features, out_features, *, tp_group, bias=True, sequence_parallel=False,
+                 init_std=0.02, padded_out=None, dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        local_out = divide(padded_out or out_features, tp_size, "output features across tensor-parallel ranks")
+        self.weight = _param((local_out, in_features), ParamMeta((out_features, in_features), 0, tp_rank, tp_size,
+                                                                 init_std=init_std), dtype, device)
+        self.bias = _param((local_out,), ParamMeta((out_features,), 0, tp_rank, tp_size, init="zeros"),
+                           dtype, device) if bias else None
+
+    def forward(self, x):
+        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``y = x A^T + b`` with A split by columns: the input is this rank's feature slice (the output of a
+    column-parallel layer), the partial products are summed over tp (reduce-scattered along the sequence
+    under sequence parallelism). The bias is replicated and added once, after the reduction."""
+
+    def __init__(self, in_features, out_features, *, tp_group, bias=True, sequence_parallel=False,
+                 init_std=0.02, dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        local_in = divide(in_features, tp_size, "input features across tensor-parallel ranks")
+        self.weight = _param((out_features, local_in), ParamMeta((out_features, in_features), 1, tp_rank, tp_size,
+                                                                 init_std=init_std), dtype, device)
+        self.bias = _param((out_features,), ParamMeta((out_features,), None, tp_rank, tp_size, init="zeros",
+                                                      sequence_parallel_grad=sequence_parallel),
+                           dtype, device) if bias else None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocab rounded up to a multiple of tp; the padding rows are never looked up or predicted."""
+    return math.ceil(vocab_size / tp_size) * tp_size
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split by vocab rows. Each rank looks up the ids in its range (zeros elsewhere);
+    the partial results are summed over tp by the caller (all-reduce, or reduce-scatter under sp)."""
+
+    def __init__(self, vocab_size, hidden_size, *, tp_group, init_std=0.02, dtype=torch.float32, device=None):
+        super().__init__()
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.tp_group, self.vocab_size = tp_group, vocab_size
+        local_rows = padded_vocab_size(vocab_size, tp_size) // tp_size
+        self.vocab_start = tp_rank * local_rows
+        self.vocab_end = self.vocab_start + local_rows
+        self.weight = _param((local_rows, hidden_size), ParamMeta((vocab_size, hidden_size), 0, tp_rank, tp_size,
+                                                                  init_std=init_std), dtype, device)
+
+    def forward(self, ids):
+        if dist.get_world_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

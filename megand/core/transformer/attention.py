@@ -1,0 +1,57 @@
+"""Self-attention with heads and query groups split across tensor-parallel ranks.
+
+The fused QKV weight is laid out per query group: ``[groups, q_heads_per_group + 2, head_dim, hidden]``
+(the group's query heads, then its key head, then its value head). Splitting its rows evenly across tp
+gives each rank whole groups, so the layout of the full weight does not depend on tp.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
+from megand.core.tensor_parallel.layers import divide
+from megand.core.transformer.rope import apply_rope
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg, topo, rng):
+        super().__init__()
+        self.cfg, self.rng = cfg, rng
+        self.cp_group = topo.cp_group if topo.cp_size > 1 else None
+        tp = topo.tp_size
+        self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
+        self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
+        qkv_size = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
+        common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
+                      dtype=cfg.params_dtype, device=topo.device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std, **common)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+
+    def core(self, q, k, v):
+        """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads."""
+        if self.cp_group is not None:
+            from megand.core.context_parallel import context_parallel_attention
+
+            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm)
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+
+    def forward(self, x, rope=None):
+        s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
+        qkv = self.qkv(x)
+        s = qkv.shape[0]
+        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.cfg.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.cfg.head_dim)
+        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.cfg.recompute == "selective":
+            out = checkpoint(self.core, q, k, v, rng=self.rng)
+        else:
+            out = self.core(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.proj(out)

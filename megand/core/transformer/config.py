@@ -1,0 +1,60 @@
+"""The model's shape and the runtime choices that change how its layers are built."""
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    arch: str = "gpt"  # gpt: biases everywhere, tanh-GELU; llama: no biases
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (one K/V head per query head)
+    seq_length: int = 32
+    vocab_size: int = 256
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    position_embedding: str = "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    norm_eps: float = 1e-5
+    # runtime
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective (attention core) | full (whole layer)
+    precision: str = "fp32"
+    cp_comm: str = "p2p"
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def add_bias(self) -> bool:
+        return self.arch == "gpt"
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @classmethod
+    def from_cfg(cls, model_cfg, parallel_cfg=None, train_cfg=None):
+        """Build from the Hydra groups ``model``, ``parallel`` and ``train`` (only the keys it knows)."""
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in dict(model_cfg).items() if k in names}
+        if parallel_cfg is not None:
+            values.update(sequence_parallel=bool(parallel_cfg.sequence_parallel), cp_comm=parallel_cfg.cp_comm)
+        if train_cfg is not None:
+            values.update(recompute=train_cfg.recompute, precision=train_cfg.precision)
+        return cls(**values)

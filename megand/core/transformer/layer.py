@@ -1,0 +1,38 @@
+"""A pre-norm transformer layer."""
+
+import torch
+import torch.nn.functional as F
+
+from megand.core.tensor_parallel import checkpoint
+from megand.core.transformer.attention import Attention
+from megand.core.transformer.mlp import MLP
+from megand.core.transformer.norms import Norm
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(self, cfg, topo, rng):
+        super().__init__()
+        self.cfg, self.rng = cfg, rng
+        norm = dict(eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel, tp_rank=topo.tp_rank,
+                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=topo.device)
+        self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
+        self.attention = Attention(cfg, topo, rng)
+        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, topo)
+
+    def dropout(self, x):
+        if not self.training or self.cfg.hidden_dropout == 0.0:
+            return x
+        if self.cfg.sequence_parallel:  # each tp rank holds other tokens: draw other masks
+            with self.rng.fork():
+                return F.dropout(x, self.cfg.hidden_dropout)
+        return F.dropout(x, self.cfg.hidden_dropout)
+
+    def _forward(self, x, rope):
+        x = x + self.dropout(self.attention(self.input_norm(x), rope))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+    def forward(self, x, rope=None):
+        if self.cfg.recompute == "full":
+            return checkpoint(self._forward, x, rope, rng=self.rng)
+        return self._forward(x, rope)

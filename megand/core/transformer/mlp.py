@@ -1,0 +1,32 @@
+"""The feed-forward block: GELU (GPT-2) or SwiGLU (LLaMA), column- then row-parallel."""
+
+import torch
+import torch.nn.functional as F
+
+from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(torch.nn.Module):
+    """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved),
+    so an even split across tp gives each rank matching gate and up rows whatever tp is."""
+
+    def __init__(self, cfg, topo):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        if cfg.activation not in ("gelu", "swiglu"):
+            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
+        common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
+                      dtype=cfg.params_dtype, device=topo.device)
+        fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
+                                     init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            h = h.unflatten(-1, (-1, 2))
+            h = F.silu(h[..., 0]) * h[..., 1]
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)

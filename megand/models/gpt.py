@@ -1,0 +1,114 @@
+"""GPTModel: GPT-2 style or LLaMA style from one config, built for one pipeline stage (or model chunk).
+
+A stage holds a contiguous range of layers; the first stage also holds the embeddings, the last the
+final norm and output layer. Parameter names use global layer indices (``layers.7.mlp.fc1.weight``),
+so every chunk's names are those of the full model: initialisation and checkpoints are layout-free.
+Activations between layers are ``[seq, batch, hidden]``, sequence-sharded under sequence parallelism.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megand.core.sharding import ParamMeta, retag, tag
+from megand.core.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_sp,
+    vocab_parallel_cross_entropy,
+)
+from megand.core.tensor_parallel.layers import padded_vocab_size
+from megand.core.transformer import TransformerConfig, TransformerLayer
+from megand.core.transformer.norms import Norm
+from megand.core.transformer.rope import rope_cos_sin
+
+WORD_EMBEDDING = "embedding.word.weight"
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, cfg: TransformerConfig, topo):
+        super().__init__()
+        self.cfg, self.tp_group = cfg, topo.tp_group
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group,
+                                           init_std=cfg.init_std, dtype=cfg.params_dtype, device=topo.device)
+        self.position = None
+        if cfg.position_embedding == "learned":
+            shape = (cfg.seq_length, cfg.hidden_size)
+            meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std)
+            self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=topo.device)), meta)
+
+    def forward(self, input_ids, positions):
+        x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
+        if self.position is not None:
+            x = x + self.position[positions]
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.cfg.sequence_parallel:
+            x = scatter_to_sp(x, self.tp_group)
+        if self.training and self.cfg.hidden_dropout > 0:
+            x = F.dropout(x, self.cfg.hidden_dropout)
+        return x
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, cfg: TransformerConfig, topo, rng, layer_ids=None, pre_process=True, post_process=True):
+        super().__init__()
+        self.cfg, self.topo = cfg, topo
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
+        self.embedding = Embedding(cfg, topo) if pre_process else None
+        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng) for i in self.layer_ids})
+        self.final_norm = self.output_layer = None
+        if post_process:
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel,
+                                   tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=topo.device)
+            if not (cfg.tie_embeddings and pre_process):
+                self.output_layer = ColumnParallelLinear(
+                    cfg.hidden_size, cfg.vocab_size, tp_group=topo.tp_group, bias=False,
+                    sequence_parallel=cfg.sequence_parallel, init_std=cfg.init_std,
+                    padded_out=padded_vocab_size(cfg.vocab_size, topo.tp_size), dtype=cfg.params_dtype, device=topo.device)
+                if cfg.tie_embeddings:  # a later stage's copy of the first stage's word embedding
+                    retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
+        if pre_process and cfg.tie_embeddings and not post_process:
+            retag(self.embedding.word.weight, embedding_group_grad=True)
+        self.vocab_start = topo.tp_rank * padded_vocab_size(cfg.vocab_size, topo.tp_size) // topo.tp_size
+
+    def logits(self, x):
+        """This rank's vocab slice of the logits ``[s, b, V_local]``."""
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        # tied to the word embedding on this stage: the same column-parallel product, on its weight
+        x = gather_from_sp(x, self.topo.tp_group) if self.cfg.sequence_parallel else copy_to_tp(x, self.topo.tp_group)
+        return F.linear(x, self.embedding.word.weight)
+
+    def rope(self, positions):
+        if self.cfg.position_embedding != "rope":
+            return None
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def forward(self, input_ids=None, positions=None, labels=None, hidden=None):
+        """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
+
+        Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
+        per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``.
+        ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism).
+        """
+        if positions is None:
+            s = input_ids.shape[1] if input_ids is not None else hidden.shape[0] * (
+                self.topo.tp_size if self.cfg.sequence_parallel else 1)
+            positions = torch.arange(s, device=self.topo.device)
+        x = self.embedding(input_ids, positions) if self.pre_process else hidden
+        rope = self.rope(positions)
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        if not self.post_process:
+            return x
+        logits = self.logits(self.final_norm(x))
+        if labels is None:
+            full = gather_from_tp(logits, self.topo.tp_group)[..., : self.cfg.vocab_size]
+            return full.transpose(0, 1).float()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
+                                            self.vocab_start, self.cfg.vocab_size)
+        return loss.transpose(0, 1)

@@ -1,0 +1,172 @@
+"""The training run: config -> topology -> model -> schedule -> optimizer -> logs, as named steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megand.config import pipeline_layout, validate
+from megand.core.distributed import all_reduce_data_parallel_grads, all_reduce_layout_grads
+from megand.core.optimizer import Optimizer
+from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
+from megand.core.pipeline_parallel import get_schedule
+from megand.core.pipeline_parallel.layout import chunk_specs
+from megand.core.sharding import init_parameters
+from megand.core.tensor_parallel import TensorParallelRNG, seed_default_generator
+from megand.core.transformer import TransformerConfig
+from megand.data.mock import MockGPTDataset
+from megand.models.gpt import GPTModel
+from megand.training.batches import rank_microbatches
+from megand.training.metrics import MetricsWriter, console_line
+
+
+def build_topology(cfg, device) -> Topology:
+    p = cfg.parallel
+    sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+    return Topology(sizes, order=p.order, vpp=p.vpp, device=device)
+
+
+def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
+    """This rank's model chunks (one unless interleaved), initialised independently of the layout."""
+    model_cfg = TransformerConfig.from_cfg(cfg.model, cfg.parallel, cfg.train)
+    rng = TensorParallelRNG(cfg.train.seed, topo.tp_rank, topo.device)
+    layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
+    chunks = []
+    for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank):
+        chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process)
+        init_parameters(chunk, cfg.train.seed)
+        chunks.append(chunk)
+    return model_cfg, chunks
+
+
+def build_datasets(cfg):
+    t, m = cfg.train, cfg.model
+    train = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.iters * t.global_batch_size)
+    valid = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.eval_iters * t.global_batch_size, offset=10**9)
+    return train, valid
+
+
+def flops_per_iteration(model_cfg: TransformerConfig, tokens: int) -> float:
+    """Model FLOPs of one step (forward and backward): 6 per parameter-token plus the attention term."""
+    h, L, s = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.seq_length
+    kv = model_cfg.query_groups * model_cfg.head_dim
+    mlp = h * model_cfg.ffn_hidden_size * (3 if model_cfg.activation == "swiglu" else 2)
+    per_layer = h * h * 2 + 2 * h * kv + mlp
+    params = L * per_layer + h * model_cfg.vocab_size
+    return tokens * (6 * params + 12 * L * h * s)
+
+
+def peak_memory_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Holds what the steps of a run share; each method is one named step of the loop."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        device = init_distributed()
+        validate(cfg, dist.get_world_size())
+        self.topo = build_topology(cfg, device)
+        seed_default_generator(cfg.train.seed, self.topo.pp_rank, self.topo.cp_rank)
+        self.model_cfg, self.chunks = build_model(cfg, self.topo)
+        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.optimizer = Optimizer(self.params, cfg.optim, cfg.train.iters, self.topo)
+        self.schedule = get_schedule(self.topo)
+        self.train_data, self.valid_data = build_datasets(cfg)
+        self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
+        self.iteration = 0
+        self.writer = MetricsWriter(cfg.run_dir, self.topo.is_logging_rank)
+        if self.topo.is_logging_rank:
+            with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(cfg, resolve=True))
+
+    def forward_step(self, model, microbatch, hidden):
+        out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
+                    labels=microbatch.labels if model.post_process else None, hidden=hidden)
+        if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
+            return out.float().sum() / self.tokens_per_batch
+        return out
+
+    def global_loss(self, local_loss_sum):
+        """The mean loss over every token of the global batch (meaningful on the last stage)."""
+        if local_loss_sum is None:
+            return float("nan")
+        if self.topo.dp_cp_size > 1:
+            dist.all_reduce(local_loss_sum, group=self.topo.dp_cp_group)
+        return local_loss_sum.item()
+
+    def train_step(self):
+        t = self.cfg.train
+        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size, self.topo)
+        for chunk in self.chunks:
+            chunk.train()
+        self.optimizer.zero_grad()
+        loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo)
+        all_reduce_data_parallel_grads(self.params, self.topo)
+        all_reduce_layout_grads(self.params, self.topo)
+        result = self.optimizer.step()
+        return self.global_loss(loss_sum), result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        for chunk in self.chunks:
+            chunk.eval()
+        total = 0.0
+        for k in range(t.eval_iters):
+            microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo)
+            total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
+        return total / max(1, t.eval_iters)
+
+    def log(self, loss, result, iter_time):
+        t = self.cfg.train
+        tokens_per_s = self.tokens_per_batch / iter_time
+        record = {
+            "iter": self.iteration, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
+            "loss_scale": result.loss_scale, "skipped": int(result.skipped), "tokens_per_s": tokens_per_s,
+            "tflops_per_s": flops_per_iteration(self.model_cfg, self.tokens_per_batch) / iter_time / self.topo.world_size / 1e12,
+            "mem_peak_bytes": peak_memory_bytes(self.topo.device), "iter_time_ms": iter_time * 1e3,
+            "consumed_samples": self.iteration * t.global_batch_size, "global_batch_size": t.global_batch_size,
+        }
+        self.writer.write(record)
+        if self.topo.is_logging_rank and self.iteration % t.log_interval == 0:
+            print(console_line(record, t.iters), flush=True)
+
+    def run(self):
+        t = self.cfg.train
+        start, best_val = time.perf_counter(), float("inf")
+        while self.iteration < t.iters:
+            step_start = time.perf_counter()
+            loss, result = self.train_step()
+            self.iteration += 1
+            self.log(loss, result, time.perf_counter() - step_start)
+            if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
+                if t.eval_iters > 0:
+                    val_loss = self.evaluate()
+                    best_val = min(best_val, val_loss)
+                    self.writer.write({"iter": self.iteration, "val_loss": val_loss})
+                    if self.topo.is_logging_rank:
+                        print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+        self.writer.close()
+        if self.topo.is_logging_rank:
+            elapsed = time.perf_counter() - start
+            print(json.dumps({"summary": {"iterations": self.iteration, "tokens": self.iteration * self.tokens_per_batch,
+                                          "seconds": round(elapsed, 2), "best_val_loss": best_val,
+                                          "run_dir": self.cfg.run_dir}}), flush=True)
+
+
+def pretrain(cfg) -> None:
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,24 @@
+"""Pretrain a GPT or LLaMA model: `torchrun --nproc-per-node=N pretrain_gpt.py +experiment=NAME key=value ...`."""
+
+import sys
+
+import hydra
+
+from megand.config import ConfigError, register_schema
+
+register_schema()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base=None)
+def main(cfg) -> None:
+    from megand.training.pretrain import pretrain
+
+    try:
+        pretrain(cfg)
+    except ConfigError as e:
+        print(f"megand: invalid configuration: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
