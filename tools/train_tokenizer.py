@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--byte-fallback", action="store_true", help="unknown characters become byte pieces")
+    p.add_argument("--normalization", default="nmt_nfkc",
+                   help="sentencepiece normalization rule; 'identity' keeps whitespace as is (code)")
     p.add_argument("--input-sentence-size", type=int, default=0,
                    help="train on a random sample of this many lines (0: all)")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     try:
         path = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
                                    args.character_coverage, args.byte_fallback, args.input_sentence_size,
-                                   args.num_threads)
+                                   args.num_threads, args.normalization)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
