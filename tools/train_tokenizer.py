@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         path = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
                                    args.character_coverage, args.byte_fallback, args.input_sentence_size,
                                    args.num_threads, args.normalization)
-    except DataError as e:
+    except (DataError, RuntimeError) as e:  # RuntimeError: sentencepiece rejects the options/corpus
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
