@@ -62,7 +62,7 @@ _worker_tokenizer: SentencePieceTokenizer | None = None
 
 def _init_worker(model_path: str) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = SentencePieceTokenizer(model_path)
+    _worker_tokenizer = SentencePieceTokenizer(model_path, num_threads=1)  # one core per worker
 
 
 def _encode_chunk(task):

@@ -23,14 +23,17 @@ class Tokenizer(ABC):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A sentencepiece ``.model``; vocab size and special ids are read from it (EOD is its EOS)."""
+    """A sentencepiece ``.model``; vocab size and special ids are read from it (EOD is its EOS).
 
-    def __init__(self, model_path: str):
+    ``num_threads`` bounds batch encoding (-1: sentencepiece uses every core).
+    """
+
+    def __init__(self, model_path: str, num_threads: int = -1):
         import sentencepiece as spm
 
-        self.model_path = str(model_path)
+        self.model_path, self.num_threads = str(model_path), num_threads
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
+            self._sp = spm.SentencePieceProcessor(model_file=self.model_path, num_threads=num_threads)
         except (OSError, RuntimeError) as e:
             raise DataError(f"{self.model_path}: cannot load sentencepiece model ({e})") from e
         self.vocab_size = self._sp.vocab_size()
@@ -50,10 +53,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     # Pickle by path: sentencepiece processors do not pickle.
     def __getstate__(self):
-        return {"model_path": self.model_path}
+        return {"model_path": self.model_path, "num_threads": self.num_threads}
 
     def __setstate__(self, state):
-        self.__init__(state["model_path"])
+        self.__init__(state["model_path"], state["num_threads"])
 
 
 class NullTokenizer(Tokenizer):
