@@ -160,7 +160,7 @@ class IndexedDatasetWriter:
         if exc_type is None:
             self.finalize()
         else:
-            self._bin.close()
+            self.abort()
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as one flat token array and the length of each document."""
@@ -186,6 +186,12 @@ class IndexedDatasetWriter:
         self._num_sequences += len(other)
         with open(bin_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._bin, 16 << 20)
+
+    def abort(self) -> None:
+        """Stop writing and delete the partial ``.bin`` (there is no ``.idx`` yet)."""
+        self._bin.close()
+        if os.path.exists(bin_path(self.prefix)):
+            os.remove(bin_path(self.prefix))
 
     def finalize(self) -> None:
         self._bin.close()

@@ -14,6 +14,7 @@ import itertools
 import multiprocessing as mp
 import os
 import sys
+from queue import Empty
 import threading
 import time
 
@@ -170,11 +171,8 @@ def _process_range(path, start, end, first_lineno, out_prefix, model_path, keys,
     except BaseException:
         throttle.stop()
         pool.terminate()
-        for w, p in zip(writers, prefixes):  # leave no half-written dataset behind
-            w._bin.close()
-            for f in (bin_path(p), idx_path(p)):
-                if os.path.exists(f):
-                    os.remove(f)
+        for w in writers:  # leave no half-written dataset behind
+            w.abort()
         raise
     finally:
         bar.close()
@@ -219,6 +217,24 @@ def _partition_main(queue, *args, **kwargs):
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _collect(queue, procs) -> list:
+    """One result per partition process; an error instead of a hang if one dies without reporting."""
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+        except Empty:
+            if not any(p.is_alive() for p in procs):
+                try:
+                    results.append(queue.get(timeout=1.0))  # a last report still in the pipe
+                except Empty:
+                    codes = [p.exitcode for p in procs]
+                    raise DataError(f"a partition process exited without a result (exit codes {codes})") from None
+    for p in procs:
+        p.join()
+    return results
+
+
 def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, json_keys=("text",),
                      append_eod: bool = False, workers: int = 1, partitions: int = 1, on_error: str = "fail",
                      progress: bool = True) -> PreprocessSummary:
@@ -243,9 +259,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, 
              for k, (b, pp) in enumerate(zip(bounds, part_prefixes))]
     for p in procs:
         p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
+    results = _collect(queue, procs)
     try:
         errors = [msg for status, msg in results if status == "error"]
         if errors:
