@@ -1,0 +1,15 @@
+"""Data pipeline: tokenizers, Megatron-format indexed datasets, GPT samples, blending.
+
+Modules, one job each:
+- ``tokenizer``: ``Tokenizer`` interface, ``SentencePieceTokenizer``, ``NullTokenizer``, ``build_tokenizer``.
+- ``spm_train``: train a sentencepiece model (tools/train_tokenizer.py, quickstart).
+- ``jsonl``: parse corpus lines, naming ``file:line`` for malformed ones.
+- ``preprocess``: jsonl -> ``.bin``/``.idx`` with worker processes (tools/preprocess_data.py).
+- ``indexed_dataset``: read, write and merge the Megatron-LM ``.bin``/``.idx`` format.
+- ``gpt_dataset``: fixed-length samples across document boundaries (document/sample/shuffle indices).
+- ``blended_dataset``: weighted mixture with Megatron's greedy assignment.
+- ``index_cache``: the on-disk cache of those indices, keyed by a hash of their inputs.
+- ``builder``: ``build_datasets(data_cfg, ...)`` -> (train, valid, test), validating inputs first.
+- ``quickstart``: an offline corpus from the standard library's pydoc topics.
+- ``mock``: synthetic samples that need no files.
+"""

@@ -1,0 +1,278 @@
+"""jsonl -> Megatron indexed datasets (``{prefix}_{key}_document.bin/.idx``), streaming, with worker processes.
+
+Shape of a run: the main process reads the input in line chunks and writes tokens; a ``multiprocessing``
+pool parses JSON and tokenizes. At most ``4 * workers`` chunks are in flight (``_Throttle``), so memory
+stays bounded whatever the input size: ``Pool.imap`` alone would read the whole file ahead of the workers.
+``partitions > 1`` splits the file into line-aligned byte ranges processed by separate processes (each
+with its own reader, writer and share of the workers) and merges their outputs at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing as mp
+import os
+import sys
+from queue import Empty
+import threading
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from megand.data.errors import DataError
+from megand.data.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path, merge_datasets, token_dtype
+from megand.data.jsonl import parse_json_line
+from megand.data.tokenizer import SentencePieceTokenizer
+
+CHUNK_BYTES = 1 << 20
+_MAX_REPORTED_ERRORS = 20
+
+
+@dataclasses.dataclass
+class PreprocessSummary:
+    documents: int = 0   # documents written, summed over keys
+    empty: int = 0       # documents skipped because they tokenized to nothing
+    bad_lines: int = 0   # malformed lines skipped (--on-error=skip)
+    bytes: int = 0       # input bytes read
+    tokens: int = 0      # tokens written, EOD included
+    seconds: float = 0.0
+
+    def __add__(self, other: "PreprocessSummary") -> "PreprocessSummary":
+        merged = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
+        merged["seconds"] = max(self.seconds, other.seconds)  # partitions run concurrently
+        return PreprocessSummary(**merged)
+
+    def describe(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return (f"{self.documents} documents, {self.tokens} tokens from {self.bytes / 1e6:.1f} MB in {s:.1f} s "
+                f"({self.bytes / 1e6 / s:.2f} MB/s, {self.tokens / s:.0f} tokens/s); "
+                f"skipped {self.empty} empty documents and {self.bad_lines} malformed lines")
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's naming: one dataset per json key."""
+    return f"{output_prefix}_{key}_document"
+
+
+# ---- worker side -------------------------------------------------------------------------------------
+# Each pool worker loads the tokenizer once (pool initializer); this module-level slot is per process.
+_worker_tokenizer: SentencePieceTokenizer | None = None
+
+
+def _init_worker(model_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = SentencePieceTokenizer(model_path, num_threads=1)  # one core per worker
+
+
+def _encode_chunk(task):
+    """Parse and tokenize one chunk of lines. Returns per-key (tokens, lengths), errors, counts."""
+    first_lineno, lines, keys, append_eod = task
+    tok = _worker_tokenizer
+    texts = [[] for _ in keys]
+    errors = []
+    for lineno, line in enumerate(lines, first_lineno):
+        if not line.strip():
+            continue  # blank lines (e.g. a trailing newline) are not documents
+        values, reason = parse_json_line(line, keys)
+        if reason is not None:
+            errors.append((lineno, reason))
+            continue
+        for bucket, value in zip(texts, values):
+            bucket.append(value)
+    per_key, empty = [], 0
+    for bucket in texts:
+        ids = [x for x in tok.encode_batch(bucket) if x]
+        empty += len(bucket) - len(ids)
+        if append_eod:
+            ids = [x + [tok.eod_id] for x in ids]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+        per_key.append((flat, lengths))
+    return per_key, errors, empty, sum(map(len, lines))
+
+
+# ---- main side ---------------------------------------------------------------------------------------
+class _Throttle:
+    """Bounds the chunks in flight; ``stop()`` releases a reader blocked on it so the pool can shut down."""
+
+    def __init__(self, slots: int):
+        self._sem, self._stopped = threading.Semaphore(slots), threading.Event()
+
+    def acquire(self) -> bool:
+        self._sem.acquire()
+        return not self._stopped.is_set()
+
+    def release(self) -> None:
+        self._sem.release()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._sem.release()
+
+
+def _read_chunks(path, start, end, first_lineno, keys, append_eod, throttle):
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos, lineno = start, first_lineno
+        while pos < end:
+            if not throttle.acquire():
+                return
+            lines, size = [], 0
+            while size < CHUNK_BYTES and pos + size < end:
+                line = f.readline()
+                if not line:
+                    break
+                lines.append(line)
+                size += len(line)
+            if not lines:
+                return
+            pos += size
+            yield lineno, lines, keys, append_eod
+            lineno += len(lines)
+
+
+def _process_range(path, start, end, first_lineno, out_prefix, model_path, keys, append_eod, workers,
+                   on_error, position=0, progress=True) -> PreprocessSummary:
+    """Tokenize the lines in byte range ``[start, end)`` of ``path`` into ``{out_prefix}_{key}_document``."""
+    vocab = SentencePieceTokenizer(model_path).vocab_size
+    prefixes = [output_prefix_for(out_prefix, k) for k in keys]
+    writers = [IndexedDatasetWriter(p, token_dtype(vocab)) for p in prefixes]
+    summary, reported = PreprocessSummary(), 0
+    throttle = _Throttle(4 * workers)
+    t0 = time.perf_counter()
+    bar = tqdm(total=end - start, unit="B", unit_scale=True, desc=os.path.basename(path), position=position,
+               disable=not progress, mininterval=1.0, smoothing=0.1)
+    pool = mp.Pool(workers, initializer=_init_worker, initargs=(model_path,))
+    try:
+        chunks = _read_chunks(path, start, end, first_lineno, keys, append_eod, throttle)
+        for per_key, errors, empty, nbytes in pool.imap(_encode_chunk, chunks):
+            throttle.release()
+            for lineno, reason in errors:
+                message = f"{path}:{lineno}: {reason}"
+                if on_error == "fail":
+                    raise DataError(message)
+                if reported < _MAX_REPORTED_ERRORS:
+                    tqdm.write(f"skipping {message}", file=sys.stderr)
+                reported += 1
+            for writer, (flat, lengths) in zip(writers, per_key):
+                writer.add_documents(flat, lengths)
+                summary.documents += len(lengths)
+                summary.tokens += len(flat)
+            summary.empty += empty
+            summary.bad_lines += len(errors)
+            summary.bytes += nbytes
+            bar.update(nbytes)
+            bar.set_postfix(docs_per_s=f"{summary.documents / max(bar.format_dict['elapsed'], 1e-9):.0f}",
+                            refresh=False)
+        for w in writers:
+            w.finalize()
+    except BaseException:
+        throttle.stop()
+        pool.terminate()
+        for w in writers:  # leave no half-written dataset behind
+            w.abort()
+        raise
+    finally:
+        bar.close()
+        pool.close()
+        pool.join()
+    if reported > _MAX_REPORTED_ERRORS:
+        tqdm.write(f"... and {reported - _MAX_REPORTED_ERRORS} more malformed lines", file=sys.stderr)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _partition_bounds(path: str, partitions: int) -> list[tuple[int, int, int]]:
+    """Split a file into line-aligned ``(start, end, first_lineno)`` byte ranges."""
+    size = os.path.getsize(path)
+    starts = {0}
+    with open(path, "rb") as f:
+        for k in range(1, partitions):
+            f.seek(k * size // partitions)
+            f.readline()  # move to the start of the next line
+            if f.tell() < size:
+                starts.add(f.tell())
+    starts = sorted(starts)
+    # Line numbers of the starts: count newlines in one streaming pass.
+    linenos, count, pos = [], 1, 0
+    with open(path, "rb") as f:
+        for s in starts:
+            while pos < s:
+                block = f.read(min(16 << 20, s - pos))
+                count += block.count(b"\n")
+                pos += len(block)
+            linenos.append(count)
+    ends = starts[1:] + [size]
+    return list(zip(starts, ends, linenos))
+
+
+def _partition_main(queue, *args, **kwargs):
+    try:
+        queue.put(("ok", _process_range(*args, **kwargs)))
+    except DataError as e:
+        queue.put(("error", str(e)))
+    except BaseException as e:  # anything else: report it rather than hang the parent
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def _collect(queue, procs) -> list:
+    """One result per partition process; an error instead of a hang if one dies without reporting."""
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+        except Empty:
+            if not any(p.is_alive() for p in procs):
+                try:
+                    results.append(queue.get(timeout=1.0))  # a last report still in the pipe
+                except Empty:
+                    codes = [p.exitcode for p in procs]
+                    raise DataError(f"a partition process exited without a result (exit codes {codes})") from None
+    for p in procs:
+        p.join()
+    return results
+
+
+def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, json_keys=("text",),
+                     append_eod: bool = False, workers: int = 1, partitions: int = 1, on_error: str = "fail",
+                     progress: bool = True) -> PreprocessSummary:
+    """Tokenize a jsonl file into one indexed dataset per key; returns counts and timing."""
+    keys = list(json_keys)
+    if on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be fail or skip, got {on_error!r}")
+    if not os.path.isfile(input_path):
+        raise DataError(f"{input_path}: input file not found")
+    SentencePieceTokenizer(tokenizer_model)  # fail early on a bad model path
+    bounds = _partition_bounds(input_path, max(1, partitions))
+    common = (tokenizer_model, keys, append_eod)
+    if len(bounds) == 1:
+        return _process_range(input_path, *bounds[0], output_prefix, *common, max(1, workers), on_error,
+                              progress=progress)
+    part_prefixes = [f"{output_prefix}_part{k}" for k in range(len(bounds))]
+    per_part = max(1, workers // len(bounds))
+    queue = mp.get_context().Queue()
+    procs = [mp.Process(target=_partition_main,
+                        args=(queue, input_path, *b, pp, *common, per_part, on_error),
+                        kwargs=dict(position=k, progress=progress))
+             for k, (b, pp) in enumerate(zip(bounds, part_prefixes))]
+    for p in procs:
+        p.start()
+    results = _collect(queue, procs)
+    try:
+        errors = [msg for status, msg in results if status == "error"]
+        if errors:
+            raise DataError(errors[0])
+        for key in keys:
+            merge_datasets([output_prefix_for(pp, key) for pp in part_prefixes], output_prefix_for(output_prefix, key))
+    finally:
+        for pp in part_prefixes:
+            for key in keys:
+                for f in (bin_path(output_prefix_for(pp, key)), idx_path(output_prefix_for(pp, key))):
+                    if os.path.exists(f):
+                        os.remove(f)
+    total = PreprocessSummary()
+    for _, s in results:
+        total = total + s
+    return total
