@@ -169,10 +169,23 @@ def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout) -> list[i
     return layout
 
 
+def check_keys(cfg) -> None:
+    """Unknown keys are errors, also those forced in with Hydra's ``+key=value``."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    user = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(user))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.msg if hasattr(e, 'msg') else e} (full key: {getattr(e, 'full_key', '?')})") from None
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
 
+    check_keys(cfg)
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
@@ -221,3 +234,16 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+
+
+def compose(overrides=(), config_dir: str | None = None):
+    """The composed run config, as ``pretrain_gpt.py`` would see it (for tools and tests)."""
+    import os
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schema()
+    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
