@@ -47,27 +47,6 @@ from typing import Any, Mapping, Optional
 
 from megand.training.flops import Shape, layer_params, norm_params
 
-# Model shapes the CLI knows by name (the Hydra conf/model group mirrors these).
-PRESETS = {
-    "gpt2_125m": dict(arch="gpt", num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
-                      num_query_groups=12, seq_length=1024, vocab_size=50257, norm="layernorm", activation="gelu",
-                      position_embedding="learned", tie_embeddings=True, hidden_dropout=0.1,
-                      attention_dropout=0.1),
-    "llama_50m": dict(arch="llama", num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8,
-                      num_query_groups=4, seq_length=256, vocab_size=32000, norm="rmsnorm", activation="swiglu",
-                      position_embedding="rope", rope_theta=10000.0, tie_embeddings=False, hidden_dropout=0.0,
-                      attention_dropout=0.0),
-    "llama_8b": dict(arch="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                     num_query_groups=8, seq_length=8192, vocab_size=128256, norm="rmsnorm", activation="swiglu",
-                     position_embedding="rope", rope_theta=500000.0, tie_embeddings=False, hidden_dropout=0.0,
-                     attention_dropout=0.0),
-    "llama_70b": dict(arch="llama", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                      num_query_groups=8, seq_length=8192, vocab_size=128256, norm="rmsnorm", activation="swiglu",
-                      position_embedding="rope", rope_theta=500000.0, tie_embeddings=False, hidden_dropout=0.0,
-                      attention_dropout=0.0),
-}
-
-
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1

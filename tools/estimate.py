@@ -17,32 +17,13 @@ try:
 except ImportError:  # running from a source checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megand.estimate import PRESETS, Layout, estimate_memory, format_report  # noqa: E402
-
-# model config keys settable from the command line: (key, type)
-MODEL_KEYS = [("arch", str), ("num_layers", int), ("hidden_size", int), ("ffn_hidden_size", int),
-              ("num_attention_heads", int), ("num_query_groups", int), ("seq_length", int), ("vocab_size", int),
-              ("norm", str), ("activation", str), ("position_embedding", str), ("hidden_dropout", float),
-              ("attention_dropout", float)]
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+from megand.estimate import Layout, estimate_memory, format_report  # noqa: E402
+from megand.model_args import add_model_args, model_config_from_args  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("model (a preset or a config file, then per-key overrides)")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a known model shape")
-    src.add_argument("--model-config", type=Path,
-                     help="yaml/json file with the model keys (or with a top-level `model:` group)")
-    for key, typ in MODEL_KEYS:
-        src.add_argument("--" + key.replace("_", "-"), dest=key, type=typ)
-    src.add_argument("--tie-embeddings", dest="tie_embeddings", type=_bool, metavar="BOOL")
+    add_model_args(p)
 
     lay = p.add_argument_group("layout")
     for name in ("tp", "pp", "cp", "dp"):
@@ -61,25 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_model_config(args: argparse.Namespace) -> dict:
-    model = dict(PRESETS[args.preset]) if args.preset else {}
-    if args.model_config:
-        import yaml  # comes with omegaconf/hydra
-
-        loaded = yaml.safe_load(args.model_config.read_text()) or {}
-        model.update(loaded.get("model", loaded))
-    model.update({k: getattr(args, k) for k, _ in MODEL_KEYS + [("tie_embeddings", bool)]
-                  if getattr(args, k) is not None})
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-               if k not in model]
-    if missing:
-        raise SystemExit(f"model config incomplete, missing {missing}: use --preset or --model-config")
-    return model
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model = load_model_config(args)
+    model = model_config_from_args(args)
     num_micro = None
     if args.global_batch_size:
         num_micro, rest = divmod(args.global_batch_size, args.micro_batch_size * args.dp)

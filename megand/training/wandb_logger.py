@@ -125,18 +125,29 @@ def _records(data: bytes):
             yield pending + chunk
 
 
-def read_offline_history(run_path: Union[str, Path]) -> list:
-    """The history rows (one dict per logged step, values decoded from JSON) of an offline run."""
+def read_offline_history(run_path: Union[str, Path], timeout: float = 30.0) -> list:
+    """The history rows (one dict per logged step, values decoded from JSON) of a finished offline run.
+
+    wandb's service process writes the transaction log asynchronously: ``finish()`` can return before
+    the file is flushed, so this waits (up to ``timeout`` seconds) for the run's final ``exit`` record.
+    """
     import json
+    import time
 
     from wandb.proto import wandb_internal_pb2
 
     (wandb_file,) = Path(run_path).glob("*.wandb")
-    rows = []
-    for raw in _records(wandb_file.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+    deadline = time.monotonic() + timeout
+    while True:
+        rows, finished = [], False
+        for raw in _records(wandb_file.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                             for item in record.history.item})
+            finished |= kind == "exit"
+        if finished or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megand.estimate import (PRESETS, Layout, estimate_memory, layer_activation_bytes,
+from megand.estimate import (Layout, estimate_memory, layer_activation_bytes,
                              layer_microbatches_in_flight, stage_params, state_bytes_per_param)
+from megand.model_args import PRESETS
 from megand.training.flops import param_counts
 
 # the paper's setting: GPT shape, f = 4h, MHA, dropout everywhere, 16-bit activations
