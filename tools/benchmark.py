@@ -12,10 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-try:
-    import megand  # noqa: F401
-except ImportError:  # running from a source checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Tools run from a source tree: import the megand of this checkout, even when another copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

@@ -12,10 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-try:
-    import megand  # noqa: F401
-except ImportError:  # running from a source checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Tools run from a source tree: import the megand of this checkout, even when another copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megand.estimate import Layout, estimate_memory, format_report  # noqa: E402
 from megand.model_args import add_model_args, model_config_from_args  # noqa: E402
