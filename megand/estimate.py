@@ -39,6 +39,11 @@ Extras: the first stage stores the embedding-dropout mask, the last stage the fi
 inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
 those is alive on the last stage. Not counted: temporary buffers, communication buffers, allocator
 fragmentation, the CUDA context, vocabulary padding.
+
+The per-layer terms describe a Megatron-like implementation (fused SwiGLU that keeps gate and up only,
+norms that keep their input). Unfused code stores more: against transformers' LLaMA (fp32, eager, 2 layers,
+h=128, s=128) this predicts 22% less than the saved-tensor bytes measured with autograd hooks (its RMSNorm
+keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-2 with dropout.
 """
 
 import math

@@ -123,3 +123,22 @@ def test_cli_json_and_table():
 def test_presets_are_complete():
     for cfg in PRESETS.values():
         estimate_memory(cfg, Layout())
+
+
+def test_states_match_measured_tensors_of_a_reference_model():
+    """fp32, one rank: params + grads + AdamW states of a transformers LLaMA equal the prediction."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from megand.hf_config import build_hf_model
+    model = build_hf_model(LLAMA, attn_implementation="eager")
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, LLAMA["seq_length"]))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    measured = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+    measured += sum(t.nbytes for state in optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor))
+    st = estimate_memory(LLAMA, Layout(precision="fp32")).stages[0]
+    predicted = st.param_bytes + st.grad_bytes + st.optimizer_bytes
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
