@@ -83,7 +83,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "mock"  # mock | indexed
+    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
     tokenizer: Optional[str] = None
     split: str = "969,30,1"
@@ -139,7 +139,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.kind": ("mock", "indexed"),
+    "data.kind": ("mock", "indexed", "quickstart"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 
