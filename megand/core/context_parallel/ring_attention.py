@@ -34,11 +34,14 @@ def _scores(q, k, scale, causal):
 
 
 def _block_forward(q, k, v, scale, causal):
-    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq])."""
+    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq]). Every query must see a key."""
     b, nh, sq, d = q.shape
     scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), v)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    unnormalised = scores.sub_(row_max).exp_()  # in place: one score-sized buffer, one exp pass
+    row_sum = unnormalised.sum(dim=-1, keepdim=True)
+    out = torch.matmul(unnormalised, v).div_(row_sum)
+    lse = row_max.add_(row_sum.log_()).squeeze(-1)
     return out.view(b, nh, sq, d), lse.view(b, nh, sq)
 
 
@@ -83,18 +86,20 @@ def _ring_send_recv(send_buf, group):
     return recv_buf, dist.batch_isend_irecv(ops)
 
 
-def _ring_block(step, src, cp_rank, half):
-    """Which local queries see which keys of the K/V block of rank ``src``: (q slice, kv slice, causal).
+def _ring_pieces(step, src, cp_rank, half):
+    """The work on the K/V block of rank ``src``: [(q slice, kv slice, causal)], in the load-balanced layout.
 
-    Rank r holds chunks r and 2cp-1-r. Own block: causal on the local concatenation. src < r: src's
-    early chunk precedes both of mine and its late chunk follows both, so all my queries see its first
-    half. src > r: both of its chunks lie between my two, so only my late half sees them, all of them.
+    Rank r holds chunks r and 2cp-1-r. Own block (step 0): my early half sees my early half causally,
+    my late half sees both of my halves, causally at its end. src < r: src's early chunk precedes both
+    of mine and its late chunk follows both, so all my queries see its first half. src > r: both of its
+    chunks lie between my two, so only my late half sees them, all of them.
     """
+    first, second, whole = slice(0, half), slice(half, None), slice(None)
     if step == 0:
-        return slice(None), slice(None), True
+        return [(first, first, True), (second, whole, True)]
     if src < cp_rank:
-        return slice(None), slice(0, half), False
-    return slice(half, None), slice(None), False
+        return [(whole, first, False)]
+    return [(second, whole, False)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -103,17 +108,16 @@ class _RingAttention(torch.autograd.Function):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q32 = q.float()
+        out = torch.zeros_like(q32)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # the block that travels, in the input dtype
         for step in range(cp_size):
             if step + 1 < cp_size:  # start moving the next block before computing on this one
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
-            qs, ks, causal = _ring_block(step, (cp_rank - step) % cp_size, cp_rank, half)
-            block_k, block_v = kv[:, :, :, ks].float().unbind(0)
-            block_out, block_lse = _block_forward(q32[:, :, qs], block_k, block_v, scale, causal)
-            if step == 0:  # the diagonal block gives every query a finite lse to merge into
-                out, lse = block_out, block_lse
-            else:
-                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            block_k, block_v = kv.float().unbind(0)
+            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+                _merge(out[:, :, qs], lse[:, :, qs],
+                       *_block_forward(q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal))
             if step + 1 < cp_size:
                 for req in kv_reqs:
                     req.wait()
@@ -137,14 +141,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp_size):
             if step + 1 < cp_size:
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
-            qs, ks, causal = _ring_block(step, (cp_rank - step) % cp_size, cp_rank, half)
-            block_k, block_v = kv[:, :, :, ks].float().unbind(0)
-            block_dq, block_dk, block_dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], block_k, block_v,
-                                                           lse[:, :, qs], delta[:, :, qs], scale, causal)
-            dq[:, :, qs] += block_dq
+            block_k, block_v = kv.float().unbind(0)
             block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            block_dkv[0, :, :, ks] = block_dk
-            block_dkv[1, :, :, ks] = block_dv
+            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+                block_dq, block_dk, block_dv = _block_backward(
+                    dout32[:, :, qs], q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], lse[:, :, qs],
+                    delta[:, :, qs], scale, causal)
+                dq[:, :, qs] += block_dq
+                block_dkv[0, :, :, ks] += block_dk
+                block_dkv[1, :, :, ks] += block_dv
             if step > 0:  # add what the ranks before us contributed to this block
                 for req in dkv_reqs:
                     req.wait()
@@ -190,24 +195,22 @@ def _all_gather_kv(kv, cp_group):
     return merge_cp_shards(list(gathered.view(cp_size, *kv.shape).unbind(0)), dim=3)
 
 
-def _local_chunks(cp_rank, cp_size, half):
-    """For each local half: (q slice, number of global keys it may see). Chunk j sees the keys 0 .. (j+1)·half."""
-    return [(slice(0, half), (cp_rank + 1) * half), (slice(half, None), (2 * cp_size - cp_rank) * half)]
+def _all_gather_pieces(cp_rank, cp_size, half):
+    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end."""
+    return [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
+            (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group, scale):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        half = q.shape[2] // 2
-        kv = _all_gather_kv(torch.stack([k, v]), cp_group).float()
+        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
         q32 = q.float()
-        outs, lses = [], []
-        for qs, num_keys in _local_chunks(cp_rank, cp_size, half):  # each chunk: a key prefix, causal at its end
-            out, lse = _block_forward(q32[:, :, qs], kv[0, :, :, :num_keys], kv[1, :, :, :num_keys], scale, True)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out = torch.empty_like(q32)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
+            out[:, :, qs], lse[:, :, qs] = _block_forward(q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale, causal)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp_group, ctx.scale = cp_group, scale
@@ -218,19 +221,18 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale = ctx.cp_group, ctx.scale
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        half = q.shape[2] // 2
-        kv = _all_gather_kv(torch.stack([k, v]), cp_group).float()
+        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(-1)
         dq = torch.empty_like(q32)
-        dkv = torch.zeros_like(kv)  # gradient of the whole sequence's K/V from this rank's queries
-        for qs, num_keys in _local_chunks(cp_rank, cp_size, half):
-            dq[:, :, qs], dk, dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], kv[0, :, :, :num_keys],
-                                                   kv[1, :, :, :num_keys], lse[:, :, qs], delta[:, :, qs], scale, True)
-            dkv[0, :, :, :num_keys] += dk
-            dkv[1, :, :, :num_keys] += dv
+        dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
+        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
+            dq[:, :, qs], dk, dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
+                                                   lse[:, :, qs], delta[:, :, qs], scale, causal)
+            dkv_all[0, :, :, ks] += dk
+            dkv_all[1, :, :, ks] += dv
         # sum the contributions of all ranks and hand each rank the gradient of its own tokens
-        dkv_by_rank = torch.cat([split_for_cp(dkv, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
+        dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
         local_dkv = torch.empty_like(dkv_by_rank[:2])
         _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
         return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None
