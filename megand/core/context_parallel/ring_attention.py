@@ -127,6 +127,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale = ctx.cp_group, ctx.scale
@@ -217,6 +218,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale = ctx.cp_group, ctx.scale
