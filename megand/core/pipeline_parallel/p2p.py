@@ -43,6 +43,10 @@ class PipelineP2P:
         self.group, self.prev, self.next = topo.pp_group, topo.pp_prev_rank, topo.pp_next_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
         self.comm_seconds = 0.0
+        self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
+
+    def _op(self, op, tensor, peer, tag):
+        return dist.P2POp(op, tensor, peer, self.group, tag if self.tagged else 0)
 
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -52,15 +56,15 @@ class PipelineP2P:
         ops, from_prev, from_next = [], None, None
         # forward direction (activations) first, then backward direction (gradients)
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, self._checked(send_next), self.next, self.group, FORWARD_TAG))
+            ops.append(self._op(dist.isend, self._checked(send_next), self.next, FORWARD_TAG))
         if recv_prev:
             from_prev = self._empty()
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev, self.group, FORWARD_TAG))
+            ops.append(self._op(dist.irecv, from_prev, self.prev, FORWARD_TAG))
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, self._checked(send_prev), self.prev, self.group, BACKWARD_TAG))
+            ops.append(self._op(dist.isend, self._checked(send_prev), self.prev, BACKWARD_TAG))
         if recv_next:
             from_next = self._empty()
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group, BACKWARD_TAG))
+            ops.append(self._op(dist.irecv, from_next, self.next, BACKWARD_TAG))
         if ops:
             start = time.perf_counter()
             for request in dist.batch_isend_irecv(ops):
