@@ -127,7 +127,7 @@ def forward_backward_pipelining_without_interleaving(chunks, microbatches, forwa
             if not first:
                 p2p.send_backward(input_grad)
         else:
-            input_tensor = p2p.communicate(send_prev=None if first else input_grad, recv_prev=not first)[0]
+            input_tensor = p2p.send_backward_recv_forward(None if first else input_grad, recv=not first)
 
     if not forward_only:
         for _ in range(num_warmup):  # cool-down: the remaining backwards
