@@ -8,6 +8,8 @@ Printed per cp and variant: the slowest rank's time, best of --iters (median in 
   local     ring only: the same code with every send/recv replaced by a local copy (no communication)
   comm      ring only: the ring's messages alone (same sizes and order, each waited at once, no compute)
   hidden    1 - (fwd+bwd - local) / comm from the best times: the share of communication that compute covered
+  blocked   ring only: the time a rank spends blocked in the ring's wait() calls per fwd+bwd (max over
+            ranks): the communication compute did not cover, plus waiting for a late neighbour
   cpu       the slowest rank's process CPU time (all its threads, gloo's included), best of --iters:
             insensitive to other processes on the machine, unlike the wall times
   max_rss   peak resident memory of the rank process
@@ -49,6 +51,19 @@ def _local_copy(send_buf, group):
     return send_buf.clone(), []
 
 
+class _TimedRequest:
+    """Wraps a p2p request to add the time the ring spends blocked in its wait() to a list.
+    (gloo's p2p requests only notice completion inside wait(), so is_completed() cannot tell.)"""
+
+    def __init__(self, req, blocked_s):
+        self.req, self.blocked_s = req, blocked_s
+
+    def wait(self):
+        start = time.perf_counter()
+        self.req.wait()
+        self.blocked_s.append(time.perf_counter() - start)
+
+
 def _bench(seq, heads, groups, head_dim, iters):
     group, rank, cp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
@@ -73,9 +88,24 @@ def _bench(seq, heads, groups, head_dim, iters):
         finally:
             ring_module._ring_send_recv = real_send_recv
 
+    blocked_s = []  # time blocked in each wait of the ring: communication not covered by compute (or a late peer)
+
+    def ring_probed():
+        real_send_recv = ring_module._ring_send_recv
+
+        def probed(send_buf, group):
+            recv_buf, reqs = real_send_recv(send_buf, group)
+            return recv_buf, [_TimedRequest(req, blocked_s) for req in reqs]
+
+        ring_module._ring_send_recv = probed
+        try:
+            fwd_bwd(ring_attention)
+        finally:
+            ring_module._ring_send_recv = real_send_recv
+
     variants = {"ring": lambda: fwd_bwd(ring_attention), "all_gather": lambda: fwd_bwd(all_gather_attention)}
     if cp > 1:
-        variants.update(local=ring_local_copies, comm=ring_messages)
+        variants.update(local=ring_local_copies, comm=ring_messages, probed=ring_probed)
     # the variants take turns within each iteration so that load from other processes hits them alike
     times = {name: [] for name in variants}
     for i in range(iters + 1):
@@ -83,8 +113,14 @@ def _bench(seq, heads, groups, head_dim, iters):
             elapsed = _slowest(fn)
             if i:  # the first round warms up
                 times[name].append(elapsed)
+        if i == 0:
+            blocked_s.clear()
     result = {name: (min(t[0] for t in ts), statistics.median(t[0] for t in ts), min(t[1] for t in ts))
               for name, ts in times.items()}
+    if cp > 1:  # per fwd+bwd, the most any rank was blocked
+        blocked = torch.tensor(sum(blocked_s) / iters, dtype=torch.float64)
+        dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+        result["blocked"] = blocked.item()
     rss = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     result["max_rss_gib"] = rss.item() / 2**30
@@ -109,7 +145,8 @@ def main():
         if cp > 1:
             hidden = 1 - (r["ring"][0] - r["local"][0]) / r["comm"][0]
             line += (f" | ring local copies {r['local'][0]:.3f} s ({r['local'][1]:.3f}), "
-                     f"cpu {r['local'][2]:.3f} s, comm alone {r['comm'][0]:.3f} s ({r['comm'][1]:.3f}), hidden {100 * hidden:.0f}%")
+                     f"cpu {r['local'][2]:.3f} s, comm alone {r['comm'][0]:.3f} s ({r['comm'][1]:.3f}), hidden {100 * hidden:.0f}%, "
+                     f"blocked in ring waits {r['blocked']:.3f} s")
         print(line + f" | max_rss {r['max_rss_gib']:.2f} GiB", flush=True)
 
 
