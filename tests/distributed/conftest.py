@@ -6,8 +6,8 @@ from megand.testing import read_metrics, run_pretrain
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """``reference(experiment, *overrides)`` -> the metrics of the one-process run (cached)."""
+def reference_dir(tmp_path_factory):
+    """``reference_dir(experiment, *overrides)`` -> the run directory of the one-process run (cached)."""
     cache = {}
 
     def get(experiment, *overrides):
@@ -15,10 +15,16 @@ def reference(tmp_path_factory):
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"ref_{experiment}")
             run_pretrain(run_dir, [f"+experiment={experiment}", *overrides], nproc=1)
-            cache[key] = read_metrics(run_dir)
+            cache[key] = run_dir
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def reference(reference_dir):
+    """``reference(experiment, *overrides)`` -> the training metrics of the one-process run (cached)."""
+    return lambda experiment, *overrides: read_metrics(reference_dir(experiment, *overrides))
 
 
 @pytest.fixture

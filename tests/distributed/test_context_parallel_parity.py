@@ -10,6 +10,7 @@ LAYOUTS = {
     "cp4_p2p": (4, ["parallel.cp=4"]),
     "cp2_tp2_sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2_dp2": (4, ["parallel.cp=2"]),
+    "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
 }
 
 

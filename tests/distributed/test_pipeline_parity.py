@@ -1,15 +1,13 @@
 """Pipeline parallelism matches the one-process reference (DESIGN.md section 3), fp32, gpt and llama.
 
 Each acceptance case of issue 3 runs by default on one or both architectures; the rest of the
-cross product is marked slow. Every run also evaluates once (forward-only schedules) and must match
+cross product is marked slow. Every run also evaluates once (the tiny experiments' eval_iters=1) (forward-only schedules) and must match
 the reference's validation loss.
 """
 
 import pytest
 
 from megand.testing import assert_parity, read_metrics, run_pretrain
-
-EVAL = ["train.eval_iters=1"]
 
 PP2 = ["parallel.pp=2"]
 CASES = {  # name: (processes, overrides)
@@ -34,21 +32,6 @@ PARAMS = [pytest.param(arch, name, id=f"{arch}-{name}", marks=() if (arch, name)
           for name in CASES for arch in ("gpt", "llama")]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The one-process fp32 reference of each architecture, run once per module on first use."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            run_dir = tmp_path_factory.mktemp(f"ref_{arch}")
-            run_pretrain(run_dir, [f"+experiment=tiny_{arch}", *EVAL], nproc=1)
-            cache[arch] = run_dir
-        return cache[arch]
-
-    return get
-
-
 def val_losses(run_dir):
     import json
 
@@ -57,10 +40,10 @@ def val_losses(run_dir):
 
 
 @pytest.mark.parametrize("arch, name", PARAMS)
-def test_pipeline_matches_reference(arch, name, references, tmp_path):
-    reference = references(arch)
+def test_pipeline_matches_reference(arch, name, reference_dir, tmp_path):
+    reference = reference_dir(f"tiny_{arch}")
     nproc, overrides = CASES[name]
-    run_pretrain(tmp_path, [f"+experiment=tiny_{arch}", *EVAL, *overrides], nproc=nproc)
+    run_pretrain(tmp_path, [f"+experiment=tiny_{arch}", *overrides], nproc=nproc)
     run, ref = read_metrics(tmp_path), read_metrics(reference)
     assert len(run) == 10, "metrics.jsonl must be written by the logging rank only, once per iteration"
     assert_parity(ref, run)
