@@ -49,15 +49,16 @@ def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
 
 
 def build_datasets(cfg, topo):
-    """Train and validation datasets; built by the first rank of each node, then read by the others
-    (index files are cached, so the others reuse them)."""
+    """Train and validation datasets. Index files are cached in ``data.cache_dir``: global rank 0 builds
+    them first; then the first rank of every other node (which loads rank 0's files when the filesystem
+    is shared, or builds its own on a node-local disk); then every other rank, which loads its node's.
+    Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done."""
     t, m = cfg.train, cfg.model
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if local_rank != 0:
-        dist.barrier()
-    train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
-    if local_rank == 0:
+    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2
+    for phase in range(3):
+        if phase == turn:
+            train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
         dist.barrier()
     return train, valid
 
