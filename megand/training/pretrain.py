@@ -12,7 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megand.config import pipeline_layout, validate
-from megand.core.distributed import all_reduce_data_parallel_grads, all_reduce_layout_grads
+from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
@@ -93,8 +93,10 @@ class Trainer:
         self.topo = build_topology(cfg, device)
         seed_default_generator(cfg.train.seed, self.topo.pp_rank, self.topo.cp_rank)
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
-        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.optimizer = Optimizer(self.params, cfg.optim, cfg.train.iters, self.topo)
+        self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        self.ddp = DataParallel(self.chunks, self.topo, cfg.optim)  # params now live in its buffers
+        self.optimizer = Optimizer(self.named_params, cfg.optim, cfg.train.iters, self.topo, self.ddp)
         self.schedule = get_schedule(self.topo)
         self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
@@ -123,7 +125,8 @@ class Trainer:
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
                     labels=microbatch.labels if model.post_process else None, hidden=hidden)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
-            return out.float().sum() / self.tokens_per_batch
+            loss = out.float().sum() / self.tokens_per_batch
+            return self.optimizer.scale_loss(loss) if model.training else loss  # fp16: scaled for backward
         return out
 
     def global_loss(self, local_loss_sum):
@@ -140,12 +143,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo)
-        all_reduce_data_parallel_grads(self.params, self.topo)
-        all_reduce_layout_grads(self.params, self.topo)
+        loss_scale = self.optimizer.loss_scale
+        loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
+        self.ddp.finish_grad_sync()
         result = self.optimizer.step()
         self.last_batch_checksum = self.batch_checksum(microbatches)
-        return self.global_loss(loss_sum), result
+        return self.global_loss(None if loss_sum is None else loss_sum / loss_scale), result
 
     def batch_checksum(self, microbatches) -> int:
         """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
@@ -203,6 +206,7 @@ class Trainer:
                     self.wandb.log({"val_loss": val_loss}, step=self.iteration)
                     if self.topo.is_logging_rank:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+        self.ddp.finish_param_sync()
         self.writer.close()
         self.wandb.finish()
         if self.topo.is_logging_rank:

@@ -30,17 +30,29 @@ def _by_dtype(tensors):
     return groups.values()
 
 
+def grad_of(p):
+    """The gradient the optimizer uses: the fp32 ``main_grad`` under the data-parallel engine, else ``.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def all_reduce_data_parallel_grads(params, topo):
-    for same_dtype in _by_dtype([p.grad for p in params if p.grad is not None]):
+    """Plain coalesced all-reduce over dp x cp (without the engine of data_parallel.py)."""
+    for same_dtype in _by_dtype([g for g in map(grad_of, params) if g is not None]):
         _all_reduce_coalesced(same_dtype, topo.dp_cp_group)
 
 
 def all_reduce_layout_grads(params, topo):
-    """The sequence-parallel and tied-embedding reductions (the dp reduction is the data-parallel engine's)."""
-    params = [p for p in params if p.grad is not None]
+    """The sequence-parallel and tied-embedding reductions (the dp reduction is the data-parallel engine's).
+
+    They are sums, so they commute with the dp x cp sum: after a reduce-scatter (distributed optimizer)
+    only this rank's slice of a ``main_grad`` is meaningful, and it stays right because tp peers lay out
+    their buffers identically and the tied embedding copies have a bucket of their own on both stages.
+    """
+    grads = [(p, g) for p in params if (g := grad_of(p)) is not None]
     if topo.tp_size > 1:
-        for same_dtype in _by_dtype([p.grad for p in params if p.meta.sequence_parallel_grad]):
+        for same_dtype in _by_dtype([g for p, g in grads if p.meta.sequence_parallel_grad]):
             _all_reduce_coalesced(same_dtype, topo.tp_group)
     if topo.pp_size > 1 and topo.in_embedding_group:
-        for same_dtype in _by_dtype([p.grad for p in params if p.meta.embedding_group_grad]):
+        for same_dtype in _by_dtype([g for p, g in grads if p.meta.embedding_group_grad]):
             _all_reduce_coalesced(same_dtype, topo.embedding_group)

@@ -1,17 +1,37 @@
-"""The global gradient norm, each element of the full model counted exactly once."""
+"""The global gradient norm, each element of the full model counted exactly once, and clipping."""
 
 import torch
 import torch.distributed as dist
 
+from megand.core.distributed.grads import grad_of
+
+
+def norm_and_nonfinite(counted, grads, topo, sharded: bool):
+    """``(global L2 norm, found_inf)`` in one all-reduce, identical on every rank.
+
+    ``counted``: this rank's gradients that count in the norm (parameters with ``meta.counted_in_norm``:
+    tp-sharded ones on every tp rank, replicated ones on tp rank 0, tied copies nowhere); ``grads``:
+    all of this rank's gradients, checked for inf/nan. Without sharding, gradients are equal on the dp x cp
+    replicas, so the model-parallel group (tp x pp) sums; with the distributed optimizer each rank holds
+    a disjoint slice of every bucket, so the whole world sums (dp x cp x tp x pp).
+    """
+    device = grads[0].device if grads else topo.device
+    acc = torch.zeros(2, dtype=torch.float32, device=device)  # [sum of squares, non-finite count]
+    if counted:
+        acc[0] = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
+    if grads:
+        acc[1] = torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum().float()
+    if sharded and topo.world_size > 1:
+        dist.all_reduce(acc)  # every rank of the job: dp x cp x tp x pp
+    elif not sharded and topo.tp_size * topo.pp_size > 1:
+        dist.all_reduce(acc, group=topo.mp_group)
+    norm = acc[0].sqrt().item()
+    return norm, bool(acc[1].item() > 0) or not torch.isfinite(acc[0]).item()
+
 
 def global_grad_norm(params, topo) -> torch.Tensor:
-    """L2 norm over every parameter of every stage, after the gradient reductions.
-
-    Gradients are then equal on dp and cp replicas, so only the model-parallel group (tp x pp) sums:
-    tp-sharded parameters count on every tp rank, replicated ones on tp rank 0 only, and a tied copy
-    (``copy_of``) not at all. A nan/inf anywhere makes the norm nan/inf on every rank.
-    """
-    counted = [p.grad for p in params if p.grad is not None and p.meta.counted_in_norm]
+    """L2 norm of fully reduced (unsharded) gradients of ``params`` over every stage (see above)."""
+    counted = [g for p in params if (g := grad_of(p)) is not None and p.meta.counted_in_norm]
     device = counted[0].device if counted else topo.device
     sum_sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
@@ -21,10 +41,10 @@ def global_grad_norm(params, topo) -> torch.Tensor:
     return sum_sq.sqrt()
 
 
-def clip_grads(params, grad_norm: torch.Tensor, max_norm: float) -> None:
-    if max_norm <= 0:
+def clip_grads(grads, grad_norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place so that the global norm is at most ``max_norm`` (0: no clipping)."""
+    if max_norm <= 0 or not grads:
         return
     coef = max_norm / (grad_norm + 1e-6)
     if coef < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
+        torch._foreach_mul_(grads, coef)

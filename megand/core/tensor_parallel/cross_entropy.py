@@ -19,19 +19,23 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.clone()
             logits[..., local_vocab - padding:] = float("-inf")
 
+        def all_reduce(t, op=dist.ReduceOp.SUM):
+            if dist.get_world_size(tp_group) > 1:
+                dist.all_reduce(t, op=op, group=tp_group)
+
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        all_reduce(logits_max, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= local_vocab)
         local_target = local_target.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=tp_group)
+        all_reduce(target_logit)
 
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=tp_group)
+        all_reduce(sum_exp)
 
         loss = sum_exp.log() - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -8,6 +8,7 @@ gives each rank whole groups, so the layout of the full weight does not depend o
 import torch
 import torch.nn.functional as F
 
+from megand.core.context_parallel import all_gather_attention, ring_attention
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.rope import apply_rope
@@ -30,10 +31,9 @@ class Attention(torch.nn.Module):
 
     def core(self, q, k, v):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads."""
-        if self.cp_group is not None:
-            from megand.core.context_parallel import context_parallel_attention
-
-            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm)
+        if self.cp_group is not None:  # the other tokens of the sequence live on the other cp ranks
+            attend = ring_attention if self.cfg.cp_comm == "p2p" else all_gather_attention
+            return attend(q, k, v, self.cp_group)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,

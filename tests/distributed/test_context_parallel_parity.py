@@ -1,0 +1,20 @@
+"""Context parallelism reproduces the one-process run (DESIGN.md section 3), ring and all-gather."""
+
+import pytest
+
+from megand.testing import assert_parity
+
+LAYOUTS = {
+    "cp2_p2p": (2, ["parallel.cp=2", "parallel.cp_comm=p2p"]),
+    "cp2_all_gather": (2, ["parallel.cp=2", "parallel.cp_comm=all_gather"]),
+    "cp4_p2p": (4, ["parallel.cp=4"]),
+    "cp2_tp2_sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "cp2_dp2": (4, ["parallel.cp=2"]),
+}
+
+
+@pytest.mark.parametrize("experiment", ["tiny_gpt", "tiny_llama"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_context_parallel_matches_one_process(reference, launch, experiment, layout):
+    nproc, overrides = LAYOUTS[layout]
+    assert_parity(reference(experiment), launch(experiment, nproc, *overrides))
