@@ -1,14 +1,25 @@
-"""Benchmark a model shape for a fixed number of steps after warm-up; print one JSON line.
+"""Benchmark a training config for a fixed number of steps after warm-up; print one JSON line.
 
-    python tools/benchmark.py --mode baseline --preset llama_50m --micro-batch-size 4 --steps 5 --warmup 2
+The config is the training config (Hydra overrides, as for ``pretrain_gpt.py``):
 
-Modes share one signature, ``fn(model_cfg, micro_batch, steps, warmup, device, dtype, **options) -> dict``,
-and return the same keys (tokens_per_s, tflops_per_s, mfu, mem_peak_bytes, step_time_median_s, ...):
-``baseline`` is a plain single-process PyTorch/transformers loop of the same shape.
+    python tools/benchmark.py --mode both model=llama_50m train.micro_batch_size=4 --steps 5 --warmup 2
+    torchrun --nproc-per-node=8 tools/benchmark.py --mode megand model=llama_8b parallel.tp=8 \\
+        parallel.sequence_parallel=true train.micro_batch_size=1 --steps 10
+
+Modes (same keys: tokens_per_s, tflops_per_s per rank, mfu, mem_peak_bytes (max over ranks),
+step_time_median_s and spread, ...):
+- ``megand``: ``megand.training.pretrain.Trainer`` built in-process, timed ``train_step()`` calls; one
+  micro-batch per data-parallel rank per step unless ``train.global_batch_size`` is given.
+- ``baseline``: the same model shape trained by a plain single-process PyTorch/transformers loop.
+- ``both``: megand, then the baseline in the same process (rank 0); adds ``baseline`` (its result) and
+  ``overhead_ratio`` = baseline tokens/s / megand tokens/s (1.0: no framework overhead).
+On CUDA the default precision is bf16 (``train.precision``) and MFU is against the GPU's peak; on CPU,
+fp32 against a measured matmul peak.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,38 +27,52 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from megand.benchmark_baseline import run_baseline  # noqa: E402
-from megand.model_args import add_model_args, model_config_from_args  # noqa: E402
+from megand.benchmark_megand import benchmark_config, run_megand  # noqa: E402
 
-MODES = {"baseline": run_baseline}
+MODES = ("megand", "baseline", "both")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=sorted(MODES), default="baseline")
-    add_model_args(p)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (model=llama_50m ...)")
+    p.add_argument("--mode", choices=MODES, default="megand")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS)")
     p.add_argument("--peak-cache-dir", default=None,
-                   help="directory that caches the measured CPU peak FLOP/s (e.g. the run directory)")
-    return p.parse_args(argv)
+                   help="directory that caches the measured CPU peak FLOP/s (default: the run directory)")
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
-    result = MODES[args.mode](model_config_from_args(args), args.micro_batch_size, args.steps, args.warmup,
-                              device, precision, peak_cache_dir=args.peak_cache_dir)
-    print(json.dumps(result), flush=True)
+    cuda = torch.cuda.is_available()
+    cfg = benchmark_config(args.overrides, args.steps, args.warmup, cuda)
+    result = None
+    if args.mode in ("megand", "both"):
+        result = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if args.mode in ("baseline", "both") and rank == 0:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        baseline = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size,
+                                args.steps, args.warmup, device, cfg.train.precision, seed=cfg.train.seed,
+                                peak_cache_dir=args.peak_cache_dir or cfg.run_dir)
+        if result is None:
+            result = baseline
+        else:
+            result.update(mode="both", baseline=baseline,
+                          overhead_ratio=baseline["tokens_per_s"] / result["tokens_per_s"])
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(result), flush=True)
     return result
 
 

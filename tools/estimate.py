@@ -1,10 +1,14 @@
-"""Estimate per-rank memory (parameters, optimizer states, activations) for a model and layout.
+"""Estimate per-rank memory (parameters, optimizer states, activations) for a run's config and layout.
 
-    python tools/estimate.py --preset llama_8b --tp 8 --sequence-parallel --recompute selective
-    python tools/estimate.py --model-config conf/model/llama_8b.yaml --pp 4 --vpp 2 --dp 8 \\
-        --distributed-optimizer --global-batch-size 256 --json
+The model and layout are the training config: Hydra overrides, composed exactly as ``pretrain_gpt.py``
+composes them (``model=`` picks a conf/model preset, ``+experiment=`` a whole experiment):
 
-The formulas and what they leave out are documented in megand/estimate.py.
+    python tools/estimate.py model=llama_8b parallel.tp=8 parallel.sequence_parallel=true \\
+        train.recompute=selective train.precision=bf16 --world-size 64
+    python tools/estimate.py +experiment=llama70b_64gpu --world-size 64 --json
+
+``--world-size`` fills ``parallel.dp: null`` (default: tp·pp·cp, i.e. dp=1). The formulas and what they
+leave out are documented in megand/estimate.py.
 """
 
 import argparse
@@ -15,46 +19,51 @@ from pathlib import Path
 # Tools run from a source tree: import the megand of this checkout, even when another copy is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from omegaconf import OmegaConf  # noqa: E402
+
+from megand.config import ConfigError, compose, validate  # noqa: E402
 from megand.estimate import Layout, estimate_memory, format_report  # noqa: E402
-from megand.model_args import add_model_args, model_config_from_args  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-
-    lay = p.add_argument_group("layout")
-    for name in ("tp", "pp", "cp", "dp"):
-        lay.add_argument("--" + name, type=int, default=1)
-    lay.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved 1F1B)")
-    lay.add_argument("--sequence-parallel", action="store_true")
-    lay.add_argument("--distributed-optimizer", action="store_true")
-    lay.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
-    lay.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    lay.add_argument("--fused-attention", action="store_true",
-                     help="flash/memory-efficient attention: the s x s attention probabilities are not stored")
-    lay.add_argument("--micro-batch-size", type=int, default=1)
-    lay.add_argument("--global-batch-size", type=int, default=None,
-                     help="sets the number of micro-batches per step (default: enough to fill the pipeline)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (key=value, model=NAME)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks of the run (default: tp*pp*cp*(dp or 1))")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="flash/memory-efficient attention: the s x s attention probabilities are not stored")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
+
+
+def world_size_of(cfg, world_size=None) -> int:
+    p = cfg.parallel
+    return world_size or p.tp * p.pp * p.cp * (p.dp or 1)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model = model_config_from_args(args)
-    num_micro = None
-    if args.global_batch_size:
-        num_micro, rest = divmod(args.global_batch_size, args.micro_batch_size * args.dp)
-        if rest or not num_micro:
-            raise SystemExit("global batch size must be a multiple of micro batch size × dp")
-    layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, dp=args.dp,
-                    sequence_parallel=args.sequence_parallel, distributed_optimizer=args.distributed_optimizer,
-                    precision=args.precision, recompute=args.recompute, micro_batch_size=args.micro_batch_size,
-                    num_microbatches=num_micro, fused_attention=args.fused_attention)
+    cfg = compose(args.overrides)
+    world = world_size_of(cfg, args.world_size)
+    p, t = cfg.parallel, cfg.train
+    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else None
+    fill_pipeline = dp is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0
+    if fill_pipeline:  # the batch only sets micro-batches in flight: assume enough to fill the pipeline
+        print(f"estimate: train.global_batch_size={t.global_batch_size} is not a multiple of micro batch "
+              f"{t.micro_batch_size} x dp {dp}; assuming enough micro-batches to fill the pipeline", file=sys.stderr)
+        t.global_batch_size = t.micro_batch_size * dp
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        raise SystemExit(f"estimate: invalid configuration for world size {world}: {e}")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
+    if fill_pipeline:
+        layout = Layout(**{**vars(layout), "num_microbatches": None})
+    if args.fused_attention:
+        layout = Layout(**{**vars(layout), "fused_attention": True})
     estimate = estimate_memory(model, layout)
     if args.json:
-        print(json.dumps({"model": model, "layout": vars(layout), "memory": estimate.as_dict()}))
+        print(json.dumps({"model": model, "layout": vars(layout), "world_size": world, "memory": estimate.as_dict()}))
     else:
         print(format_report(model, layout, estimate))
 

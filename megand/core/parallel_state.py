@@ -105,7 +105,10 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, l
 def choose_device_and_backend() -> tuple[torch.device, str]:
     """The one place where the device and the collective backend are chosen."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
+        # per node: the local rank (never the global rank); modulo the visible devices for launchers
+        # (e.g. SLURM with one GPU bound per task) that leave each process a single visible device
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
     return torch.device("cpu"), "gloo"
 
 

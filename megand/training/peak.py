@@ -10,6 +10,7 @@ directory (keyed by thread count and size), so every restart of a run uses the s
 """
 
 import json
+import os
 import re
 import time
 import warnings
@@ -105,7 +106,7 @@ def cpu_peak_flops(cache_dir: Optional[Union[str, Path]] = None, n: int = 2048, 
             entries = {}
         entries[key] = {"flops_per_s": flops, "threads": threads, "n": n, "dtype": "float32"}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # private: two writers never share it
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file, never half
     return flops

@@ -49,15 +49,16 @@ def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
 
 
 def build_datasets(cfg, topo):
-    """Train and validation datasets; built by the first rank of each node, then read by the others
-    (index files are cached, so the others reuse them)."""
+    """Train and validation datasets. Index files are cached in ``data.cache_dir``: global rank 0 builds
+    them first; then the first rank of every other node (which loads rank 0's files when the filesystem
+    is shared, or builds its own on a node-local disk); then every other rank, which loads its node's.
+    Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done."""
     t, m = cfg.train, cfg.model
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if local_rank != 0:
-        dist.barrier()
-    train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
-    if local_rank == 0:
+    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2
+    for phase in range(3):
+        if phase == turn:
+            train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
         dist.barrier()
     return train, valid
 
@@ -68,10 +69,24 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class Trainer:
-    """Holds what the steps of a run share; each method is one named step of the loop."""
+def new_wandb_run_id() -> str:
+    """A fresh wandb run id, drawn on rank 0 and the same on every rank (collective)."""
+    import secrets
 
-    def __init__(self, cfg):
+    box = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    """Holds what the steps of a run share; each method is one named step of the loop.
+
+    ``wandb_run_id`` (every rank holds the same): store it in checkpoints; passing it back
+    (``Trainer(cfg, wandb_run_id=...)``, or setting ``trainer.wandb_run_id`` before the first log) makes a
+    resumed run continue the same wandb run.
+    """
+
+    def __init__(self, cfg, wandb_run_id: str | None = None):
         self.cfg = cfg
         device = init_distributed()
         validate(cfg, dist.get_world_size())
@@ -90,11 +105,21 @@ class Trainer:
         logging_rank = self.topo.is_logging_rank
         self.writer = MetricsWriter(cfg.run_dir, logging_rank)
         self.peak_flops = device_peak_flops(device, cfg.train.precision, cfg.run_dir) if logging_rank else None
-        self.wandb = WandbLogger(cfg.logging.wandb, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True),
-                                 enabled_on_this_rank=logging_rank and cfg.logging.wandb.enabled)
+        self.wandb_run_id = wandb_run_id or new_wandb_run_id()
+        self._wandb = None  # started on first use: a checkpoint loaded after __init__ may set wandb_run_id
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
+
+    @property
+    def wandb(self) -> WandbLogger:
+        """The run's wandb logger (a no-op off the logging rank or when disabled), resuming ``wandb_run_id``."""
+        if self._wandb is None:
+            w = self.cfg.logging.wandb
+            self._wandb = WandbLogger({**OmegaConf.to_container(w), "name": w.name or self.cfg.name}, self.cfg.run_dir,
+                                      OmegaConf.to_container(self.cfg, resolve=True), resume_id=self.wandb_run_id,
+                                      enabled_on_this_rank=self.topo.is_logging_rank and w.enabled)
+        return self._wandb
 
     def forward_step(self, model, microbatch, hidden):
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
@@ -185,10 +210,23 @@ class Trainer:
         self.writer.close()
         self.wandb.finish()
         if self.topo.is_logging_rank:
-            elapsed = time.perf_counter() - start
-            print(json.dumps({"summary": {"iterations": self.iteration, "tokens": self.iteration * self.tokens_per_batch,
-                                          "seconds": round(elapsed, 2), "best_val_loss": best_val,
-                                          "run_dir": self.cfg.run_dir}}), flush=True)
+            print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
+
+
+def final_summary(trainer, seconds: float, best_val: float) -> str:
+    """The run's last two lines: one for people, one JSON line for scripts."""
+    tokens = trainer.iteration * trainer.tokens_per_batch
+    save = trainer.cfg.checkpoint.save
+    best = f"{best_val:.4f}" if best_val != float("inf") else "n/a (no evaluation)"
+    human = (f" training done: {trainer.iteration} iterations, {tokens:,} tokens in {seconds:,.1f} s "
+             f"({tokens / max(seconds, 1e-9):,.0f} tokens/s) | best val loss {best} | "
+             f"checkpoints: {os.path.abspath(save) if save else 'none (checkpoint.save is null)'} | "
+             f"logs: {os.path.abspath(trainer.cfg.run_dir)}")
+    machine = json.dumps({"summary": {"iterations": trainer.iteration, "tokens": tokens, "seconds": round(seconds, 2),
+                                      "best_val_loss": best_val if best_val != float("inf") else None,
+                                      "checkpoint_dir": save, "run_dir": trainer.cfg.run_dir,
+                                      "wandb_run_id": trainer.wandb_run_id}})
+    return human + "\n" + machine
 
 
 def pretrain(cfg) -> None:

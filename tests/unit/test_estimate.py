@@ -9,7 +9,6 @@ import pytest
 
 from megand.estimate import (Layout, estimate_memory, layer_activation_bytes,
                              layer_microbatches_in_flight, stage_params, state_bytes_per_param)
-from megand.model_args import PRESETS
 from megand.training.flops import param_counts
 
 # the paper's setting: GPT shape, f = 4h, MHA, dropout everywhere, 16-bit activations
@@ -111,18 +110,29 @@ def test_layout_from_config():
 
 def test_cli_json_and_table():
     tool = Path(__file__).resolve().parents[2] / "tools" / "estimate.py"
-    out = subprocess.run([sys.executable, str(tool), "--preset", "llama_8b", "--tp", "8", "--sequence-parallel",
-                          "--recompute", "selective", "--json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(tool), "model=llama_8b", "parallel.tp=8", "parallel.sequence_parallel=true",
+                          "train.recompute=selective", "train.precision=bf16", "--world-size", "64", "--json"],
+                         capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
-    assert data["layout"]["tp"] == 8 and data["memory"]["peak_total_bytes"] > 0
-    table = subprocess.run([sys.executable, str(tool), "--preset", "gpt2_125m", "--num-layers", "6", "--pp", "2"],
+    assert data["layout"]["tp"] == 8 and data["layout"]["dp"] == 8 and data["layout"]["sequence_parallel"]
+    assert data["model"]["hidden_size"] == 4096 and data["memory"]["peak_total_bytes"] > 0
+    table = subprocess.run([sys.executable, str(tool), "model=gpt2_125m", "model.num_layers=6", "parallel.pp=2"],
                            capture_output=True, text=True, check=True).stdout
     assert "total" in table and "stage 1" in table
+    bad = subprocess.run([sys.executable, str(tool), "model=llama_8b", "parallel.tp=3"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "parallel.tp=3" in bad.stderr
 
 
-def test_presets_are_complete():
-    for cfg in PRESETS.values():
-        estimate_memory(cfg, Layout())
+def test_model_presets_are_complete():
+    """Every conf/model preset composes and estimates (the tools read the training config)."""
+    from omegaconf import OmegaConf
+
+    from megand.config import compose
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob("*.yaml"))
+    assert {"gpt2_125m", "llama_50m", "llama_8b", "llama_70b"} <= set(presets)
+    for name in presets:
+        model = OmegaConf.to_container(compose([f"model={name}"]).model, resolve=True)
+        assert estimate_memory(model, Layout()).peak.total_bytes > 0
 
 
 def test_states_match_measured_tensors_of_a_reference_model():

@@ -1,0 +1,119 @@
+"""megand's own benchmark mode: the real ``Trainer`` built in-process, timed over ``train_step()`` calls.
+
+A plain ``python`` launch is a world of one; under ``torchrun`` every rank runs this and rank 0 reports.
+The keys are those of the baseline (``megand/benchmark_baseline.py``), so ``--mode both`` divides one by
+the other. Step times are the max over ranks of each step; peak memory is the max over ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megand.benchmark_baseline import peak_memory, reset_peak_memory, synchronize, timing_summary
+from megand.training.flops import flops_per_iteration
+from megand.training.peak import device_peak_flops
+
+
+def default_run_dir() -> str:
+    """Identical on the ranks of one torchrun job (its run id), private to this launch otherwise."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    return os.path.join(tempfile.gettempdir(), f"megand-benchmark-{job}")
+
+
+def benchmark_config(overrides, steps: int, warmup: int, cuda: bool):
+    """The training config for the benchmark: the user's overrides, then what the benchmark decides.
+
+    Unless overridden: no evaluation, one micro-batch per data-parallel rank per step (as the baseline),
+    bf16 on CUDA, the run's files in a temporary directory.
+    """
+    from megand.config import compose
+
+    overrides = list(overrides)
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    defaults = [f"train.iters={steps + warmup}", "train.eval_iters=0", f"train.log_interval={steps + warmup}"]
+    if "run_dir" not in given:
+        defaults.append(f"run_dir={default_run_dir()}")
+    if cuda and "train.precision" not in given:
+        defaults.append("train.precision=bf16")
+    cfg = compose(overrides + defaults)
+    if "train.global_batch_size" not in given:
+        p = cfg.parallel
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
+    return cfg
+
+
+def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = None) -> Optional[dict]:
+    """Build ``Trainer(cfg)``, run ``warmup`` then ``steps`` timed train steps; return the metrics on
+    rank 0 (None elsewhere). The process group stays up (the caller may run the baseline next)."""
+    from megand.training.pretrain import Trainer
+
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    topo, device = trainer.topo, trainer.topo.device
+    losses = []
+    for _ in range(warmup):
+        losses.append(trainer.train_step()[0])
+        trainer.iteration += 1
+    reset_peak_memory(device)
+    step_times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        losses.append(trainer.train_step()[0])
+        synchronize(device)
+        step_times.append(time.perf_counter() - start)
+        trainer.iteration += 1
+
+    # the slowest rank sets the step time; the most loaded rank the memory
+    times = torch.tensor(step_times, dtype=torch.float64, device=device)
+    memory = peak_memory(device)
+    mem = torch.tensor([float(memory["mem_peak_bytes"])], dtype=torch.float64, device=device)
+    losses_t = torch.tensor([losses[0], losses[-1]], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    # the loss is known on the last pipeline stage (nan elsewhere): take it from the logging rank
+    logging_rank = torch.tensor([topo.rank if topo.is_logging_rank else -1], device=device)
+    dist.all_reduce(logging_rank, op=dist.ReduceOp.MAX)
+    dist.broadcast(losses_t, src=int(logging_rank.item()))
+    trainer.writer.close()
+    if topo.rank != 0:
+        return None
+
+    t = cfg.train
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    flops_per_rank = flops_per_iteration(cfg.model, t.global_batch_size, t.recompute)["model_flops"] / topo.world_size
+    peak = device_peak_flops(device, t.precision, cache_dir=peak_cache_dir or cfg.run_dir)
+    return {
+        "mode": "megand",
+        "device": str(device),
+        "precision": t.precision,
+        "threads": torch.get_num_threads(),
+        "world_size": topo.world_size,
+        "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "cp": topo.cp_size, "dp": topo.dp_size,
+                   "sequence_parallel": bool(cfg.parallel.sequence_parallel), "recompute": t.recompute,
+                   "distributed_optimizer": bool(cfg.optim.distributed)},
+        "params": sum(p.numel() for p in trainer.params),  # this rank's
+        "micro_batch": t.micro_batch_size,
+        "global_batch": t.global_batch_size,
+        "seq_length": cfg.model.seq_length,
+        "steps": steps,
+        "warmup": warmup,
+        "tokens_per_step": tokens_per_step,
+        **timing_summary(times.tolist(), tokens_per_step, flops_per_rank, peak),
+        "mem_peak_bytes": int(mem.item()),
+        "mem_peak_kind": memory["mem_peak_kind"],
+        "loss_first": losses_t[0].item(),
+        "loss_last": losses_t[1].item(),
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+    }

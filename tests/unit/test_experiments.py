@@ -1,0 +1,24 @@
+"""The real-scale presets of conf/experiment/ compose, validate for the world size they are written for,
+and fit an 80 GB GPU by the memory estimator."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from megand.config import compose, validate
+from megand.estimate import Layout, estimate_memory
+
+PRESETS = {"gpt2_125m_1gpu": 1, "llama8b_8gpu": 8, "llama70b_64gpu": 64}
+
+
+@pytest.mark.parametrize("name,world_size", PRESETS.items())
+def test_preset_is_valid_for_its_world_size(name, world_size):
+    cfg = compose([f"+experiment={name}"])
+    validate(cfg, world_size)
+    assert cfg.name == name and cfg.train.precision == "bf16"
+    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world_size)
+    assert layout.tp * layout.pp * layout.cp * layout.dp == world_size
+    assert layout.tp <= 8  # tensor parallelism stays inside one 8-GPU node
+    if layout.dp > 1:
+        assert layout.distributed_optimizer
+    peak = estimate_memory(OmegaConf.to_container(cfg.model, resolve=True), layout).peak.total_bytes
+    assert peak < 72 * 2**30, f"{name}: estimated {peak / 2**30:.1f} GiB per GPU"

@@ -1,0 +1,51 @@
+"""Trainer: a resumed run continues the same wandb run id; the run ends with a readable and a JSON summary."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from megand.config import compose
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def one_process_world(tmp_path, monkeypatch):
+    """``init_distributed`` makes a one-process world and sets the torchrun variables: undo both after."""
+    pytest.importorskip("wandb")
+    for name in DIST_ENV + ("WANDB_MODE",):
+        monkeypatch.delenv(name, raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
+    import megand.training.peak as peak
+    monkeypatch.setattr(peak, "measure_matmul_flops", lambda *a, **k: 50e9)
+    yield tmp_path
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_resumed_trainer_continues_the_wandb_run(one_process_world, capsys):
+    from megand.training.pretrain import Trainer
+    from megand.training.wandb_logger import read_offline_history
+
+    overrides = ["+experiment=tiny_gpt", "model.num_layers=1", "train.iters=2", "train.eval_iters=1",
+                 "logging.wandb.enabled=true", f"run_dir={one_process_world / 'run'}"]
+    first = Trainer(compose(overrides))
+    first.run()
+    run_id = first.wandb_run_id
+    assert run_id and first.wandb.run_id is None  # finished
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2].startswith(" training done: 2 iterations, 512 tokens") and "best val loss" in out[-2]
+    assert "checkpoints: none" in out[-2]
+    summary = json.loads(out[-1])["summary"]
+    assert summary["tokens"] == 512 and summary["wandb_run_id"] == run_id and summary["best_val_loss"] > 0
+
+    # what checkpoint loading does: pass the stored id back (here, to a fresh Trainer of the same run)
+    resumed = Trainer(compose(overrides + ["train.iters=3"]), wandb_run_id=run_id)
+    resumed.iteration = 2
+    assert resumed.wandb.run_id == run_id
+    resumed.run()
+    runs = sorted((one_process_world / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(p.name.endswith(run_id) for p in runs)
+    assert [r["_step"] for r in read_offline_history(runs[-1]) if "loss" in r] == [3]
