@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megand.config import pipeline_layout, validate
+from megand.core.checkpointing import Checkpointer, StopOnSignal
 from megand.core.distributed import all_reduce_data_parallel_grads, all_reduce_layout_grads
 from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
@@ -78,16 +79,51 @@ class Trainer:
         self.topo = build_topology(cfg, device)
         seed_default_generator(cfg.train.seed, self.topo.pp_rank, self.topo.cp_rank)
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
-        self.params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.optimizer = Optimizer(self.params, cfg.optim, cfg.train.iters, self.topo)
+        self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = Optimizer(self.named_params, cfg.optim, cfg.train.iters, self.topo)
         self.schedule = get_schedule(self.topo)
         self.train_data, self.valid_data = build_datasets(cfg)
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
-        self.iteration = 0
-        self.writer = MetricsWriter(cfg.run_dir, self.topo.is_logging_rank)
+        self.iteration, self.sample_offset, self.run_id = 0, 0, None
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
+                                         config_yaml, OmegaConf.to_container(cfg.model, resolve=True))
+        self.stop = StopOnSignal()
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load)
+        self.writer = MetricsWriter(cfg.run_dir, self.topo.is_logging_rank, append=self.iteration > 0)
         if self.topo.is_logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(cfg, resolve=True))
+                f.write(config_yaml)
+
+    def load_checkpoint(self, path):
+        loaded = self.checkpointer.load(path)
+        self.iteration, self.run_id = loaded.iteration, loaded.run_id
+        # the data position: samples consumed so far (a changed global batch size continues from there)
+        self.sample_offset = loaded.consumed_samples - loaded.iteration * self.cfg.train.global_batch_size
+        if self.topo.is_logging_rank:
+            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
+                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
+                  f"{'yes' if loaded.rng_restored else 'no, layout changed'})", flush=True)
+
+    def save_checkpoint(self):
+        t = self.cfg.train
+        self.checkpointer.save(self.iteration, self.sample_offset + self.iteration * t.global_batch_size,
+                               self.run_id, t.global_batch_size)
+        if self.topo.is_logging_rank:
+            print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
+                  f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
+
+    def checkpoint_step(self) -> bool:
+        """After each step: save when due or when a stop signal reached any rank; True: stop now."""
+        c = self.cfg.checkpoint
+        stop = self.stop.agreed()
+        if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
+            self.save_checkpoint()
+        if stop and self.topo.is_logging_rank:
+            print(f" stop signal received: stopping at iteration {self.iteration}", flush=True)
+        return stop
 
     def forward_step(self, model, microbatch, hidden):
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
@@ -106,7 +142,8 @@ class Trainer:
 
     def train_step(self):
         t = self.cfg.train
-        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size, self.topo)
+        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
+                                         self.topo, offset=self.sample_offset)
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -156,6 +193,12 @@ class Trainer:
                     self.writer.write({"iter": self.iteration, "val_loss": val_loss})
                     if self.topo.is_logging_rank:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+            if self.checkpoint_step():
+                break
+        if self.cfg.checkpoint.save and self.checkpointer.last_saved != self.iteration:
+            self.save_checkpoint()
+        self.checkpointer.close()  # waits for an asynchronous save to be complete and published
+        self.stop.restore()
         self.writer.close()
         if self.topo.is_logging_rank:
             elapsed = time.perf_counter() - start

@@ -24,8 +24,11 @@ def param_groups(params, weight_decay):
 
 
 class Optimizer:
-    def __init__(self, params, optim_cfg, train_iters, topo):
-        self.params = [p for p in params if p.requires_grad]
+    """``named_params``: ``(name, param)`` pairs with the full model's names (used by checkpoints)."""
+
+    def __init__(self, named_params, optim_cfg, train_iters, topo):
+        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         self.topo, self.clip_grad = topo, optim_cfg.clip_grad
         self.schedule = LRSchedule(optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_iters,
                                    optim_cfg.decay_iters or train_iters, optim_cfg.schedule)
@@ -48,3 +51,35 @@ class Optimizer:
         self.adam.step()
         self.steps += 1
         return StepResult(grad_norm.item(), False, lr)
+
+    # Checkpoint interface (megand.core.checkpointing): per-parameter states with this rank's LOCAL
+    # tensor-parallel shard shapes (same shape as the parameter), and the scalars.
+    STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+    def state_dict_per_param(self) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for name, p in self.named_params:
+            state = self.adam.state.get(p, {})
+            out[name] = {k: state[k] if k in state else torch.zeros_like(p) for k in self.STATE_KEYS}
+        return out
+
+    @torch.no_grad()
+    def load_state_dict_per_param(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """``states[name]`` holds ``exp_avg`` and ``exp_avg_sq`` (a ``main`` entry is ignored: fp32 params
+        are their own master copy)."""
+        for name, p in self.named_params:
+            given = states[name]
+            self.adam.state[p] = {"step": self._step_tensor(),
+                                  **{k: given[k].to(p.device, p.dtype).clone() for k in self.STATE_KEYS}}
+
+    def _step_tensor(self):
+        return torch.tensor(float(self.steps), dtype=torch.float32)
+
+    def scalar_state(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_scalar_state(self, d: dict) -> None:
+        self.steps = int(d["steps"])
+        for state in self.adam.state.values():
+            if "step" in state:
+                state["step"] = self._step_tensor()
