@@ -133,18 +133,20 @@ def check_files(iter_dir: str, metadata, verify_crc: bool = True) -> None:
 def check_shapes(iter_dir: str, metadata, expected: dict[str, tuple[int, ...]], required: set[str]) -> None:
     """Every key in ``required`` exists; every expected key present has the expected full shape."""
     stored = metadata.state_dict_metadata
+    problems = []
     for key, shape in sorted(expected.items()):
         md = stored.get(key)
         if md is None:
             if key in required:
-                raise CheckpointError(f"{iter_dir}: tensor {key} (shape {tuple(shape)}) is missing from the "
-                                      f"checkpoint: a different model?")
-            continue
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"{iter_dir}: {key} is not a tensor in the checkpoint")
-        if tuple(md.size) != tuple(shape):
-            raise CheckpointError(f"{iter_dir}: tensor {key}: expected shape {tuple(shape)}, "
-                                  f"checkpoint has {tuple(md.size)} (a different model shape)")
+                problems.append(f"tensor {key} (shape {tuple(shape)}) is missing from the checkpoint")
+        elif not isinstance(md, TensorStorageMetadata):
+            problems.append(f"{key} is not a tensor in the checkpoint")
+        elif tuple(md.size) != tuple(shape):
+            problems.append(f"tensor {key}: expected shape {tuple(shape)}, checkpoint has {tuple(md.size)}")
+    if problems:
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise CheckpointError(f"{iter_dir} does not fit this model (a different model shape?): "
+                              + "; ".join(problems[:5]) + more)
 
 
 STRUCTURE_KEYS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
