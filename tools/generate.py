@@ -22,13 +22,15 @@ from megand.core.checkpointing import CheckpointError, offline  # noqa: E402
 
 @torch.no_grad()
 def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             generator: torch.Generator | None = None, eos_id: int | None = None) -> list[int]:
-    """``ids`` extended by up to ``max_new_tokens`` tokens (no KV cache: each step re-reads the window)."""
+             generator: torch.Generator | None = None, eos_id: int | None = None,
+             vocab_limit: int | None = None) -> list[int]:
+    """``ids`` extended by up to ``max_new_tokens`` tokens (no KV cache: each step re-reads the window).
+    ``vocab_limit``: only ids below it are generated (a tokenizer smaller than the model's vocab)."""
     ids = list(ids)
     window = model.cfg.seq_length
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-window:]], dtype=torch.long)
-        logits = model(input_ids=context)[0, -1]  # [vocab], fp32
+        logits = model(input_ids=context)[0, -1, :vocab_limit]  # [vocab], fp32
         if temperature <= 0:
             token = int(torch.argmax(logits))
         else:
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
         p.error(f"prompt ids must be non-empty and in [0, {model.cfg.vocab_size})")
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k,
                    torch.Generator().manual_seed(args.seed),
-                   tokenizer.eos_id if (tokenizer and args.stop_at_eos) else None)
+                   tokenizer.eos_id if (tokenizer and args.stop_at_eos) else None,
+                   tokenizer.vocab_size if tokenizer else None)
     print(tokenizer.decode(out) if tokenizer else " ".join(map(str, out)))
     return 0
 

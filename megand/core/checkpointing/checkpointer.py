@@ -174,6 +174,20 @@ class Checkpointer:
             self.executor.shutdown()
 
     # ----------------------------------------------------------------------------------------- load
+    def _check_files_together(self, iter_dir, metadata) -> None:
+        """Each rank checksums a share of the files; every rank raises the same error if any fails."""
+        world = dist.get_world_size(self.group)
+        try:
+            files.check_files(iter_dir, metadata, part=(dist.get_rank(self.group), world))
+            problem = None
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [None] * world
+        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [p for p in problems if p]
+        if problems:
+            raise CheckpointError(problems[0])
+
     def load(self, path: str) -> LoadedState:
         iter_dir = files.resolve(path)
         metadata = files.read_metadata(iter_dir)
@@ -187,7 +201,7 @@ class Checkpointer:
         required = {k for k in expected if k.startswith("model.") or (has_optimizer and not k.endswith(".main"))}
         files.check_shapes(iter_dir, metadata, expected, required)
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
-        files.check_files(iter_dir, metadata)
+        self._check_files_together(iter_dir, metadata)
 
         state, model_targets, optim_targets = sharded.load_buffers(self.named_params, template, self.mesh, keys)
         try:

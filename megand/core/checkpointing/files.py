@@ -106,9 +106,10 @@ def read_common(iter_dir: str) -> dict:
     return common
 
 
-def check_files(iter_dir: str, metadata, verify_crc: bool = True) -> None:
+def check_files(iter_dir: str, metadata, verify_crc: bool = True, part: tuple[int, int] = (0, 1)) -> None:
     """Every data file the metadata refers to exists, is long enough, and (if a manifest was written) has
-    the checksum recorded at save time."""
+    the checksum recorded at save time. ``part=(i, n)``: checksum only every n-th file from the i-th (the
+    ranks of a job share the reading)."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -123,7 +124,7 @@ def check_files(iter_dir: str, metadata, verify_crc: bool = True) -> None:
     if verify_crc and os.path.isfile(manifest):
         with open(manifest) as f:
             crcs = json.load(f)["crc32"]
-        for rel, crc in sorted(crcs.items()):
+        for rel, crc in sorted(crcs.items())[part[0]::part[1]]:
             got = file_crc(os.path.join(iter_dir, rel))
             if got != crc:
                 raise CheckpointError(f"{os.path.join(iter_dir, rel)}: corrupted: checksum {got:08x}, "
