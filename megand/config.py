@@ -16,31 +16,31 @@ from omegaconf import MISSING
 @dataclass
 class ModelConfig:
     arch: str = "gpt"  # gpt | llama
-    num_layers: int = 4
-    hidden_size: int = 64
-    ffn_hidden_size: int = 256
-    num_attention_heads: int = 4
+    num_layers: int = 4  # transformer layers
+    hidden_size: int = 64  # model width h
+    ffn_hidden_size: int = 256  # MLP width (for swiglu: the width of each of gate and up)
+    num_attention_heads: int = 4  # query heads
     num_query_groups: Optional[int] = None  # null: multi-head attention
-    seq_length: int = 32
-    vocab_size: int = 256
+    seq_length: int = 32  # tokens per sample
+    vocab_size: int = 256  # must be >= the tokenizer's vocab; padded to a multiple of tp internally
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    rope_theta: float = 10000.0  # RoPE base
+    tie_embeddings: bool = True  # output layer shares the word embedding
+    init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
+    hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
+    attention_dropout: float = 0.0  # dropout on attention probabilities
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
     vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B); null: no interleaving
-    cp: int = 1
+    cp: int = 1  # context-parallel size (sequence split over ranks)
     dp: Optional[int] = None  # null: world size / (tp*pp*cp)
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # shard norms/dropout activations over tp along the sequence
     order: str = "tp-cp-dp-pp"  # fastest- to slowest-varying rank dimension
     pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
     cp_comm: str = "p2p"  # p2p (ring) | all_gather
@@ -48,61 +48,61 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    iters: int = 100
-    global_batch_size: int = 8
-    micro_batch_size: int = 2
-    seed: int = 1234
+    iters: int = 100  # optimizer steps
+    global_batch_size: int = 8  # samples per step, whatever the layout
+    micro_batch_size: int = 2  # samples per forward/backward on one data-parallel rank
+    seed: int = 1234  # seeds init (per parameter name), data order and dropout
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
-    log_interval: int = 1
+    log_interval: int = 1  # console line and metrics.jsonl every N steps
     eval_interval: int = 0  # 0: evaluate only at the end
-    eval_iters: int = 2
+    eval_iters: int = 2  # validation batches per evaluation (0: no evaluation)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3.0e-4
-    min_lr: float = 3.0e-5
-    warmup_iters: int = 10
+    lr: float = 3.0e-4  # peak learning rate
+    min_lr: float = 3.0e-5  # learning rate at the end of the decay
+    warmup_iters: int = 10  # linear warm-up steps
     decay_iters: Optional[int] = None  # null: train.iters
     schedule: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1.0e-8
+    weight_decay: float = 0.1  # AdamW decay on matrices (not on biases and norms)
+    beta1: float = 0.9  # Adam beta1
+    beta2: float = 0.95  # Adam beta2
+    eps: float = 1.0e-8  # Adam epsilon
     clip_grad: float = 1.0  # 0: no clipping
-    distributed: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
+    distributed: bool = False  # shard fp32 main params and Adam states over dp x cp (ZeRO-1/2)
+    overlap_grad_reduce: bool = False  # reduce gradient buckets during backward
+    overlap_param_gather: bool = False  # all-gather updated params during the next forward (distributed optimizer)
     bucket_size: int = 40_000_000  # elements per gradient bucket
-    initial_loss_scale: float = 65536.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    initial_loss_scale: float = 65536.0  # fp16 dynamic loss scale at start
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
+    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
 
 
 @dataclass
 class DataConfig:
-    kind: str = "mock"  # mock | indexed
+    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
-    tokenizer: Optional[str] = None
-    split: str = "969,30,1"
-    cache_dir: str = "${run_dir}/data_cache"
+    tokenizer: Optional[str] = None  # path to a sentencepiece .model
+    split: str = "969,30,1"  # train,valid,test proportions of documents
+    cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
+    save: Optional[str] = None  # directory of iter_NNNNNNN/ checkpoints and `latest`
+    load: Optional[str] = None  # checkpoint directory (or iter dir) to resume from
     interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
-    async_save: bool = False
+    async_save: bool = False  # write checkpoints in the background after a copy to CPU
 
 
 @dataclass
 class WandbConfig:
-    enabled: bool = False
-    project: str = "megand"
-    name: Optional[str] = None
+    enabled: bool = False  # log to Weights & Biases (from the logging rank)
+    project: str = "megand"  # wandb project
+    name: Optional[str] = None  # wandb run name (default: the run's name)
     mode: str = "offline"  # offline | online | disabled
 
 
@@ -113,8 +113,8 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    name: str = "default"
-    run_dir: str = "runs/${name}"
+    name: str = "default"  # run name; experiments set it
+    run_dir: str = "runs/${name}"  # every artifact of the run goes here; identical on all ranks
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -139,7 +139,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.kind": ("mock", "indexed"),
+    "data.kind": ("mock", "indexed", "quickstart"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 
@@ -169,10 +169,23 @@ def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout) -> list[i
     return layout
 
 
+def check_keys(cfg) -> None:
+    """Unknown keys are errors, also those forced in with Hydra's ``+key=value``."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    user = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(user))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.msg if hasattr(e, 'msg') else e} (full key: {getattr(e, 'full_key', '?')})") from None
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
 
+    check_keys(cfg)
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
@@ -221,3 +234,16 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+
+
+def compose(overrides=(), config_dir: str | None = None):
+    """The composed run config, as ``pretrain_gpt.py`` would see it (for tools and tests)."""
+    import os
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schema()
+    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))

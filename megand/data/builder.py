@@ -70,11 +70,17 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int, seed: int,
     per path and split (documents split by ``data.split``), blended by weight when there are several.
     """
     kind = data_cfg.get("kind", "mock")
+    if kind == "quickstart":  # an offline corpus built once (cached): then it is an indexed dataset
+        from megand.data.quickstart import prepare_quickstart_corpus
+
+        prefix, tokenizer = prepare_quickstart_corpus(data_cfg.get("cache_dir"), vocab_size)
+        data_cfg = {**dict(data_cfg), "kind": "indexed", "paths": [[1.0, prefix]], "tokenizer": tokenizer}
+        kind = "indexed"
     if kind == "mock":
         return tuple(MockGPTDataset(seq_length, vocab_size, seed, n, offset=off) if n else None
                      for n, off in zip(num_samples, MOCK_OFFSETS))
     if kind != "indexed":
-        raise DataError(f"data.kind={kind!r}: expected 'mock' or 'indexed'")
+        raise DataError(f"data.kind={kind!r}: expected 'mock', 'indexed' or 'quickstart'")
 
     # --- validate everything first ---
     paths = parse_paths(data_cfg.get("paths"))

@@ -21,10 +21,13 @@ from megand.core.pipeline_parallel.layout import chunk_specs
 from megand.core.sharding import init_parameters
 from megand.core.tensor_parallel import TensorParallelRNG, seed_default_generator
 from megand.core.transformer import TransformerConfig
-from megand.data.mock import MockGPTDataset
+from megand.data.builder import build_datasets as build_data_splits
 from megand.models.gpt import GPTModel
 from megand.training.batches import rank_microbatches
+from megand.training.flops import flops_per_iteration
 from megand.training.metrics import MetricsWriter, console_line
+from megand.training.peak import device_peak_flops, mfu
+from megand.training.wandb_logger import WandbLogger
 
 
 def build_topology(cfg, device) -> Topology:
@@ -46,21 +49,18 @@ def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
     return model_cfg, chunks
 
 
-def build_datasets(cfg):
+def build_datasets(cfg, topo):
+    """Train and validation datasets; built by the first rank of each node, then read by the others
+    (index files are cached, so the others reuse them)."""
     t, m = cfg.train, cfg.model
-    train = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.iters * t.global_batch_size)
-    valid = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.eval_iters * t.global_batch_size, offset=10**9)
+    num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if local_rank != 0:
+        dist.barrier()
+    train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
+    if local_rank == 0:
+        dist.barrier()
     return train, valid
-
-
-def flops_per_iteration(model_cfg: TransformerConfig, tokens: int) -> float:
-    """Model FLOPs of one step (forward and backward): 6 per parameter-token plus the attention term."""
-    h, L, s = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.seq_length
-    kv = model_cfg.query_groups * model_cfg.head_dim
-    mlp = h * model_cfg.ffn_hidden_size * (3 if model_cfg.activation == "swiglu" else 2)
-    per_layer = h * h * 2 + 2 * h * kv + mlp
-    params = L * per_layer + h * model_cfg.vocab_size
-    return tokens * (6 * params + 12 * L * h * s)
 
 
 def peak_memory_bytes(device) -> int:
@@ -83,8 +83,9 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, cfg.optim, cfg.train.iters, self.topo)
         self.schedule = get_schedule(self.topo)
-        self.train_data, self.valid_data = build_datasets(cfg)
+        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
         self.iteration, self.sample_offset, self.run_id = 0, 0, None
         config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
@@ -92,8 +93,16 @@ class Trainer:
         self.stop = StopOnSignal()
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
-        self.writer = MetricsWriter(cfg.run_dir, self.topo.is_logging_rank, append=self.iteration > 0)
-        if self.topo.is_logging_rank:
+        logging_rank = self.topo.is_logging_rank
+        self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
+        self.peak_flops = device_peak_flops(device, cfg.train.precision, cfg.run_dir) if logging_rank else None
+        self.wandb = WandbLogger(cfg.logging.wandb, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True),
+                                 enabled_on_this_rank=logging_rank and cfg.logging.wandb.enabled, resume_id=self.run_id)
+        if cfg.logging.wandb.enabled:  # the logging rank's run id, stored in checkpoints (written by rank 0)
+            ids = [None] * dist.get_world_size()
+            dist.all_gather_object(ids, self.wandb.run_id)
+            self.run_id = next((i for i in ids if i), self.run_id)
+        if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 f.write(config_yaml)
 
@@ -151,7 +160,16 @@ class Trainer:
         all_reduce_data_parallel_grads(self.params, self.topo)
         all_reduce_layout_grads(self.params, self.topo)
         result = self.optimizer.step()
+        self.last_batch_checksum = self.batch_checksum(microbatches)
         return self.global_loss(loss_sum), result
+
+    def batch_checksum(self, microbatches) -> int:
+        """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
+        local = sum(int(((mb.input_ids + 1) * (mb.positions + 1)).sum()) for mb in microbatches)
+        total = torch.tensor([local], dtype=torch.int64, device=self.topo.device)
+        if self.topo.dp_cp_size > 1:
+            dist.all_reduce(total, group=self.topo.dp_cp_group)
+        return int(total.item())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -166,16 +184,23 @@ class Trainer:
 
     def log(self, loss, result, iter_time):
         t = self.cfg.train
-        tokens_per_s = self.tokens_per_batch / iter_time
+        if self.iteration % t.log_interval and self.iteration != t.iters:
+            return
+        mem_peak = torch.tensor(float(peak_memory_bytes(self.topo.device)), device=self.topo.device)
+        dist.all_reduce(mem_peak, op=dist.ReduceOp.MAX)  # the most loaded rank
+        flops_per_s = self.flops["model_flops"] / iter_time / self.topo.world_size  # per rank
         record = {
             "iter": self.iteration, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
-            "loss_scale": result.loss_scale, "skipped": int(result.skipped), "tokens_per_s": tokens_per_s,
-            "tflops_per_s": flops_per_iteration(self.model_cfg, self.tokens_per_batch) / iter_time / self.topo.world_size / 1e12,
-            "mem_peak_bytes": peak_memory_bytes(self.topo.device), "iter_time_ms": iter_time * 1e3,
-            "consumed_samples": self.iteration * t.global_batch_size, "global_batch_size": t.global_batch_size,
+            "loss_scale": result.loss_scale, "skipped": int(result.skipped),
+            "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
+            "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
+            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
+            "iter_time_ms": iter_time * 1e3, "consumed_samples": self.iteration * t.global_batch_size,
+            "global_batch_size": t.global_batch_size, "batch_checksum": self.last_batch_checksum,
         }
         self.writer.write(record)
-        if self.topo.is_logging_rank and self.iteration % t.log_interval == 0:
+        self.wandb.log(record, step=self.iteration)
+        if self.topo.is_logging_rank:
             print(console_line(record, t.iters), flush=True)
 
     def run(self):
@@ -191,6 +216,7 @@ class Trainer:
                     val_loss = self.evaluate()
                     best_val = min(best_val, val_loss)
                     self.writer.write({"iter": self.iteration, "val_loss": val_loss})
+                    self.wandb.log({"val_loss": val_loss}, step=self.iteration)
                     if self.topo.is_logging_rank:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
             if self.checkpoint_step():
@@ -200,6 +226,7 @@ class Trainer:
         self.checkpointer.close()  # waits for an asynchronous save to be complete and published
         self.stop.restore()
         self.writer.close()
+        self.wandb.finish()
         if self.topo.is_logging_rank:
             elapsed = time.perf_counter() - start
             print(json.dumps({"summary": {"iterations": self.iteration, "tokens": self.iteration * self.tokens_per_batch,

@@ -56,7 +56,8 @@ def test_exact_resume_same_layout(reference, tmp_path):
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=1", "optim.distributed=false"],  # tp 2 -> 1, dp 2 -> 4, distributed optimizer on -> off
     ["parallel.tp=4"],  # tp 2 -> 4 (uneven vocab shards), dp 2 -> 1
-], ids=["tp1_dp4", "tp4_dp1"])
+    ["parallel.tp=2", "parallel.cp=2"],  # dp 2 -> cp 2
+], ids=["tp1_dp4", "tp4_dp1", "tp2_cp2"])
 def test_reshard(reference, tmp_path, layout):
     proc, ref, run = continue_from_step5(reference, tmp_path, layout)
     assert "RNG state: no, layout changed" in proc.stdout

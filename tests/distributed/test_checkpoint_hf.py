@@ -96,12 +96,12 @@ def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
     assert "optimizer state: no" in proc.stdout
     loss = read_metrics(run_dir)[0]["loss"]
     # the same first batch through the imported weights in one process
-    from megand.core.parallel_state import ParallelSizes  # noqa: F401
-    from megand.training.pretrain import build_datasets
     from omegaconf import OmegaConf
 
+    from megand.training.pretrain import build_datasets
+
     cfg = OmegaConf.load(f"{root}/run/config.yaml")
-    train, _ = build_datasets(cfg)
+    train, _ = build_datasets(cfg, topo)
     model, _ = offline.load_model(f"{root}/imported", topo)
     tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
     with torch.no_grad():

@@ -1,0 +1,28 @@
+# Set-up and the two everyday commands. `make quickstart` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch build to install; the version CI tests. GPU users: `make TORCH="torch --index-url <your CUDA wheels>"`.
+TORCH ?= torch==2.13.0
+NPROC ?= 4
+
+.PHONY: install quickstart test test-all
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+# A small tp=2 x dp=2 pretraining on real text, on CPU when there is no GPU.
+quickstart: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_gpt.py +experiment=quickstart
+
+# The default suite (every parallel dimension covered; slow matrices excluded).
+test: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q
+
+# Everything, including the slow multi-process matrices.
+test-all: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m ""

@@ -1,0 +1,9 @@
+"""Context parallelism: the sequence split over cp ranks (load-balanced for causal masks) and the
+attention that sees the whole sequence (ring p2p or all-gather)."""
+
+from megand.core.context_parallel.ring_attention import all_gather_attention, ring_attention
+from megand.core.context_parallel.sequence import (check_cp_divisible, cp_positions, gather_from_cp,
+                                                   merge_cp_shards, split_for_cp)
+
+__all__ = ["all_gather_attention", "ring_attention", "check_cp_divisible", "cp_positions", "gather_from_cp",
+           "merge_cp_shards", "split_for_cp"]

@@ -1,0 +1,247 @@
+"""Context-parallel causal attention: ring (p2p) and all-gather variants.
+
+Every cp rank holds its tokens in the load-balanced layout of ``sequence.py`` (chunks r and 2cp-1-r of
+2cp): q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` with nh % ng == 0. Only the ng K/V heads
+are communicated; locally the query heads of one group are folded into the row dimension
+(``[b, ng, nh/ng * s, d]``), so K/V are never copied nh/ng times.
+
+Block attention is explicit math in fp32: one block's score matrix (at most s_local x s_local) is the
+only quadratic temporary. Backward recomputes it from the saved q, k, v, output and log-sum-exp (as
+flash attention does), so what is saved for backward is O(s_local).
+"""
+
+import torch
+import torch.distributed as dist
+
+from megand.core.context_parallel.sequence import merge_cp_shards, split_for_cp
+
+# ---------------------------------------------------------------- block attention (no communication)
+
+
+def _scores(q, k, scale, causal):
+    """Scaled scores of q [b, nh, sq, d] against k [b, ng, sk, d] as [b, ng, nh/ng*sq, sk].
+
+    ``causal`` masks with the diagonal aligned to the bottom-right corner: query i sees key j iff
+    j <= i + sk - sq (the last query is the last key's token).
+    """
+    b, nh, sq, d = q.shape
+    ng, sk = k.shape[1], k.shape[2]
+    scores = torch.matmul(q.reshape(b, ng, nh // ng * sq, d), k.transpose(-1, -2)).mul_(scale)
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
+        scores.view(b, ng, nh // ng, sq, sk).masked_fill_(future, float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, scale, causal):
+    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq]). Every query must see a key."""
+    b, nh, sq, d = q.shape
+    scores = _scores(q, k, scale, causal)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    unnormalised = scores.sub_(row_max).exp_()  # in place: one score-sized buffer, one exp pass
+    row_sum = unnormalised.sum(dim=-1, keepdim=True)
+    out = torch.matmul(unnormalised, v).div_(row_sum)
+    lse = row_max.add_(row_sum.log_()).squeeze(-1)
+    return out.view(b, nh, sq, d), lse.view(b, nh, sq)
+
+
+def _block_backward(dout, q, k, v, lse, delta, scale, causal):
+    """(dq, dk, dv) of one block, from the *final* lse and delta = rowsum(dout * out) of the whole attention."""
+    b, nh, sq, d = q.shape
+    ng = k.shape[1]
+    probs = _scores(q, k, scale, causal).sub_(lse.reshape(b, ng, -1, 1)).exp_()
+    dout = dout.reshape(b, ng, -1, d)
+    dv = torch.matmul(probs.transpose(-1, -2), dout)  # the matmul also sums over the nh/ng heads of a group
+    dscores = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.reshape(b, ng, -1, 1)).mul_(probs).mul_(scale)
+    dq = torch.matmul(dscores, k).view(b, nh, sq, d)
+    dk = torch.matmul(dscores.transpose(-1, -2), q.reshape(b, ng, -1, d))
+    return dq, dk, dv
+
+
+def _merge(out, lse, block_out, block_lse):
+    """In place: combine a partial (out, lse) with another block's by the log-sum-exp rule."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _check(q, k, v):
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q [b, nh, s, d], k and v [b, ng, s, d] with nh % ng == 0; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"the local sequence ({q.shape[2]}) must be two equal chunks (load-balanced layout)")
+
+
+# ---------------------------------------------------------------- ring attention
+
+
+def _ring_send_recv(send_buf, group):
+    """Post the async send of ``send_buf`` to the next rank of the ring and the receive of the previous
+    rank's into a new buffer; return (receive buffer, requests to wait on)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    recv_buf = torch.empty_like(send_buf)
+    ops = [dist.P2POp(dist.isend, send_buf, dist.get_global_rank(group, (rank + 1) % size), group),
+           dist.P2POp(dist.irecv, recv_buf, dist.get_global_rank(group, (rank - 1) % size), group)]
+    return recv_buf, dist.batch_isend_irecv(ops)
+
+
+def _ring_pieces(step, src, cp_rank, half):
+    """The work on the K/V block of rank ``src``: [(q slice, kv slice, causal)], in the load-balanced layout.
+
+    Rank r holds chunks r and 2cp-1-r. Own block (step 0): my early half sees my early half causally,
+    my late half sees both of my halves, causally at its end. src < r: src's early chunk precedes both
+    of mine and its late chunk follows both, so all my queries see its first half. src > r: both of its
+    chunks lie between my two, so only my late half sees them, all of them.
+    """
+    first, second, whole = slice(0, half), slice(half, None), slice(None)
+    if step == 0:
+        return [(first, first, True), (second, whole, True)]
+    if src < cp_rank:
+        return [(whole, first, False)]
+    return [(second, whole, False)]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group, scale):
+        cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        half = q.shape[2] // 2
+        q32 = q.float()
+        out = torch.zeros_like(q32)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # the block that travels, in the input dtype
+        for step in range(cp_size):
+            if step + 1 < cp_size:  # start moving the next block before computing on this one
+                next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
+            block_k, block_v = kv.float().unbind(0)
+            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+                _merge(out[:, :, qs], lse[:, :, qs],
+                       *_block_forward(q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal))
+            if step + 1 < cp_size:
+                for req in kv_reqs:
+                    req.wait()
+                kv = next_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp_group, ctx.scale = cp_group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp_group, scale = ctx.cp_group, ctx.scale
+        cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        half = q.shape[2] // 2
+        q32, dout32 = q.float(), dout.float()
+        delta = (dout32 * out).sum(-1)
+        dq = torch.zeros_like(q32)
+        kv = torch.stack([k, v])
+        # Second ring: K/V travel as in forward; the gradient of each block (fp32) travels one step behind
+        # it, each rank adding its contribution, and after cp hops arrives back at the block's owner.
+        for step in range(cp_size):
+            if step + 1 < cp_size:
+                next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
+            block_k, block_v = kv.float().unbind(0)
+            block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+                block_dq, block_dk, block_dv = _block_backward(
+                    dout32[:, :, qs], q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], lse[:, :, qs],
+                    delta[:, :, qs], scale, causal)
+                dq[:, :, qs] += block_dq
+                block_dkv[0, :, :, ks] += block_dk
+                block_dkv[1, :, :, ks] += block_dv
+            if step > 0:  # add what the ranks before us contributed to this block
+                for req in dkv_reqs:
+                    req.wait()
+                block_dkv += dkv
+            if step + 1 < cp_size:
+                for req in kv_reqs:
+                    req.wait()
+                kv = next_kv
+            if cp_size > 1:
+                dkv_in_flight = block_dkv  # keep the send buffer referenced until its request completes
+                dkv, dkv_reqs = _ring_send_recv(dkv_in_flight, cp_group)
+        if cp_size > 1:
+            for req in dkv_reqs:
+                req.wait()
+        else:
+            dkv = block_dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, cp_group, softmax_scale=None):
+    """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
+
+    q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
+    K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
+    """
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return _RingAttention.apply(q, k, v, cp_group, scale)
+
+
+# ---------------------------------------------------------------- all-gather attention
+
+# torch 2.13 renamed the single-tensor collectives (the old names still work, with a FutureWarning)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_kv(kv, cp_group):
+    """[2, b, ng, s_local, d] on every rank -> [2, b, ng, s, d] in global token order."""
+    cp_size = dist.get_world_size(cp_group)
+    gathered = torch.empty((cp_size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    _all_gather_single(gathered, kv.contiguous(), group=cp_group)  # ranks concatenated along dim 0
+    return merge_cp_shards(list(gathered.view(cp_size, *kv.shape).unbind(0)), dim=3)
+
+
+def _all_gather_pieces(cp_rank, cp_size, half):
+    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end."""
+    return [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
+            (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group, scale):
+        cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
+        q32 = q.float()
+        out = torch.empty_like(q32)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
+            out[:, :, qs], lse[:, :, qs] = _block_forward(q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale, causal)
+        # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp_group, ctx.scale = cp_group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp_group, scale = ctx.cp_group, ctx.scale
+        cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
+        q32, dout32 = q.float(), dout.float()
+        delta = (dout32 * out).sum(-1)
+        dq = torch.empty_like(q32)
+        dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
+        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
+            dq[:, :, qs], dk, dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
+                                                   lse[:, :, qs], delta[:, :, qs], scale, causal)
+            dkv_all[0, :, :, ks] += dk
+            dkv_all[1, :, :, ks] += dv
+        # sum the contributions of all ranks and hand each rank the gradient of its own tokens
+        dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
+        local_dkv = torch.empty_like(dkv_by_rank[:2])
+        _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
+        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None
+
+
+def all_gather_attention(q, k, v, cp_group, softmax_scale=None):
+    """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return _AllGatherAttention.apply(q, k, v, cp_group, scale)

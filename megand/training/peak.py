@@ -1,0 +1,139 @@
+"""Device peak FLOP/s (the denominator of MFU).
+
+GPUs: a table of vendor datasheet figures, dense (no structured sparsity), per GPU. bf16/fp16 use the
+tensor-core figure; fp32 uses the plain fp32 figure unless torch is allowed to use TF32 for matmuls
+(``torch.get_float32_matmul_precision() != "highest"``), in which case the TF32 figure applies.
+
+CPU: no useful datasheet number exists, so the peak is *measured*: the best FLOP/s of a large fp32
+``torch.mm`` with the current thread count. It is measured once and cached as JSON in the run
+directory (keyed by thread count and size), so every restart of a run uses the same denominator.
+"""
+
+import json
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+TFLOP = 1e12
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    bf16: float  # dense bf16/fp16 tensor-core TFLOP/s
+    tf32: float  # dense TF32 tensor-core TFLOP/s
+    fp32: float  # non-tensor fp32 TFLOP/s
+
+
+# (words that must all appear in torch.cuda.get_device_name(), case-insensitive) -> peak.
+# Names are split into words on non-alphanumerics ("NVIDIA A100-SXM4-80GB" -> NVIDIA A100 SXM4 80GB),
+# so "A10" does not match "A100" nor "L40" match "L40S". The first match wins: variants come first.
+GPU_PEAKS: tuple = (
+    (("GB200",), GpuPeak(bf16=2500.0, tf32=1250.0, fp32=80.0)),
+    (("B200",), GpuPeak(bf16=2250.0, tf32=1100.0, fp32=75.0)),
+    (("H200", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0)),
+    (("H200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
+    (("GH200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
+    (("H100", "PCIE"), GpuPeak(bf16=756.0, tf32=378.0, fp32=51.2)),
+    (("H100", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0)),
+    (("H100",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),  # SXM ("H100 80GB HBM3")
+    (("H800",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
+    (("A100",), GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
+    (("A800",), GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
+    (("L40S",), GpuPeak(bf16=362.1, tf32=183.0, fp32=91.6)),
+    (("L40",), GpuPeak(bf16=181.0, tf32=90.5, fp32=90.5)),
+    (("L4",), GpuPeak(bf16=121.0, tf32=60.0, fp32=30.3)),
+    (("A10",), GpuPeak(bf16=125.0, tf32=62.5, fp32=31.2)),
+    (("RTX", "4090"), GpuPeak(bf16=165.2, tf32=82.6, fp32=82.6)),
+    (("RTX", "3090"), GpuPeak(bf16=71.0, tf32=35.6, fp32=35.6)),
+    (("V100",), GpuPeak(bf16=125.0, tf32=15.7, fp32=15.7)),  # fp16 tensor cores; no bf16/tf32
+    (("MI300X",), GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
+    (("MI250X",), GpuPeak(bf16=383.0, tf32=95.7, fp32=95.7)),
+)
+
+CPU_CACHE_NAME = "cpu_peak_flops.json"
+
+
+def gpu_peak_flops(device_name: str, precision: str, tf32: bool = False) -> Optional[float]:
+    """Datasheet peak FLOP/s of a GPU by name, or None when the name is not in the table."""
+    words = set(re.split(r"[^0-9A-Z]+", device_name.upper()))
+    for keys, peak in GPU_PEAKS:
+        if all(k.upper() in words for k in keys):
+            if precision in ("bf16", "fp16"):
+                return peak.bf16 * TFLOP
+            return (peak.tf32 if tf32 else peak.fp32) * TFLOP
+    return None
+
+
+def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                         device: Union[str, torch.device] = "cpu") -> float:
+    """Best FLOP/s of an n×n×n ``torch.mm`` over ``repeats`` timed runs (after one warm-up)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def cpu_peak_flops(cache_dir: Optional[Union[str, Path]] = None, n: int = 2048, repeats: int = 5) -> float:
+    """Measured fp32 matmul FLOP/s of this CPU at the current thread count, cached in ``cache_dir``.
+
+    A cache entry is reused only for the same thread count and matrix size; other entries in the file
+    are kept, so runs with different thread counts can share a directory.
+    """
+    threads = torch.get_num_threads()
+    key = f"threads={threads},n={n},dtype=float32"
+    path = Path(cache_dir) / CPU_CACHE_NAME if cache_dir is not None else None
+    entries = {}
+    if path is not None and path.exists():
+        try:
+            entries = json.loads(path.read_text())
+            return float(entries[key]["flops_per_s"])
+        except (ValueError, KeyError, TypeError):
+            pass  # missing entry or unreadable file: measure again and rewrite it
+    flops = measure_matmul_flops(n=n, repeats=repeats)
+    if path is not None:
+        if not isinstance(entries, dict):
+            entries = {}
+        entries[key] = {"flops_per_s": flops, "threads": threads, "n": n, "dtype": "float32"}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file, never half
+    return flops
+
+
+def device_peak_flops(device: Union[str, torch.device], precision: str = "bf16",
+                      cache_dir: Optional[Union[str, Path]] = None) -> Optional[float]:
+    """Peak FLOP/s for MFU on ``device``: the table for CUDA GPUs, a cached measurement on CPU.
+
+    On CPU the measurement is fp32 whatever ``precision`` is (CPU bf16 matmul speed varies by ISA).
+    Returns None, with a warning, for a GPU missing from the table: MFU is then not reported.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return cpu_peak_flops(cache_dir)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        peak = gpu_peak_flops(name, precision, tf32=tf32)
+        if peak is None:
+            warnings.warn(f"unknown GPU {name!r}: no peak FLOP/s, MFU will not be reported")
+        return peak
+    warnings.warn(f"no peak FLOP/s known for device type {device.type!r}")
+    return None
+
+
+def mfu(achieved_flops_per_s: float, peak_flops_per_s: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation as a fraction (0.4 = 40%); None when the peak is unknown."""
+    if not peak_flops_per_s:
+        return None
+    return achieved_flops_per_s / peak_flops_per_s

@@ -1,0 +1,56 @@
+"""Invalid configurations fail before any work, with a message naming the values."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from megand.config import ConfigError, compose, validate
+from megand.testing import run_pretrain
+
+
+def check(overrides, world_size=1):
+    validate(compose(overrides), world_size)
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["parallel.tp=4"], 6, r"world size 6 is not divisible by tp\*pp\*cp = 4\*1\*1 = 4"),
+    (["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"], 4, r"world size 4 is not divisible by tp\*pp\*cp"),
+    (["parallel.tp=8"], 8, r"model.num_attention_heads=4 is not divisible by parallel.tp=8"),
+    (["model=llama_tiny", "parallel.tp=4"], 4, r"model.num_query_groups=2 is not divisible by parallel.tp=4"),
+    (["model.num_query_groups=3"], 1, r"model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+    (["train.global_batch_size=6", "train.micro_batch_size=2"], 2,
+     r"train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x dp=2 = 4"),
+    (["model.seq_length=30", "parallel.tp=4", "parallel.sequence_parallel=true"], 4,
+     r"model.seq_length=30 is not divisible by 4"),
+    (["model.seq_length=36", "parallel.cp=4"], 4, r"model.seq_length=36 is not divisible by 8"),
+    (["model.arch=bert"], 1, r"model.arch='bert': expected one of gpt, llama"),
+    (["train.precision=fp8"], 1, r"train.precision='fp8'"),
+    (["parallel.pp=3"], 3, r"model.num_layers=4 cannot be split evenly over parallel.pp=3"),
+    (["parallel.pp=2", "parallel.pipeline_layout=[3,2]"], 2, r"parallel.pipeline_layout=\[3, 2\] must have"),
+    (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=6", "train.micro_batch_size=2"], 2,
+     r"micro-batches \(3 .*multiple of parallel.pp=2"),
+    (["parallel.order=tp-dp-pp"], 1, r"parallel.order='tp-dp-pp'"),
+])
+def test_invalid_values_are_named(overrides, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        check(overrides, world_size)
+
+
+def test_valid_layouts_pass():
+    check(["parallel.tp=2", "parallel.sequence_parallel=true"], 4)
+    check(["model=llama_tiny", "parallel.tp=2", "parallel.cp=2"], 8)
+
+
+def test_unknown_keys_and_wrong_types_are_rejected_by_the_schema():
+    with pytest.raises(ConfigCompositionException, match="model.hidden"):
+        compose(["model.hidden=64"])
+    with pytest.raises(ConfigError, match="model.hidden"):
+        check(["+model.hidden=64"])
+    with pytest.raises(ConfigCompositionException, match="parallel.tp=two"):
+        compose(["parallel.tp=two"])
+
+
+def test_launch_with_an_invalid_layout_fails_before_training(tmp_path):
+    proc = run_pretrain(tmp_path, ["+experiment=tiny_gpt", "parallel.tp=2"], nproc=1, check=False)
+    assert proc.returncode != 0
+    assert "world size 1 is not divisible by tp*pp*cp = 2*1*1 = 2" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

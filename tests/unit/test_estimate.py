@@ -1,0 +1,144 @@
+"""Memory estimator formulas against hand-computed values (Korthikanti et al. 2022, Megatron)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megand.estimate import (Layout, estimate_memory, layer_activation_bytes,
+                             layer_microbatches_in_flight, stage_params, state_bytes_per_param)
+from megand.model_args import PRESETS
+from megand.training.flops import param_counts
+
+# the paper's setting: GPT shape, f = 4h, MHA, dropout everywhere, 16-bit activations
+GPT = dict(arch="gpt", num_layers=24, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
+           num_query_groups=16, seq_length=2048, vocab_size=50304, norm="layernorm", activation="gelu",
+           position_embedding="learned", tie_embeddings=True, hidden_dropout=0.1, attention_dropout=0.1)
+LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+             num_query_groups=2, seq_length=32, vocab_size=256, norm="rmsnorm", activation="swiglu",
+             position_embedding="rope", tie_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0)
+
+S, B, H, A = 2048, 2, 1024, 16
+SBH = S * B * H
+ATT = 5 * A * S / H  # 160
+
+
+@pytest.mark.parametrize("tp,sp,recompute,expected", [
+    (1, False, "none", SBH * (34 + ATT)),
+    (4, True, "none", SBH * (34 + ATT) / 4),
+    (4, False, "none", SBH * (10 + 24 / 4 + ATT / 4)),
+    (4, True, "selective", SBH * 34 / 4),
+    (4, False, "selective", SBH * (10 + 24 / 4)),
+    (4, True, "full", 2 * SBH / 4),
+    (1, False, "full", 2 * SBH),
+])
+def test_korthikanti_table(tp, sp, recompute, expected):
+    layout = Layout(tp=tp, sequence_parallel=sp, recompute=recompute, micro_batch_size=B, precision="bf16")
+    assert layer_activation_bytes(GPT, layout) == pytest.approx(expected)
+
+
+def test_swiglu_gqa_no_dropout_by_hand():
+    # per token: replicated 4·2·64 = 512; split 2·(64+32) + 2·32 + 2·64 + 3·2·96 = 960; core 4·32·2 = 256
+    assert layer_activation_bytes(LLAMA, Layout()) == 32 * (512 + 960 + 256)
+    # fp32 doubles every term (no 1-byte masks without dropout); context parallelism halves tokens
+    assert layer_activation_bytes(LLAMA, Layout(precision="fp32")) == 2 * 32 * (512 + 960 + 256)
+    assert layer_activation_bytes(LLAMA, Layout(cp=2)) == 16 * (512 + 960 + 256)
+
+
+def test_fused_attention_keeps_no_probabilities():
+    fused = layer_activation_bytes(LLAMA, Layout(fused_attention=True))
+    assert fused == 32 * (512 + 960 + 4 * 4)
+    assert layer_activation_bytes(LLAMA, Layout(fused_attention=True, recompute="selective")) == 32 * (512 + 960)
+
+
+def test_state_bytes():
+    assert sum(state_bytes_per_param(Layout(precision="bf16")).values()) == 18
+    assert sum(state_bytes_per_param(Layout(precision="fp32")).values()) == 16
+    assert sum(state_bytes_per_param(Layout(precision="bf16", distributed_optimizer=True, dp=4)).values()) == 6 + 3
+    assert sum(state_bytes_per_param(Layout(precision="fp32", distributed_optimizer=True, dp=4)).values()) == 8 + 2
+    # sharded over the whole gradient-reduction group dp·cp
+    assert state_bytes_per_param(Layout(distributed_optimizer=True, dp=2, cp=2))["optimizer"] == 3
+
+
+def test_microbatches_in_flight():
+    assert layer_microbatches_in_flight(8, Layout(pp=1, num_microbatches=16), 0) == 8
+    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=8), 0) == 8   # pp micro-batches × L/pp
+    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=8), 3) == 2   # last stage: one
+    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=2), 0) == 4   # fewer than pp
+    # interleaved: Megatron's (1 + (pp-1)/(pp·v)) factor on stage 0
+    assert layer_microbatches_in_flight(8, Layout(pp=4, vpp=2, num_microbatches=8), 0) == 8 * (1 + 3 / 8)
+
+
+def test_stage_params_by_hand():
+    # layer per tp rank: (qkv 64·128 + proj 64·64 + gate/up 2·64·96 + down 96·64)/2 + norms 2·64 = 15488
+    layout = Layout(tp=2, pp=2)
+    assert stage_params(LLAMA, layout, 0) == 15488 + 256 * 64 / 2
+    assert stage_params(LLAMA, layout, 1) == 15488 + 64 + 256 * 64 / 2
+    # one rank holding everything is the full count, tied (GPT) and untied (LLaMA)
+    for cfg in (LLAMA, GPT):
+        assert stage_params(cfg, Layout(), 0) == param_counts(cfg).total
+
+
+def test_estimate_totals_and_peak():
+    layout = Layout(tp=2, pp=2, dp=2, distributed_optimizer=True, micro_batch_size=B, num_microbatches=4)
+    est = estimate_memory(GPT, layout)
+    assert [st.stage for st in est.stages] == [0, 1]
+    first = est.stages[0]
+    assert first.optimizer_bytes == pytest.approx(first.params * 12 / 2)
+    assert first.layer_microbatches_in_flight == 24  # 2 micro-batches × 12 layers
+    parts = (first.param_bytes + first.grad_bytes + first.optimizer_bytes + first.layer_activation_bytes
+             + first.extra_activation_bytes + first.recompute_working_bytes)
+    assert first.total_bytes == pytest.approx(parts)
+    assert est.peak.total_bytes == max(st.total_bytes for st in est.stages)
+    # last stage carries fp32 logits: 4·V/tp bytes per token of one micro-batch
+    assert est.stages[1].extra_activation_bytes >= 4 * 50304 / 2 * S * B
+    json.dumps(est.as_dict())
+
+
+def test_full_recompute_working_set():
+    est = estimate_memory(GPT, Layout(recompute="full", micro_batch_size=B))
+    assert est.stages[0].recompute_working_bytes == pytest.approx(SBH * (34 + ATT))
+
+
+def test_layout_from_config():
+    layout = Layout.from_config({"tp": 2, "pp": 2, "vpp": None, "cp": 1, "dp": None, "sequence_parallel": True},
+                                {"micro_batch_size": 2, "global_batch_size": 32, "precision": "bf16",
+                                 "recompute": "selective"}, {"distributed": True}, world_size=16)
+    assert layout.dp == 4 and layout.num_microbatches == 4 and layout.sp and layout.distributed_optimizer
+
+
+def test_cli_json_and_table():
+    tool = Path(__file__).resolve().parents[2] / "tools" / "estimate.py"
+    out = subprocess.run([sys.executable, str(tool), "--preset", "llama_8b", "--tp", "8", "--sequence-parallel",
+                          "--recompute", "selective", "--json"], capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    assert data["layout"]["tp"] == 8 and data["memory"]["peak_total_bytes"] > 0
+    table = subprocess.run([sys.executable, str(tool), "--preset", "gpt2_125m", "--num-layers", "6", "--pp", "2"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "total" in table and "stage 1" in table
+
+
+def test_presets_are_complete():
+    for cfg in PRESETS.values():
+        estimate_memory(cfg, Layout())
+
+
+def test_states_match_measured_tensors_of_a_reference_model():
+    """fp32, one rank: params + grads + AdamW states of a transformers LLaMA equal the prediction."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from megand.hf_config import build_hf_model
+    model = build_hf_model(LLAMA, attn_implementation="eager")
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, LLAMA["seq_length"]))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    measured = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+    measured += sum(t.nbytes for state in optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor))
+    st = estimate_memory(LLAMA, Layout(precision="fp32")).stages[0]
+    predicted = st.param_bytes + st.grad_bytes + st.optimizer_bytes
+    assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
