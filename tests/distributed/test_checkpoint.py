@@ -1,10 +1,10 @@
 """Exact resume and resharding (issue 6), fp32 on gloo.
 
-One reference run at tp=2 x dp=2 trains 10 steps and saves at step 5 (asynchronously, so the resume
+One saved run at tp=2 x dp=2 trains 10 steps and saves at step 5 (asynchronously, so the resume
 below also proves the background save wrote the state of step 5, not a later one) and at step 10.
 Every other run loads step 5 at some layout and continues to step 10:
-- same layout: losses and grad norms bit-identical to the reference's steps 6-10;
-- another layout: within DESIGN.md's tolerances of the reference's continuation.
+- same layout: losses and grad norms bit-identical to the saved run's steps 6-10;
+- another layout: within DESIGN.md's tolerances of the saved run's continuation.
 GQA with 4 query groups so that tp=4 is valid; vocab 251 is uneven over tp=4 (63, 63, 63, 62 rows).
 """
 
@@ -25,7 +25,7 @@ def pipelining_available() -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_ref")
     run_dir = str(root / "run")
     proc = run_pretrain(run_dir, [*MODEL, "parallel.tp=2", "optim.distributed=true", f"checkpoint.save={root}/ckpt",
@@ -37,8 +37,8 @@ def reference(tmp_path_factory):
     return str(root), read_metrics(run_dir)
 
 
-def continue_from_step5(reference, tmp_path, overrides, nproc=4):
-    root, ref = reference
+def continue_from_step5(saved_run, tmp_path, overrides, nproc=4):
+    root, ref = saved_run
     run_dir = str(tmp_path / "run")
     proc = run_pretrain(run_dir, [*MODEL, *overrides, f"checkpoint.load={root}/ckpt/iter_0000005"], nproc=nproc)
     run = read_metrics(run_dir)
@@ -46,8 +46,8 @@ def continue_from_step5(reference, tmp_path, overrides, nproc=4):
     return proc, ref[5:], run
 
 
-def test_exact_resume_same_layout(reference, tmp_path):
-    proc, ref, run = continue_from_step5(reference, tmp_path, ["parallel.tp=2", "optim.distributed=true"])
+def test_exact_resume_same_layout(saved_run, tmp_path):
+    proc, ref, run = continue_from_step5(saved_run, tmp_path, ["parallel.tp=2", "optim.distributed=true"])
     assert "RNG state: yes" in proc.stdout
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in run] == [r[key] for r in ref], key  # bit-identical
@@ -58,14 +58,14 @@ def test_exact_resume_same_layout(reference, tmp_path):
     ["parallel.tp=4"],  # tp 2 -> 4 (uneven vocab shards), dp 2 -> 1
     ["parallel.tp=2", "parallel.cp=2"],  # dp 2 -> cp 2
 ], ids=["tp1_dp4", "tp4_dp1", "tp2_cp2"])
-def test_reshard(reference, tmp_path, layout):
-    proc, ref, run = continue_from_step5(reference, tmp_path, layout)
+def test_reshard(saved_run, tmp_path, layout):
+    proc, ref, run = continue_from_step5(saved_run, tmp_path, layout)
     assert "RNG state: no, layout changed" in proc.stdout
     assert_parity(ref, run, steps=5)
 
 
 @pytest.mark.skipif(not pipelining_available(), reason="pipeline parallelism (pp>1) has not landed yet")
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2"]], ids=["tp2_pp2"])
-def test_reshard_pipeline(reference, tmp_path, layout):
-    _, ref, run = continue_from_step5(reference, tmp_path, layout)
+def test_reshard_pipeline(saved_run, tmp_path, layout):
+    _, ref, run = continue_from_step5(saved_run, tmp_path, layout)
     assert_parity(ref, run, steps=5)
