@@ -24,6 +24,12 @@ def pipelining_available() -> bool:
     return "NotImplementedError" not in inspect.getsource(get_schedule)
 
 
+def context_parallel_available() -> bool:
+    import megand.core.context_parallel as cp
+
+    return hasattr(cp, "context_parallel_attention")  # what attention.py calls under cp > 1
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_ref")
@@ -56,7 +62,8 @@ def test_exact_resume_same_layout(saved_run, tmp_path):
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=1", "optim.distributed=false"],  # tp 2 -> 1, dp 2 -> 4, distributed optimizer on -> off
     ["parallel.tp=4"],  # tp 2 -> 4 (uneven vocab shards), dp 2 -> 1
-    ["parallel.tp=2", "parallel.cp=2"],  # dp 2 -> cp 2
+    pytest.param(["parallel.tp=2", "parallel.cp=2"], marks=pytest.mark.skipif(  # dp 2 -> cp 2
+        not context_parallel_available(), reason="context parallelism is not wired into attention on this branch")),
 ], ids=["tp1_dp4", "tp4_dp1", "tp2_cp2"])
 def test_reshard(saved_run, tmp_path, layout):
     proc, ref, run = continue_from_step5(saved_run, tmp_path, layout)
