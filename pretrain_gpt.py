@@ -11,12 +11,16 @@ register_schema()
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
+    from megand.core.checkpointing import CheckpointError
     from megand.training.pretrain import pretrain
 
     try:
         pretrain(cfg)
     except ConfigError as e:
         print(f"megand: invalid configuration: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except CheckpointError as e:  # raised by every rank alike, before training
+        print(f"megand: cannot load checkpoint: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megand.config import pipeline_layout, validate
+from megand.core.checkpointing import Checkpointer, StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
@@ -101,15 +102,51 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
-        self.iteration = 0
+        self.iteration, self.sample_offset = 0, 0
+        self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
+        self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
+                                         config_yaml, OmegaConf.to_container(cfg.model, resolve=True))
+        self.stop = StopOnSignal()
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load)
         logging_rank = self.topo.is_logging_rank
-        self.writer = MetricsWriter(cfg.run_dir, logging_rank)
+        self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
         self.peak_flops = device_peak_flops(device, cfg.train.precision, cfg.run_dir) if logging_rank else None
-        self.wandb_run_id = wandb_run_id or new_wandb_run_id()
-        self._wandb = None  # started on first use: a checkpoint loaded after __init__ may set wandb_run_id
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(cfg, resolve=True))
+                f.write(config_yaml)
+
+    def load_checkpoint(self, path):
+        loaded = self.checkpointer.load(path)
+        self.iteration = loaded.iteration
+        self.wandb_run_id = loaded.run_id or self.wandb_run_id
+        # the data position: samples consumed so far (a changed global batch size continues from there)
+        self.sample_offset = loaded.consumed_samples - loaded.iteration * self.cfg.train.global_batch_size
+        if self.topo.is_logging_rank:
+            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
+                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
+                  f"{'yes' if loaded.rng_restored else 'no, layout changed'})", flush=True)
+
+    def save_checkpoint(self):
+        t = self.cfg.train
+        self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
+        self.checkpointer.save(self.iteration, self.sample_offset + self.iteration * t.global_batch_size,
+                               self.wandb_run_id, t.global_batch_size)
+        if self.topo.is_logging_rank:
+            print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
+                  f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
+
+    def checkpoint_step(self) -> bool:
+        """After each step: save when due or when a stop signal reached any rank; True: stop now."""
+        c = self.cfg.checkpoint
+        stop = self.stop.agreed()
+        if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
+            self.save_checkpoint()
+        if stop and self.topo.is_logging_rank:
+            print(f" stop signal received: stopping at iteration {self.iteration}", flush=True)
+        return stop
 
     @property
     def wandb(self) -> WandbLogger:
@@ -139,7 +176,8 @@ class Trainer:
 
     def train_step(self):
         t = self.cfg.train
-        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size, self.topo)
+        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
+                                         self.topo, offset=self.sample_offset)
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -206,6 +244,12 @@ class Trainer:
                     self.wandb.log({"val_loss": val_loss}, step=self.iteration)
                     if self.topo.is_logging_rank:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+            if self.checkpoint_step():
+                break
+        if self.cfg.checkpoint.save and self.checkpointer.last_saved != self.iteration:
+            self.save_checkpoint()
+        self.checkpointer.close()  # waits for an asynchronous save to be complete and published
+        self.stop.restore()
         self.ddp.finish_param_sync()
         self.writer.close()
         self.wandb.finish()

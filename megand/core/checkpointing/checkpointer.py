@@ -1,0 +1,229 @@
+"""Save and load a run's full state, sharded and layout-free, with atomic and optionally asynchronous saves.
+
+Save (every rank, collectively):
+  1. wait for the previous asynchronous save;
+  2. rank 0 makes ``iter_N.tmp/``; each rank writes its RNG file, rank 0 ``common.pt`` and ``config.yaml``;
+  3. the pieces of model and optimizer state are staged on CPU (copied when asynchronous) and written
+     with torch.distributed.checkpoint (in a background thread when asynchronous: training goes on);
+  4. each rank checksums its own data files; rank 0 writes the manifest, renames ``iter_N.tmp`` to
+     ``iter_N`` and then atomically replaces ``latest`` - only after every rank has finished writing.
+A crash anywhere before step 4 leaves ``latest`` and the previous checkpoint untouched.
+
+Load: resolve the directory, check metadata, files and every tensor's full shape against this run's
+model (so a bad checkpoint fails before training with a message naming the file or tensor), then read
+each rank's pieces, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from megand.core.checkpointing import files, sharded
+from megand.core.checkpointing.files import CheckpointError
+
+
+@dataclass
+class LoadedState:
+    iteration: int
+    consumed_samples: int
+    run_id: str | None
+    path: str
+    optimizer_loaded: bool
+    rng_restored: bool
+
+
+def layout_of(topo) -> dict:
+    return {"tp": topo.tp_size, "cp": topo.cp_size, "dp": topo.dp_size, "pp": topo.pp_size, "vpp": topo.vpp,
+            "order": topo.order, "world_size": topo.world_size}
+
+
+def tp_rngs(chunks):
+    """The model-parallel RNG streams used by the chunks (one object shared by all, in practice)."""
+    from megand.core.tensor_parallel import TensorParallelRNG
+
+    seen = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            rng = getattr(module, "rng", None)
+            if isinstance(rng, TensorParallelRNG):
+                seen[id(rng)] = rng
+    return list(seen.values())
+
+
+def rng_state(rngs, device) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tp": [r.state.clone() for r in rngs]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, rngs, device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    for r, s in zip(rngs, state["tp"]):
+        r.state = s.to(r.state.device) if hasattr(r.state, "to") else s
+
+
+def _test_hook(iteration: int, rank: int) -> None:
+    """Tests only: ``MEGAND_TEST_HANG_SAVE=<iteration>:<marker file>`` stops rank 0 of that save after its
+    files are written (before the rename), so a test can kill the job mid-save."""
+    spec = os.environ.get("MEGAND_TEST_HANG_SAVE")
+    if spec and rank == 0 and int(spec.split(":", 1)[0]) == iteration:
+        with open(spec.split(":", 1)[1], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+
+
+class Checkpointer:
+    def __init__(self, ckpt_cfg, topo, named_params, optimizer, chunks, config_yaml: str, model_cfg: dict):
+        self.cfg, self.topo, self.optimizer = ckpt_cfg, topo, optimizer
+        self.named_params = list(named_params)
+        self.rngs = tp_rngs(chunks)
+        self.config_yaml, self.model_cfg = config_yaml, model_cfg
+        # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
+        self.group = dist.new_group(backend="gloo")
+        self.mesh = sharded.tp_mesh(topo)
+        self.rank = dist.get_rank()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if ckpt_cfg.async_save else None
+        self.pending: Future | None = None
+        self.last_saved = None
+        self.last_stall_s = 0.0
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None) -> None:
+        start = time.perf_counter()
+        self.wait()
+        root = self.cfg.save
+        tmp = os.path.join(root, files.iter_dir_name(iteration) + ".tmp")
+        if self.rank == 0:
+            if os.path.exists(tmp):  # left over by a crashed save
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "rng"))
+        dist.barrier(group=self.group)
+        torch.save(rng_state(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
+        if self.rank == 0:
+            common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                      "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
+                      "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg}
+            torch.save(common, os.path.join(tmp, files.COMMON))
+            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+                f.write(self.config_yaml)
+        asynchronous = self.executor is not None
+        state = sharded.save_state(self.named_params, self.optimizer, self.mesh, copy=asynchronous)
+        if asynchronous:
+            self.pending = self.executor.submit(self._write, state, tmp, iteration)
+        else:
+            self._write(state, tmp, iteration)
+        self.last_saved = iteration
+        self.last_stall_s = time.perf_counter() - start
+
+    def _write(self, state, tmp: str, iteration: int) -> None:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+        _test_hook(iteration, self.rank)
+        mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
+        crcs = {n: files.file_crc(os.path.join(tmp, n)) for n in mine}
+        gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object(crcs, gathered, dst=0, group=self.group)  # every rank has finished writing
+        if self.rank == 0:
+            merged = {k: v for d in gathered for k, v in d.items()}
+            with open(os.path.join(tmp, files.MANIFEST), "w") as f:
+                json.dump({"crc32": merged}, f)
+            self._publish(tmp, iteration)
+        dist.barrier(group=self.group)
+
+    def _publish(self, tmp: str, iteration: int) -> None:
+        root = self.cfg.save
+        final = os.path.join(root, files.iter_dir_name(iteration))
+        files.fsync_dir(tmp)
+        old = None
+        if os.path.exists(final):  # the same iteration saved again (a resumed run)
+            old = f"{final}.old{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        files.fsync_dir(root)
+        files.atomic_write_text(os.path.join(root, files.LATEST), f"{iteration}\n")
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the previous asynchronous save has finished (and re-raise its error, if any)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    # ----------------------------------------------------------------------------------------- load
+    def _check_files_together(self, iter_dir, metadata) -> None:
+        """Each rank checksums a share of the files; every rank raises the same error if any fails."""
+        world = dist.get_world_size(self.group)
+        try:
+            files.check_files(iter_dir, metadata, part=(dist.get_rank(self.group), world))
+            problem = None
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [None] * world
+        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [p for p in problems if p]
+        if problems:
+            raise CheckpointError(problems[0])
+
+    def load(self, path: str) -> LoadedState:
+        iter_dir = files.resolve(path)
+        metadata = files.read_metadata(iter_dir)
+        common = files.read_common(iter_dir)
+        keys = set(metadata.state_dict_metadata)
+        template = self.optimizer.state_dict_per_param()
+        expected = sharded.expected_full_shapes(self.named_params, template)
+        has_optimizer = any(k.startswith("optim.") for k in keys)
+        # model weights always; optimizer states when the checkpoint has any (an imported HF model has
+        # none); an fp32 ``main`` copy is optional (absent from fp32 runs)
+        required = {k for k in expected if k.startswith("model.") or (has_optimizer and not k.endswith(".main"))}
+        files.check_shapes(iter_dir, metadata, expected, required)
+        files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
+        self._check_files_together(iter_dir, metadata)
+
+        state, model_targets, optim_targets = sharded.load_buffers(self.named_params, template, self.mesh, keys)
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(iter_dir), process_group=self.group)
+        except Exception as e:  # noqa: BLE001 - name the checkpoint in whatever DCP raised
+            raise CheckpointError(f"{iter_dir}: reading the checkpoint failed: {type(e).__name__}: {e}") from e
+        for name, param in self.named_params:
+            sharded.copy_into(param.data, state[model_targets[name]].to_local(), param.meta)
+        if has_optimizer:
+            metas = dict(self.named_params)
+            states = {name: {kind: sharded.padded_like(template[name][kind], state[key].to_local(), metas[name].meta)
+                             for kind, key in optim_targets.get(name, {}).items()} for name in template}
+            self.optimizer.load_scalar_state(common["optimizer"])
+            self.optimizer.load_state_dict_per_param(states)
+        rng_restored = False
+        rng_file = os.path.join(iter_dir, "rng", f"rank_{self.rank:05d}.pt")
+        if common.get("layout") == layout_of(self.topo) and os.path.isfile(rng_file):
+            try:
+                set_rng_state(torch.load(rng_file, weights_only=False), self.rngs, self.topo.device)
+            except (OSError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
+                raise CheckpointError(f"{rng_file}: corrupted ({type(e).__name__}: {e})") from None
+            rng_restored = True
+        dist.barrier(group=self.group)
+        return LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
+                           iter_dir, has_optimizer, rng_restored)

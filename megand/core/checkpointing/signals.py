@@ -1,0 +1,34 @@
+"""SIGTERM/SIGINT: finish the current step, save a checkpoint, exit 0.
+
+A signal may reach only some ranks (a scheduler preempting one node, a test signalling one process).
+Each step every rank contributes its flag to an all-reduce (MAX), so all ranks stop at the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class StopOnSignal:
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.group = dist.new_group(backend="gloo")  # CPU flag; never touches the training streams
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def agreed(self) -> bool:
+        """Collective: whether any rank has received a stop signal."""
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
