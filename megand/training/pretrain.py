@@ -12,7 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megand.config import pipeline_layout, validate
-from megand.core.checkpointing import Checkpointer, StopOnSignal
+from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
@@ -101,13 +101,20 @@ class Trainer:
         self.schedule = get_schedule(self.topo)
         self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
+        # stages with neither the embedding nor the loss read no tokens
+        needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
+        self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens)
         self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
         self.iteration, self.sample_offset = 0, 0
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
-                                         config_yaml, OmegaConf.to_container(cfg.model, resolve=True))
+        self.checkpointer = None
+        if cfg.checkpoint.save or cfg.checkpoint.load:
+            from megand.core.checkpointing import Checkpointer
+
+            self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer,
+                                             self.chunks, config_yaml, OmegaConf.to_container(cfg.model, resolve=True))
         self.stop = StopOnSignal()
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
@@ -177,7 +184,7 @@ class Trainer:
     def train_step(self):
         t = self.cfg.train
         microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
-                                         self.topo, offset=self.sample_offset)
+                                         self.topo, offset=self.sample_offset, **self.batch_needs)
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -190,7 +197,8 @@ class Trainer:
 
     def batch_checksum(self, microbatches) -> int:
         """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
-        local = sum(int(((mb.input_ids + 1) * (mb.positions + 1)).sum()) for mb in microbatches)
+        local = sum(int(((mb.input_ids + 1) * (mb.positions + 1)).sum()) for mb in microbatches
+                    if mb.input_ids is not None)  # a middle pipeline stage holds no tokens
         total = torch.tensor([local], dtype=torch.int64, device=self.topo.device)
         if self.topo.dp_cp_size > 1:
             dist.all_reduce(total, group=self.topo.dp_cp_group)
@@ -203,7 +211,8 @@ class Trainer:
             chunk.eval()
         total = 0.0
         for k in range(t.eval_iters):
-            microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo)
+            microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
+                                             **self.batch_needs)
             total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
         return total / max(1, t.eval_iters)
 
@@ -248,7 +257,8 @@ class Trainer:
                 break
         if self.cfg.checkpoint.save and self.checkpointer.last_saved != self.iteration:
             self.save_checkpoint()
-        self.checkpointer.close()  # waits for an asynchronous save to be complete and published
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # waits for an asynchronous save to be complete and published
         self.stop.restore()
         self.ddp.finish_param_sync()
         self.writer.close()

@@ -9,13 +9,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megand.core.checkpointing import Checkpointer, CheckpointError, offline
+from megand.config import OptimConfig
 from megand.core.optimizer import Optimizer
 
 MODEL = dict(arch="gpt", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=None,
              seq_length=16, vocab_size=51, norm="layernorm", activation="gelu", position_embedding="learned",
              rope_theta=10000.0, tie_embeddings=True, init_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
-OPTIM = OmegaConf.create(dict(lr=1e-3, min_lr=1e-4, warmup_iters=1, decay_iters=None, schedule="cosine",
-                              weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, clip_grad=1.0))
+OPTIM = OmegaConf.structured(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_iters=1))
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ METADATA = ".metadata"
 FORMAT = 1
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run; the message names the file or tensor."""
+from megand.core.checkpointing.errors import CheckpointError  # noqa: E402  (re-exported)
 
 
 def iter_dir_name(iteration: int) -> str:

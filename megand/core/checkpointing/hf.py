@@ -33,24 +33,43 @@ def hf_kind(m: dict) -> str:
                      f"(llama: rmsnorm+swiglu+rope; gpt: layernorm+gelu+learned, multi-head)")
 
 
+def hf_model_config(m: dict):
+    """The transformers config of the same architecture and shape: the one mapping of megand's model keys,
+    used by export and by the benchmark baseline."""
+    kind = hf_kind(m)
+    h, heads, groups, _, hd = _dims(m)
+    tie = bool(m["tie_embeddings"])
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
+                           num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
+                           head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
+                           initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
+                           rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
+                           tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
+                           attention_dropout=m.get("attention_dropout", 0.0),
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_length"], n_embd=h, n_layer=m["num_layers"],
+                      n_head=heads, n_inner=m["ffn_hidden_size"], activation_function="gelu_new",
+                      resid_pdrop=m.get("hidden_dropout", 0.0), embd_pdrop=m.get("hidden_dropout", 0.0),
+                      attn_pdrop=m.get("attention_dropout", 0.0), layer_norm_epsilon=NORM_EPS,
+                      initializer_range=m.get("init_std", 0.02), tie_word_embeddings=tie,
+                      bos_token_id=None, eos_token_id=None)
+
+
 # ------------------------------------------------------------------------------------------- export
 def to_hf(tensors: dict[str, torch.Tensor], m: dict):
     """(transformers config, HF state dict) for megand full tensors ``tensors`` of model config ``m``."""
     kind = hf_kind(m)
     h, heads, groups, qpg, hd = _dims(m)
     tie = bool(m["tie_embeddings"])
+    config = hf_model_config(m)
     W = tensors
     sd = {}
     if kind == "llama":
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
-                             num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
-                             head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
-                             initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
-                             rope_parameters={"rope_type": "default", "rope_theta": float(m["rope_theta"])},
-                             tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
-                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
         sd["model.embed_tokens.weight"] = W["embedding.word.weight"]
         for i in range(m["num_layers"]):
             p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -67,13 +86,6 @@ def to_hf(tensors: dict[str, torch.Tensor], m: dict):
             sd[q + "post_attention_layernorm.weight"] = W[p + "post_attention_norm.weight"]
         sd["model.norm.weight"] = W["final_norm.weight"]
     else:
-        from transformers import GPT2Config
-
-        config = GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_length"], n_embd=h, n_layer=m["num_layers"],
-                            n_head=heads, n_inner=m["ffn_hidden_size"], activation_function="gelu_new",
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=NORM_EPS,
-                            initializer_range=m.get("init_std", 0.02), tie_word_embeddings=tie,
-                            bos_token_id=None, eos_token_id=None)
         sd["transformer.wte.weight"] = W["embedding.word.weight"]
         sd["transformer.wpe.weight"] = W["embedding.position"]
         for i in range(m["num_layers"]):

@@ -1,0 +1,38 @@
+"""This rank's share of the global batch: data-parallel slices, context-parallel chunks, token-free stages."""
+
+from types import SimpleNamespace
+
+import torch
+
+from megand.data.mock import MockGPTDataset
+from megand.training.batches import rank_microbatches
+
+
+def topo(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1):
+    return SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size,
+                           device=torch.device("cpu"))
+
+
+def test_data_parallel_ranks_take_contiguous_slices_of_the_same_global_batch():
+    data = MockGPTDataset(16, 100, seed=1, num_samples=64)
+    whole = rank_microbatches(data, 2, 8, 2, topo())
+    halves = [mb for r in range(2) for mb in rank_microbatches(data, 2, 8, 2, topo(r, 2))]
+    assert torch.equal(torch.cat([mb.input_ids for mb in whole]), torch.cat([mb.input_ids for mb in halves]))
+    assert torch.equal(whole[0].input_ids[0], torch.from_numpy(data[16][:-1]))  # iteration 2 starts at sample 16
+
+
+def test_context_parallel_chunks_keep_global_positions():
+    data = MockGPTDataset(16, 100, seed=1, num_samples=8)
+    (mb,) = rank_microbatches(data, 0, 2, 2, topo(cp_rank=0, cp_size=2))
+    assert mb.positions.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert torch.equal(mb.labels[0], torch.from_numpy(data[0][1:])[mb.positions])
+
+
+def test_a_stage_without_embedding_or_loss_reads_no_tokens():
+    class Untouchable:
+        def __getitem__(self, i):
+            raise AssertionError("a middle pipeline stage must not read samples")
+
+    mbs = rank_microbatches(Untouchable(), 0, 8, 2, topo(), seq_length=16, needs_tokens=False)
+    assert len(mbs) == 4 and all(mb.input_ids is None and mb.labels is None for mb in mbs)
+    assert mbs[0].positions.tolist() == list(range(16)) and mbs[0].batch_size == 2
