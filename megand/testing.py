@@ -67,19 +67,48 @@ def read_metrics(run_dir) -> list[dict]:
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
-def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, extra_env=None, check=True):
-    """Launch ``pretrain_gpt.py`` with torchrun on ``nproc`` local ranks (gloo on CPU); return the
-    completed process. The run's files go to ``run_dir``."""
+def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, extra_env=None, check=True,
+                 torchrun: bool = False):
+    """Run ``pretrain_gpt.py`` on ``nproc`` local ranks (gloo on CPU); return a CompletedProcess whose
+    stdout/stderr hold every rank's output. The run's files go to ``run_dir``.
+
+    By default the ranks are started directly with torchrun's environment variables (the env://
+    rendezvous a one-node torchrun sets up), which saves the launcher's own torch import per run;
+    ``torchrun=True`` goes through ``torch.distributed.run`` exactly as a user does.
+    """
     import subprocess
     import sys
+    import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(root, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
+    script = [os.path.join(root, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+    else:
+        cmd = [sys.executable, *script]
+        port = free_port()
+        with tempfile.TemporaryDirectory() as logs:
+            outs = [open(os.path.join(logs, f"{r}.out"), "w+") for r in range(nproc)]
+            errs = [open(os.path.join(logs, f"{r}.err"), "w+") for r in range(nproc)]
+            ranks = [subprocess.Popen(cmd, cwd=root, stdout=outs[r], stderr=errs[r], env={
+                **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}) for r in range(nproc)]
+            try:
+                codes = [rank.wait(timeout=timeout) for rank in ranks]
+            finally:
+                for rank in ranks:
+                    if rank.poll() is None:
+                        rank.kill()
+            read = [[(f.seek(0), f.read())[1] for f in files] for files in (outs, errs)]
+            for f in outs + errs:
+                f.close()
+        failed = [c for c in codes if c != 0]
+        proc = subprocess.CompletedProcess(cmd, failed[0] if failed else 0, "".join(read[0]), "".join(read[1]))
     if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} on {nproc} ranks failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
