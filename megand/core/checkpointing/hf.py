@@ -12,6 +12,7 @@ Both use the rotate-half RoPE, tanh-GELU (``gelu_new``) and norm epsilon 1e-5.
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 NORM_EPS = 1e-5
 
@@ -71,7 +72,7 @@ def to_hf(tensors: dict[str, torch.Tensor], m: dict):
     sd = {}
     if kind == "llama":
         sd["model.embed_tokens.weight"] = W["embedding.word.weight"]
-        for i in range(m["num_layers"]):
+        for i in tqdm(range(m["num_layers"]), desc="layers", unit="layer", disable=None):
             p, q = f"layers.{i}.", f"model.layers.{i}."
             qkv = W[p + "attention.qkv.weight"].view(groups, qpg + 2, hd, h)
             sd[q + "self_attn.q_proj.weight"] = qkv[:, :qpg].reshape(groups * qpg * hd, h)
@@ -88,7 +89,7 @@ def to_hf(tensors: dict[str, torch.Tensor], m: dict):
     else:
         sd["transformer.wte.weight"] = W["embedding.word.weight"]
         sd["transformer.wpe.weight"] = W["embedding.position"]
-        for i in range(m["num_layers"]):
+        for i in tqdm(range(m["num_layers"]), desc="layers", unit="layer", disable=None):
             p, q = f"layers.{i}.", f"transformer.h.{i}."
             qkv_w = W[p + "attention.qkv.weight"].view(heads, 3, hd, h)
             qkv_b = W[p + "attention.qkv.bias"].view(heads, 3, hd)
@@ -147,7 +148,7 @@ def from_hf(config, sd: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.
                  rope_theta=float(theta), tie_embeddings=bool(config.tie_word_embeddings),
                  init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
         W["embedding.word.weight"] = sd["model.embed_tokens.weight"]
-        for i in range(L):
+        for i in tqdm(range(L), desc="layers", unit="layer", disable=None):
             p, q = f"layers.{i}.", f"model.layers.{i}."
             wq = sd[q + "self_attn.q_proj.weight"].view(groups, qpg, hd, h)
             wk = sd[q + "self_attn.k_proj.weight"].view(groups, 1, hd, h)
@@ -176,7 +177,7 @@ def from_hf(config, sd: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.
                  init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
         W["embedding.word.weight"] = sd["transformer.wte.weight"]
         W["embedding.position"] = sd["transformer.wpe.weight"]
-        for i in range(L):
+        for i in tqdm(range(L), desc="layers", unit="layer", disable=None):
             p, q = f"layers.{i}.", f"transformer.h.{i}."
             w = sd[q + "attn.c_attn.weight"].t().reshape(3, heads, hd, h)  # [Q|K|V] rows, per head
             b = sd[q + "attn.c_attn.bias"].reshape(3, heads, hd)
