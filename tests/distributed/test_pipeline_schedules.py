@@ -78,8 +78,7 @@ def _run_schedules(run_dir):
         microbatches = rank_microbatches(trainer.train_data, 0, 2 * M, 2, topo)
         assert len(microbatches) == M
         for name, schedule in schedules.items():
-            for p in trainer.params:
-                p.grad = None
+            trainer.ddp.zero_grad()  # gradients accumulate into the engine's fp32 main_grad buffers
             stats, saved = ScheduleStats(), SavedActivations(trainer.params)
             with saved.hooks():
                 loss = schedule(chunks, microbatches, trainer.forward_step, topo, stats=stats)
@@ -88,7 +87,7 @@ def _run_schedules(run_dir):
             out[name] = dict(peak_live=stats.peak_live, end_live=stats.live, peak_bytes=saved.peak, end_bytes=saved.live,
                              loss=None if loss is None else loss.item(),
                              eval_loss=None if eval_loss is None else eval_loss.item(),
-                             grads={n: p.grad.numpy().copy() for c in chunks for n, p in c.named_parameters()})  # numpy: pickled by value
+                             grads={n: p.main_grad.numpy().copy() for c in chunks for n, p in c.named_parameters()})  # numpy: pickled by value
         if label == "plain" and topo.is_first_stage:  # stored bytes of one micro-batch on this stage
             saved = SavedActivations(trainer.params)
             with saved.hooks():
