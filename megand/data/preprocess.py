@@ -27,6 +27,10 @@ from megand.data.jsonl import parse_json_line
 from megand.data.tokenizer import SentencePieceTokenizer
 
 CHUNK_BYTES = 1 << 20
+
+# Spawned, not forked, workers: a fork of a process that already runs threads (torch, tqdm, a test
+# runner) can inherit a held lock and hang; spawned workers start clean.
+_MP = mp.get_context("spawn")
 _MAX_REPORTED_ERRORS = 20
 
 
@@ -144,7 +148,7 @@ def _process_range(path, start, end, first_lineno, out_prefix, model_path, keys,
     t0 = time.perf_counter()
     bar = tqdm(total=end - start, unit="B", unit_scale=True, desc=os.path.basename(path), position=position,
                disable=not progress, mininterval=1.0, smoothing=0.1)
-    pool = mp.Pool(workers, initializer=_init_worker, initargs=(model_path,))
+    pool = _MP.Pool(workers, initializer=_init_worker, initargs=(model_path,))
     try:
         chunks = _read_chunks(path, start, end, first_lineno, keys, append_eod, throttle)
         for per_key, errors, empty, nbytes in pool.imap(_encode_chunk, chunks):
@@ -252,8 +256,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, 
                               progress=progress)
     part_prefixes = [f"{output_prefix}_part{k}" for k in range(len(bounds))]
     per_part = max(1, workers // len(bounds))
-    queue = mp.get_context().Queue()
-    procs = [mp.Process(target=_partition_main,
+    queue = _MP.Queue()
+    procs = [_MP.Process(target=_partition_main,
                         args=(queue, input_path, *b, pp, *common, per_part, on_error),
                         kwargs=dict(position=k, progress=progress))
              for k, (b, pp) in enumerate(zip(bounds, part_prefixes))]
