@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megand.core.context_parallel import all_gather_attention, ring_attention, split_for_cp  # noqa: E402
-from megand.testing import run_distributed  # noqa: E402
+from megand.tools.spawn import run_distributed  # noqa: E402
 
 # the module itself (the package exports a function of the same name), to swap its send/recv for local copies
 ring_module = importlib.import_module("megand.core.context_parallel.ring_attention")

@@ -74,7 +74,7 @@ def time_worker(model, steps):
 
 
 def main():
-    from megand.testing import run_distributed
+    from megand.tools.spawn import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)

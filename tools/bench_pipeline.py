@@ -70,7 +70,7 @@ def _rank_main(overrides, steps, warmup):
 
 
 def bench(pp, vpp, m, steps, warmup, extra):
-    from megand.testing import run_distributed
+    from megand.tools.spawn import run_distributed
 
     run_dir = tempfile.mkdtemp(prefix="bench_pipeline_")
     overrides = [*DEFAULT_OVERRIDES, f"parallel.pp={pp}", f"parallel.vpp={vpp if vpp > 1 else 'null'}",

@@ -118,12 +118,9 @@ def init_distributed() -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not launched by torchrun: a one-process world
-            from megand.testing import free_port
-
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if "RANK" not in os.environ:  # not launched by torchrun: a one-process world, no rendezvous needed
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, **kwargs)
     return device
 

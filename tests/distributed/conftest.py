@@ -2,7 +2,7 @@
 
 import pytest
 
-from megand.testing import read_metrics, run_pretrain
+from tests.harness import read_metrics, run_pretrain
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""In-process trainers for the data-parallel tests (run inside megand.testing.run_distributed ranks)."""
+"""In-process trainers for the data-parallel tests (run inside megand.tools.spawn.run_distributed ranks)."""
 
 import os
 import tempfile

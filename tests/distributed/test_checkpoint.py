@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from megand.testing import assert_parity, read_metrics, run_pretrain
+from tests.harness import assert_parity, read_metrics, run_pretrain
 
 MODEL = ["+experiment=tiny_llama", "model.num_attention_heads=8", "model.num_query_groups=4", "train.iters=10"]
 SAVED_LAYOUTS = {  # name: overrides of a 4-rank run that saves at steps 5 (asynchronously) and 10

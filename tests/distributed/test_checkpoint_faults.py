@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from megand.testing import read_metrics, run_pretrain
+from tests.harness import read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megand.core.checkpointing import hf, offline
-from megand.testing import read_metrics, run_pretrain
+from tests.harness import read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

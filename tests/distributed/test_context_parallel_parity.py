@@ -2,7 +2,7 @@
 
 import pytest
 
-from megand.testing import assert_parity
+from tests.harness import assert_parity
 
 LAYOUTS = {
     "cp2_p2p": (2, ["parallel.cp=2", "parallel.cp_comm=p2p"]),

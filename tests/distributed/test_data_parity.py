@@ -1,7 +1,7 @@
 """On an indexed dataset (the offline quickstart corpus), a tp=2 x dp=2 run and the one-process run see
 identical global batches (token checksums per step) and match losses per DESIGN.md section 3."""
 
-from megand.testing import assert_parity
+from tests.harness import assert_parity
 
 DATA = ["data=quickstart", "model.vocab_size=2048", "model.seq_length=64"]
 

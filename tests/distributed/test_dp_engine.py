@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megand.testing import run_distributed
+from megand.tools.spawn import run_distributed
 from tests.distributed.dp_helpers import build_trainer, same, snapshot_params, snapshot_state, state_bytes, step
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megand.testing import assert_parity, read_metrics, run_pretrain
+from tests.harness import assert_parity, read_metrics, run_pretrain
 
 SMALL_BUCKETS = "optim.bucket_size=4000"  # several buckets: layer boundaries, shards that split parameters
 

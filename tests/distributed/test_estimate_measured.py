@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megand.testing import run_distributed
+from megand.tools.spawn import run_distributed
 
 LAYOUTS = {
     "tp1_dp4": ["parallel.tp=1"],

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.parallel_state import ParallelSizes, Topology, rank_groups
-from megand.testing import run_distributed
+from megand.tools.spawn import run_distributed
 
 SIZES = ParallelSizes(tp=2, cp=1, dp=2, pp=2)
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import uuid
 
-from megand.testing import free_port, read_metrics, run_pretrain
+from megand.tools.spawn import free_port
+from tests.harness import read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=4"]

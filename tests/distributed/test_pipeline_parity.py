@@ -7,7 +7,7 @@ the reference's validation loss.
 
 import pytest
 
-from megand.testing import assert_parity, read_metrics, run_pretrain
+from tests.harness import assert_parity, read_metrics, run_pretrain
 
 PP2 = ["parallel.pp=2"]
 CASES = {  # name: (processes, overrides)

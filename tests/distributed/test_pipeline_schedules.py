@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from megand.testing import run_distributed
+from megand.tools.spawn import run_distributed
 
 M, PP = 8, 2
 

@@ -2,7 +2,7 @@
 
 import json
 
-from megand.testing import read_metrics, run_pretrain
+from tests.harness import read_metrics, run_pretrain
 
 
 def test_quickstart_trains(tmp_path):

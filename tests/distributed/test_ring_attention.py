@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megand.core.context_parallel import all_gather_attention, gather_from_cp, ring_attention, split_for_cp
-from megand.testing import run_distributed
+from megand.tools.spawn import run_distributed
 
 ATTENTIONS = {"ring": ring_attention, "all_gather": all_gather_attention}
 SEQ, HEAD_DIM = 64, 16

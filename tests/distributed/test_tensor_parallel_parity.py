@@ -2,7 +2,7 @@
 
 import pytest
 
-from megand.testing import assert_parity
+from tests.harness import assert_parity
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),

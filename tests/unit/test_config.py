@@ -4,7 +4,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from megand.config import ConfigError, compose, validate
-from megand.testing import run_pretrain
+from tests.harness import run_pretrain
 
 
 def check(overrides, world_size=1):
