@@ -4,7 +4,7 @@ import sys
 
 import hydra
 
-from megand.config import ConfigError, register_schema
+from megand.training.config import ConfigError, register_schema
 
 register_schema()
 

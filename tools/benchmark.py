@@ -17,64 +17,7 @@ On CUDA the default precision is bf16 (``train.precision``) and MFU is against t
 fp32 against a measured matmul peak.
 """
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
-# Tools run from a source tree: import the megand of this checkout, even when another copy is installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from megand.benchmark_baseline import run_baseline  # noqa: E402
-from megand.benchmark_megand import benchmark_config, run_megand  # noqa: E402
-
-MODES = ("megand", "baseline", "both")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (model=llama_50m ...)")
-    p.add_argument("--mode", choices=MODES, default="megand")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS)")
-    p.add_argument("--peak-cache-dir", default=None,
-                   help="directory that caches the measured CPU peak FLOP/s (default: the run directory)")
-    return p.parse_intermixed_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
-    cfg = benchmark_config(args.overrides, args.steps, args.warmup, cuda)
-    result = None
-    if args.mode in ("megand", "both"):
-        result = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if args.mode in ("baseline", "both") and rank == 0:
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        baseline = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size,
-                                args.steps, args.warmup, device, cfg.train.precision, seed=cfg.train.seed,
-                                peak_cache_dir=args.peak_cache_dir or cfg.run_dir)
-        if result is None:
-            result = baseline
-        else:
-            result.update(mode="both", baseline=baseline,
-                          overhead_ratio=baseline["tokens_per_s"] / result["tokens_per_s"])
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps(result), flush=True)
-    return result
-
+from megand.tools.benchmark import main
 
 if __name__ == "__main__":
     main()

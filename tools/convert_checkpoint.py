@@ -8,53 +8,9 @@
         `checkpoint.load=ckpts/imported`
 """
 
-import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from omegaconf import OmegaConf  # noqa: E402
-
-from megand.core.checkpointing import CheckpointError, hf, offline  # noqa: E402
-
-
-def export(load: str, out: str) -> None:
-    model_cfg = OmegaConf.to_container(offline.read_config(load).model, resolve=True)
-    tensors = offline.load_full_tensors(load)
-    hf.export(tensors, model_cfg, out)
-    print(f"exported {load} ({hf.hf_kind(model_cfg)}, {sum(t.numel() for t in tensors.values()):,} parameters) to {out}")
-
-
-def import_(hf_dir: str, save: str) -> None:
-    config, sd = hf.load_hf(hf_dir)
-    model_cfg, tensors = hf.from_hf(config, sd)
-    offline.build_full_model(model_cfg, tensors)  # checks names and shapes against a megand model
-    config_yaml = OmegaConf.to_yaml({"model": model_cfg})
-    path = offline.save_full_model(save, tensors, config_yaml, model_cfg)
-    print(f"imported {hf_dir} ({config.model_type}) to {path}")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="megand checkpoint -> Hugging Face directory")
-    e.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir")
-    e.add_argument("--out", required=True, help="output transformers directory")
-    i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="transformers directory (llama or gpt2)")
-    i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
-    args = p.parse_args(argv)
-    try:
-        if args.command == "export":
-            export(args.load, args.out)
-        else:
-            import_(args.hf, args.save)
-    except (CheckpointError, ValueError) as err:
-        print(f"convert_checkpoint: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+from megand.tools.convert_checkpoint import main
 
 if __name__ == "__main__":
     sys.exit(main())

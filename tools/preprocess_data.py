@@ -6,41 +6,9 @@ Example:
 writes data/corpus_text_document.bin and .idx.
 """
 
-import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megand.data.errors import DataError  # noqa: E402
-from megand.data.preprocess import output_prefix_for, preprocess_jsonl  # noqa: E402
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="jsonl file, one JSON object per line")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize (one dataset each)")
-    p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes (in total)")
-    p.add_argument("--partitions", type=int, default=1,
-                   help="split the input into this many ranges processed concurrently, then merged")
-    p.add_argument("--on-error", choices=["fail", "skip"], default="fail", help="what to do with malformed lines")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    try:
-        summary = preprocess_jsonl(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
-                                   args.append_eod, args.workers, args.partitions, args.on_error,
-                                   progress=not args.no_progress)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary.describe())
-    for key in args.json_keys:
-        print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
-    return 0
-
+from megand.tools.preprocess_data import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,9 +29,7 @@ GROUP_DIMS = {
     "dp": ("dp",),
     "pp": ("pp",),
     "dp_cp": ("dp", "cp"),  # gradient reduction and the distributed optimizer's shards
-    "tp_cp": ("tp", "cp"),
     "mp": ("tp", "pp"),  # model parallel: one full replica of the model
-    "tp_cp_pp": ("tp", "cp", "pp"),  # everything but dp: the ranks of one data-parallel replica
 }
 
 
@@ -102,13 +100,17 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, l
     return groups
 
 
+def local_rank() -> int:
+    """This process's index on its node, as the launcher (torchrun, SLURM via torchrun) set it."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def choose_device_and_backend() -> tuple[torch.device, str]:
     """The one place where the device and the collective backend are chosen."""
     if torch.cuda.is_available():
         # per node: the local rank (never the global rank); modulo the visible devices for launchers
         # (e.g. SLURM with one GPU bound per task) that leave each process a single visible device
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        return torch.device("cuda", local_rank() % torch.cuda.device_count()), "nccl"
     return torch.device("cpu"), "gloo"
 
 
@@ -142,6 +144,7 @@ class Topology:
     def __post_init__(self):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.local_rank = local_rank()
         if self.world_size != self.sizes.world_size:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
         self.coords = rank_coords(self.rank, self.sizes, self.order)
@@ -171,7 +174,6 @@ class Topology:
     dp_group = property(lambda self: self.groups["dp"])
     pp_group = property(lambda self: self.groups["pp"])
     dp_cp_group = property(lambda self: self.groups["dp_cp"])
-    tp_cp_group = property(lambda self: self.groups["tp_cp"])
     mp_group = property(lambda self: self.groups["mp"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
 

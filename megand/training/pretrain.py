@@ -11,20 +11,26 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megand.config import pipeline_layout, validate
 from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
-from megand.core.pipeline_parallel.layout import chunk_specs
+from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_parameters
 from megand.core.tensor_parallel import TensorParallelRNG, seed_default_generator
 from megand.core.transformer import TransformerConfig
 from megand.data.builder import build_datasets as build_data_splits
+from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.batches import rank_microbatches
-from megand.training.flops import flops_per_iteration
+from megand.training.config import (
+    checkpoint_config,
+    data_parallel_config,
+    optimizer_config,
+    transformer_config,
+    validate,
+)
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.peak import device_peak_flops, mfu
 from megand.training.wandb_logger import WandbLogger
@@ -38,7 +44,7 @@ def build_topology(cfg, device) -> Topology:
 
 def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
     """This rank's model chunks (one unless interleaved), initialised independently of the layout."""
-    model_cfg = TransformerConfig.from_cfg(cfg.model, cfg.parallel, cfg.train)
+    model_cfg = transformer_config(cfg)
     rng = TensorParallelRNG(cfg.train.seed, topo.tp_rank, topo.device)
     layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
     chunks = []
@@ -56,7 +62,7 @@ def build_datasets(cfg, topo):
     Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done."""
     t, m = cfg.train, cfg.model
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-    turn = 0 if dist.get_rank() == 0 else 1 if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2
+    turn = 0 if topo.rank == 0 else 1 if topo.local_rank == 0 else 2
     for phase in range(3):
         if phase == turn:
             train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
@@ -96,34 +102,46 @@ class Trainer:
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.ddp = DataParallel(self.chunks, self.topo, cfg.optim)  # params now live in its buffers
-        self.optimizer = Optimizer(self.named_params, cfg.optim, cfg.train.iters, self.topo, self.ddp)
+        self.ddp = DataParallel(self.chunks, self.topo, data_parallel_config(cfg))  # params now live in its buffers
+        self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.schedule = get_schedule(self.topo)
         self.train_data, self.valid_data = build_datasets(cfg, self.topo)
+        self._plan_batches()
+        self.iteration, self.sample_offset = 0, 0
+        self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
+        self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
+        self.checkpointer = self._build_checkpointer()
+        self.stop = StopOnSignal()
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load)
+        self._open_logs()
+
+    def _plan_batches(self):
+        """What each step reads and computes: tokens per global batch, FLOPs, whether this rank reads tokens."""
+        cfg = self.cfg
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
         # stages with neither the embedding nor the loss read no tokens
         needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
         self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens)
         self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
-        self.iteration, self.sample_offset = 0, 0
-        self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
-        self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        self.checkpointer = None
-        if cfg.checkpoint.save or cfg.checkpoint.load:
-            from megand.core.checkpointing import Checkpointer
 
-            self.checkpointer = Checkpointer(cfg.checkpoint, self.topo, self.named_params, self.optimizer,
-                                             self.chunks, config_yaml, OmegaConf.to_container(cfg.model, resolve=True))
-        self.stop = StopOnSignal()
-        if cfg.checkpoint.load:
-            self.load_checkpoint(cfg.checkpoint.load)
-        logging_rank = self.topo.is_logging_rank
+    def _build_checkpointer(self):
+        cfg = self.cfg
+        if not (cfg.checkpoint.save or cfg.checkpoint.load):
+            return None
+        from megand.core.checkpointing import Checkpointer
+
+        return Checkpointer(checkpoint_config(cfg), self.topo, self.named_params, self.optimizer, self.chunks,
+                            OmegaConf.to_yaml(cfg, resolve=True), OmegaConf.to_container(cfg.model, resolve=True))
+
+    def _open_logs(self):
+        """metrics.jsonl (appended to after a resume), the MFU denominator and the run's config file."""
+        cfg, logging_rank = self.cfg, self.topo.is_logging_rank
         self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
-        self.peak_flops = device_peak_flops(device, cfg.train.precision, cfg.run_dir) if logging_rank else None
+        self.peak_flops = device_peak_flops(self.topo.device, cfg.train.precision, cfg.run_dir) if logging_rank else None
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-                f.write(config_yaml)
+                f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
@@ -195,6 +213,12 @@ class Trainer:
         self.last_batch_checksum = self.batch_checksum(microbatches)
         return self.global_loss(None if loss_sum is None else loss_sum / loss_scale), result
 
+    def step(self):
+        """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances."""
+        loss, result = self.train_step()
+        self.iteration += 1
+        return loss, result
+
     def batch_checksum(self, microbatches) -> int:
         """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
         local = sum(int(((mb.input_ids + 1) * (mb.positions + 1)).sum()) for mb in microbatches
@@ -242,8 +266,7 @@ class Trainer:
         start, best_val = time.perf_counter(), float("inf")
         while self.iteration < t.iters:
             step_start = time.perf_counter()
-            loss, result = self.train_step()
-            self.iteration += 1
+            loss, result = self.step()
             self.log(loss, result, time.perf_counter() - step_start)
             if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
                 if t.eval_iters > 0:

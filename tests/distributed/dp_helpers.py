@@ -1,22 +1,10 @@
 """In-process trainers for the data-parallel tests (run inside megand.tools.spawn.run_distributed ranks)."""
 
-import os
 import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def compose(overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from megand.config import register_schema
-
-    register_schema()
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return hydra_compose("config", overrides=list(overrides))
+from megand.training.config import compose
 
 
 def build_trainer(overrides, experiment="tiny_llama"):

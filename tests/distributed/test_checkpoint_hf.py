@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from megand.core.checkpointing import hf, offline
+from megand.core.checkpointing import offline
+from megand.models import full
 from tests.harness import read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +42,7 @@ def megand_logits(model, ids):
 
 def test_export_import_generate(trained, topo, capsys):
     name, root = trained
-    model, _ = offline.load_model(f"{root}/ckpt", topo)
+    model, _ = full.load_model(f"{root}/ckpt", topo)
     vocab = model.cfg.vocab_size
     ids = torch.randint(0, vocab, (2, model.cfg.seq_length), generator=torch.Generator().manual_seed(0))
     ours = megand_logits(model, ids)
@@ -56,7 +57,7 @@ def test_export_import_generate(trained, topo, capsys):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
     assert convert_checkpoint.main(["import", "--hf", f"{root}/hf", "--save", f"{root}/imported"]) == 0
-    back, _ = offline.load_model(f"{root}/imported", topo)
+    back, _ = full.load_model(f"{root}/imported", topo)
     assert torch.equal(megand_logits(back, ids), ours)
 
     prompt = ids[0, :8].tolist()
@@ -102,7 +103,7 @@ def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
 
     cfg = OmegaConf.load(f"{root}/run/config.yaml")
     train, _ = build_datasets(cfg, topo)
-    model, _ = offline.load_model(f"{root}/imported", topo)
+    model, _ = full.load_model(f"{root}/imported", topo)
     tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
     with torch.no_grad():
         expected = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean().item()

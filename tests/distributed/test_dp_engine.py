@@ -12,7 +12,7 @@ from tests.distributed.dp_helpers import build_trainer, same, snapshot_params, s
 # -- memory: the distributed optimizer holds 1/dp of the state -------------------------------------------
 def _memory_worker():
     out = {}
-    for precision in ("bf16",):  # fp32 (8 bytes/element, the param is its own main copy): tools/bench_optimizer.py
+    for precision in ("bf16",):  # fp32 (8 bytes/element, the param is its own main copy): benchmarks/bench_optimizer.py
         for distributed in (False, True):
             t = build_trainer([f"train.precision={precision}", f"optim.distributed={str(distributed).lower()}"])
             out[(precision, distributed)] = (state_bytes(t), sum(p.numel() for p in t.params))

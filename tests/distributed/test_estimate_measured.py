@@ -58,7 +58,7 @@ def _tensors_reachable(root, max_depth=6):
 
 def _measure(run_dir):
     import megand.training.peak as peak
-    from megand.config import compose
+    from megand.training.config import compose
     from megand.training.batches import rank_microbatches
     from megand.training.pretrain import Trainer
 
@@ -109,7 +109,7 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_estimate_matches_measured_tensors(measured, name):
-    from megand.estimate import Layout, estimate_memory
+    from megand.tools.estimate_memory import Layout, estimate_memory
 
     m = measured[name]
     layout = Layout.from_config(m["parallel"], m["train"], m["optim"], world_size=WORLD)

@@ -50,7 +50,7 @@ class SavedActivations:
 
 
 def _trainer(run_dir, overrides):
-    from tests.unit.test_pipeline_layout import compose
+    from megand.training.config import compose
 
     from megand.training.pretrain import Trainer
 

@@ -22,7 +22,7 @@ def tiny_model(**changes) -> dict:
     """The conf/model/llama_tiny preset as a plain dict, with ``changes``."""
     from omegaconf import OmegaConf
 
-    from megand.config import compose
+    from megand.training.config import compose
     return {**OmegaConf.to_container(compose(["model=llama_tiny"]).model), **changes}
 
 
@@ -51,7 +51,7 @@ def test_baseline_short_run_prints_one_json_line(tmp_path, monkeypatch, capsys):
 
 def test_bf16_autocast_runs_on_cpu(monkeypatch):
     pytest.importorskip("transformers")
-    from megand.benchmark_baseline import run_baseline
+    from megand.tools.benchmark_baseline import run_baseline
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)
     cfg = tiny_model(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=2, num_query_groups=1,
                      seq_length=16, vocab_size=128)
@@ -60,7 +60,7 @@ def test_bf16_autocast_runs_on_cpu(monkeypatch):
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch):
-    from megand.benchmark_baseline import run_baseline
+    from megand.tools.benchmark_baseline import run_baseline
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(RuntimeError, match="transformers"):
         run_baseline(tiny_model(), micro_batch=1, steps=1, warmup=0)

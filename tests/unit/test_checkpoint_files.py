@@ -6,16 +6,15 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from megand.core.checkpointing import Checkpointer, CheckpointError, offline
-from megand.config import OptimConfig
-from megand.core.optimizer import Optimizer
+from megand.core.checkpointing import CheckpointConfig, Checkpointer, CheckpointError, offline
+from megand.models import full
+from megand.core.optimizer import Optimizer, OptimizerConfig
 
 MODEL = dict(arch="gpt", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=None,
              seq_length=16, vocab_size=51, norm="layernorm", activation="gelu", position_embedding="learned",
              rope_theta=10000.0, tie_embeddings=True, init_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
-OPTIM = OmegaConf.structured(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_iters=1))
+OPTIM = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_iters=1, decay_iters=10)
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +26,15 @@ def topo():
 
 def make(topo, save_dir, model_cfg=MODEL, steps=2):
     """A trained-for-``steps`` model with its optimizer and checkpointer."""
-    model = offline.build_full_model(model_cfg, topo=topo).train()
+    model = full.build_full_model(model_cfg, topo=topo).train()
     named = list(model.named_parameters())
-    opt = Optimizer(named, OPTIM, 10, topo)
+    opt = Optimizer(named, OPTIM, topo)
     ids = torch.randint(0, model_cfg["vocab_size"], (2, model_cfg["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(steps):
         opt.zero_grad()
         model(input_ids=ids[:, :-1], labels=ids[:, 1:]).mean().backward()
         opt.step()
-    ckpt_cfg = OmegaConf.create(dict(save=str(save_dir), load=None, interval=0, async_save=False))
-    return model, opt, Checkpointer(ckpt_cfg, topo, named, opt, [model], "model: {}\n", dict(model_cfg))
+    return model, opt, Checkpointer(CheckpointConfig(save=str(save_dir)), topo, named, opt, [model], "model: {}\n", dict(model_cfg))
 
 
 def test_round_trip_and_atomic_layout(topo, tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from megand.config import ConfigError, compose, validate
+from megand.training.config import ConfigError, compose, validate
 from tests.harness import run_pretrain
 
 

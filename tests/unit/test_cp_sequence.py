@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megand.core.context_parallel import check_cp_divisible, cp_positions, merge_cp_shards, split_for_cp
+from megand.core.context_parallel import cp_positions, merge_cp_shards, split_for_cp
 
 
 def test_positions_load_balanced():
@@ -29,12 +29,3 @@ def test_split_merge_roundtrip(cp):
     for r, shard in enumerate(shards):
         assert torch.equal(shard, x[:, :, cp_positions(16, r, cp)])
     assert torch.equal(merge_cp_shards(shards, 2), x)
-
-
-def test_check_cp_divisible():
-    check_cp_divisible(64, 4, 2, True)
-    check_cp_divisible(24, 2, 4, False)  # tp does not matter without sequence parallel
-    with pytest.raises(ValueError, match=r"seq_length=20.*cp=4.*8"):
-        check_cp_divisible(20, 4)
-    with pytest.raises(ValueError, match=r"seq_length=24.*cp=2.*tp=4.*16"):
-        check_cp_divisible(24, 2, 4, True)

@@ -6,10 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megand.config import OptimConfig
-from megand.core.distributed import DataParallel, last_backward
+from megand.core.distributed import DataParallel, DataParallelConfig, last_backward
 from megand.core.distributed.buffers import bucket_layout
-from megand.core.optimizer import DynamicLossScaler, Optimizer
+from megand.core.optimizer import DynamicLossScaler, Optimizer, OptimizerConfig
 from megand.core.sharding import ParamMeta, tag
 
 
@@ -54,12 +53,11 @@ def _model(dtype=torch.float32):
 
 
 def test_adamw_on_buffers_matches_torch_adamw():
-    cfg = OptimConfig(lr=1e-2, min_lr=1e-2, warmup_iters=0, schedule="constant", weight_decay=0.1, clip_grad=0.5,
-                      bucket_size=50)
+    cfg = OptimizerConfig(lr=1e-2, min_lr=1e-2, warmup_iters=0, schedule="constant", weight_decay=0.1, clip_grad=0.5)
     ours, ref = _model(), _model()
-    ddp = DataParallel([ours], _topo(), cfg)
+    ddp = DataParallel([ours], _topo(), DataParallelConfig(bucket_size=50))
     assert len(ddp.buckets) > 1
-    opt = Optimizer(list(ours.named_parameters()), cfg, 10, _topo(), ddp)
+    opt = Optimizer(list(ours.named_parameters()), cfg, _topo(), ddp)
     decay = [p for p in ref.parameters() if p.ndim >= 2]
     rest = [p for p in ref.parameters() if p.ndim < 2]
     torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -86,10 +84,10 @@ def test_adamw_on_buffers_matches_torch_adamw():
 
 
 def test_bf16_params_keep_fp32_main_params_and_grads():
-    cfg = OptimConfig(lr=1e-3, warmup_iters=0, schedule="constant")
+    cfg = OptimizerConfig(lr=1e-3, warmup_iters=0, schedule="constant")
     model = _model(torch.bfloat16)
     before = copy.deepcopy(model)
-    opt = Optimizer(list(model.named_parameters()), cfg, 10, _topo())  # builds its own engine
+    opt = Optimizer(list(model.named_parameters()), cfg, _topo())  # builds its own engine
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     opt.zero_grad()
     model(x).float().pow(2).mean().backward()
@@ -103,9 +101,8 @@ def test_bf16_params_keep_fp32_main_params_and_grads():
 
 
 def test_two_backwards_inside_last_backward_is_an_error():
-    cfg = OptimConfig(overlap_grad_reduce=True, bucket_size=10**6)
     model = _model()
-    ddp = DataParallel([model], _topo(), cfg)
+    ddp = DataParallel([model], _topo(), DataParallelConfig(overlap_grad_reduce=True, bucket_size=10**6))
     with last_backward(ddp):
         model(torch.randn(2, 8)).sum().backward()
         with pytest.raises(RuntimeError, match="after its bucket was reduced"):

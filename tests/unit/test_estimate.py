@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megand.estimate import (Layout, estimate_memory, layer_activation_bytes,
+from megand.tools.estimate_memory import (Layout, estimate_memory, layer_activation_bytes,
                              layer_microbatches_in_flight, stage_params, state_bytes_per_param)
-from megand.training.flops import param_counts
+from megand.models.flops import param_counts
 
 # the paper's setting: GPT shape, f = 4h, MHA, dropout everywhere, 16-bit activations
 GPT = dict(arch="gpt", num_layers=24, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
@@ -127,7 +127,7 @@ def test_model_presets_are_complete():
     """Every conf/model preset composes and estimates (the tools read the training config)."""
     from omegaconf import OmegaConf
 
-    from megand.config import compose
+    from megand.training.config import compose
     presets = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob("*.yaml"))
     assert {"gpt2_125m", "llama_50m", "llama_8b", "llama_70b"} <= set(presets)
     for name in presets:
@@ -140,7 +140,7 @@ def test_states_match_measured_tensors_of_a_reference_model():
     pytest.importorskip("transformers")
     import torch
 
-    from megand.hf_config import build_hf_model
+    from megand.models.hf import build_hf_model
     model = build_hf_model(LLAMA, attn_implementation="eager")
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, LLAMA["vocab_size"], (1, LLAMA["seq_length"]))

@@ -4,8 +4,8 @@ and fit an 80 GB GPU by the memory estimator."""
 import pytest
 from omegaconf import OmegaConf
 
-from megand.config import compose, validate
-from megand.estimate import Layout, estimate_memory
+from megand.training.config import compose, validate
+from megand.tools.estimate_memory import Layout, estimate_memory
 
 PRESETS = {"gpt2_125m_1gpu": 1, "llama8b_8gpu": 8, "llama70b_64gpu": 64}
 

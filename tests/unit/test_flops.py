@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megand.training import flops
+from megand.models import flops
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
              num_query_groups=2, seq_length=32, vocab_size=256, norm="rmsnorm", activation="swiglu",
@@ -18,7 +18,7 @@ GPT = dict(arch="gpt", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_at
 
 def _hf_model(cfg):
     pytest.importorskip("transformers")
-    from megand.hf_config import build_hf_model
+    from megand.models.hf import build_hf_model
     # eager attention: its matmuls are visible to FlopCounterMode (CPU sdpa kernels are not counted)
     return build_hf_model(cfg, attn_implementation="eager")
 

@@ -1,12 +1,12 @@
 """Stage construction and the pipeline's configuration errors (no processes)."""
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megand.config import ConfigError, pipeline_layout, register_schema, validate
+from megand.core.pipeline_parallel.layout import pipeline_layout
+from megand.training.config import ConfigError, compose, validate
 from megand.core.pipeline_parallel import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
@@ -15,18 +15,6 @@ from megand.core.pipeline_parallel import (
 )
 from megand.core.pipeline_parallel.layout import chunk_specs
 from megand.core.pipeline_parallel.p2p import tensor_shape
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def compose(overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
-
 
 def test_even_and_uneven_layouts():
     assert pipeline_layout(8, 4, None, None) == [2, 2, 2, 2]

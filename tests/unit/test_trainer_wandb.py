@@ -5,7 +5,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megand.config import compose
+from megand.training.config import compose
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

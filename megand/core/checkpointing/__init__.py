@@ -1,6 +1,7 @@
 """Sharded, layout-free checkpoints on torch.distributed.checkpoint: atomic and asynchronous saves,
 resume and resharding, stop-on-signal, and one-process access to full weights for tools."""
 
+from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.errors import CheckpointError
 from megand.core.checkpointing.signals import StopOnSignal
 

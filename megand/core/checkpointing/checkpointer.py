@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from megand.core.checkpointing import files, sharded
+from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.files import CheckpointError
 
 
@@ -81,19 +82,10 @@ def set_rng_state(state, rngs, device) -> None:
         r.state = s.to(r.state.device) if hasattr(r.state, "to") else s
 
 
-def _test_hook(iteration: int, rank: int) -> None:
-    """Tests only: ``MEGAND_TEST_HANG_SAVE=<iteration>:<marker file>`` stops rank 0 of that save after its
-    files are written (before the rename), so a test can kill the job mid-save."""
-    spec = os.environ.get("MEGAND_TEST_HANG_SAVE")
-    if spec and rank == 0 and int(spec.split(":", 1)[0]) == iteration:
-        with open(spec.split(":", 1)[1], "w") as f:
-            f.write(str(os.getpid()))
-        time.sleep(3600)
-
-
 class Checkpointer:
-    def __init__(self, ckpt_cfg, topo, named_params, optimizer, chunks, config_yaml: str, model_cfg: dict):
-        self.cfg, self.topo, self.optimizer = ckpt_cfg, topo, optimizer
+    def __init__(self, config: CheckpointConfig, topo, named_params, optimizer, chunks, config_yaml: str,
+                 model_cfg: dict):
+        self.cfg, self.topo, self.optimizer = config, topo, optimizer
         self.named_params = list(named_params)
         self.rngs = tp_rngs(chunks)
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
@@ -101,7 +93,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.mesh = sharded.tp_mesh(topo)
         self.rank = dist.get_rank()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if ckpt_cfg.async_save else None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
         self.pending: Future | None = None
         self.last_saved = None
         self.last_stall_s = 0.0
@@ -136,7 +128,6 @@ class Checkpointer:
 
     def _write(self, state, tmp: str, iteration: int) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
-        _test_hook(iteration, self.rank)
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
         crcs = {n: files.file_crc(os.path.join(tmp, n)) for n in mine}
         gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None

@@ -1,4 +1,4 @@
-"""One-process access to checkpoints, for tools (conversion, generation, benchmarks).
+"""One-process access to checkpoint files, for tools (conversion, generation, benchmarks).
 
 Full tensors are read with plain ``torch.distributed.checkpoint.load`` into full-size tensors (``no_dist``):
 DCP assembles each from the pieces any layout wrote. Writing a model from full tensors is the same in
@@ -13,11 +13,9 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megand.core.checkpointing import files
-from megand.core.checkpointing.files import CheckpointError
 
 
 def load_full_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
@@ -31,11 +29,6 @@ def load_full_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tens
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     dcp.load(state, checkpoint_id=iter_dir, no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}
-
-
-def read_config(path: str):
-    """The run configuration stored with the checkpoint (OmegaConf)."""
-    return OmegaConf.load(os.path.join(files.resolve(path), "config.yaml"))
 
 
 def save_full_model(save_dir: str, tensors: dict[str, torch.Tensor], config_yaml: str, model_cfg: dict,
@@ -66,34 +59,3 @@ def single_process_topology(device=None):
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return Topology(ParallelSizes(), device=device or torch.device("cpu"))
-
-
-def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, topo=None, seed: int = 1234):
-    """A one-process GPTModel for ``model_cfg`` (a dict or the ``model`` group), in fp32, loaded with
-    ``tensors`` (full weights by name) when given."""
-    from megand.core.sharding import init_parameters
-    from megand.core.tensor_parallel import TensorParallelRNG
-    from megand.core.transformer import TransformerConfig
-    from megand.models.gpt import GPTModel
-
-    topo = topo or single_process_topology()
-    cfg = TransformerConfig.from_cfg(dict(model_cfg))
-    model = GPTModel(cfg, topo, TensorParallelRNG(seed, 0, topo.device))
-    init_parameters(model, seed)
-    if tensors is not None:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                key = param.meta.copy_of or name
-                if key not in tensors:
-                    raise CheckpointError(f"tensor {key} is missing from the checkpoint")
-                if tuple(tensors[key].shape) != tuple(param.meta.full_shape):
-                    raise CheckpointError(f"tensor {key}: expected shape {tuple(param.meta.full_shape)}, "
-                                          f"checkpoint has {tuple(tensors[key].shape)}")
-                param.copy_(tensors[key])
-    return model.eval()
-
-
-def load_model(path: str, topo=None):
-    """(model, run config) from a megand checkpoint at any layout, in one process."""
-    run_cfg = read_config(path)
-    return build_full_model(OmegaConf.to_container(run_cfg.model, resolve=True), load_full_tensors(path), topo), run_cfg

@@ -125,10 +125,6 @@ def load_buffers(named_params, optim_template, mesh, keys: set[str]):
     return state, model_targets, optim_targets
 
 
-def local_value(state, key) -> torch.Tensor:
-    return state[key].to_local()
-
-
 @torch.no_grad()
 def copy_into(local: torch.Tensor, value: torch.Tensor, meta: ParamMeta) -> None:
     """Copy an unpadded local piece into ``local`` (padding rows are left as they are)."""

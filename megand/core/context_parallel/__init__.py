@@ -2,8 +2,8 @@
 attention that sees the whole sequence (ring p2p or all-gather)."""
 
 from megand.core.context_parallel.ring_attention import all_gather_attention, ring_attention
-from megand.core.context_parallel.sequence import (check_cp_divisible, cp_positions, gather_from_cp,
+from megand.core.context_parallel.sequence import (cp_positions, gather_from_cp,
                                                    merge_cp_shards, split_for_cp)
 
-__all__ = ["all_gather_attention", "ring_attention", "check_cp_divisible", "cp_positions", "gather_from_cp",
+__all__ = ["all_gather_attention", "ring_attention", "cp_positions", "gather_from_cp",
            "merge_cp_shards", "split_for_cp"]

@@ -9,15 +9,6 @@ import torch
 import torch.distributed as dist
 
 
-def check_cp_divisible(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
-    """Raise ValueError unless the sequence splits into 2·cp equal chunks (each further split over tp with SP)."""
-    divisor = 2 * cp * (tp if sequence_parallel else 1)
-    if seq_length % divisor != 0:
-        detail = f" * tp={tp} (sequence_parallel)" if sequence_parallel else ""
-        raise ValueError(f"seq_length={seq_length} must be divisible by 2 * cp={cp}{detail} = {divisor}: "
-                         f"context parallelism splits the sequence into 2*cp load-balanced chunks")
-
-
 def split_for_cp(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """The local part of ``x`` along ``dim`` for ``cp_rank``: chunks cp_rank and 2·cp_size-1-cp_rank of 2·cp_size."""
     if cp_size == 1:

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 
 from megand.core.distributed.buffers import ParamAndGradBuffer
+from megand.core.distributed.config import DataParallelConfig
 from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
@@ -55,20 +55,18 @@ def last_backward(grad_sync):
 class DataParallel:
     """Gradient buffers and their reduction for this rank's model chunks (built after initialisation)."""
 
-    def __init__(self, chunks, topo, optim_cfg, overlap_param_gather: bool | None = None):
-        self.topo = topo
+    def __init__(self, chunks, topo, config: DataParallelConfig):
+        self.topo, self.config = topo, config
         self.group, self.size = topo.dp_cp_group, topo.dp_cp_size
-        self.distributed = bool(optim_cfg.distributed)
-        self.overlap_grad_reduce = bool(optim_cfg.overlap_grad_reduce)
-        if overlap_param_gather is None:
-            overlap_param_gather = optim_cfg.overlap_param_gather
-        self.overlap_param_gather = bool(overlap_param_gather) and self.distributed
+        self.distributed = config.distributed
+        self.overlap_grad_reduce = config.overlap_grad_reduce
+        self.overlap_param_gather = config.overlap_param_gather and self.distributed
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         by_dtype = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
             by_dtype.setdefault(p.dtype, []).append(p)
         shards = (topo.dp_cp_rank, self.size) if self.distributed else (0, 1)
-        self.buffers = [ParamAndGradBuffer(ps, dtype, optim_cfg.bucket_size, *shards, topo.device)
+        self.buffers = [ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device)
                         for dtype, ps in by_dtype.items()]
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         for i, bucket in enumerate(self.buckets):

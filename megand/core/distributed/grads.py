@@ -36,12 +36,6 @@ def grad_of(p):
     return main if main is not None else p.grad
 
 
-def all_reduce_data_parallel_grads(params, topo):
-    """Plain coalesced all-reduce over dp x cp (without the engine of data_parallel.py)."""
-    for same_dtype in _by_dtype([g for g in map(grad_of, params) if g is not None]):
-        _all_reduce_coalesced(same_dtype, topo.dp_cp_group)
-
-
 def all_reduce_layout_grads(params, topo):
     """The sequence-parallel and tied-embedding reductions (the dp reduction is the data-parallel engine's).
 

@@ -1,6 +1,7 @@
 """Optimizer: AdamW on fp32 main parameters (optionally sharded over dp x cp: the distributed optimizer),
 fp16 loss scaling, global grad norm and clipping, LR schedules."""
 
+from megand.core.optimizer.config import OptimizerConfig
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
 from megand.core.optimizer.optimizer import Optimizer, StepResult

@@ -3,8 +3,6 @@
 import torch
 import torch.distributed as dist
 
-from megand.core.distributed.grads import grad_of
-
 
 def norm_and_nonfinite(counted, grads, topo, sharded: bool):
     """``(global L2 norm, found_inf)`` in one all-reduce, identical on every rank.
@@ -27,18 +25,6 @@ def norm_and_nonfinite(counted, grads, topo, sharded: bool):
         dist.all_reduce(acc, group=topo.mp_group)
     norm = acc[0].sqrt().item()
     return norm, bool(acc[1].item() > 0) or not torch.isfinite(acc[0]).item()
-
-
-def global_grad_norm(params, topo) -> torch.Tensor:
-    """L2 norm of fully reduced (unsharded) gradients of ``params`` over every stage (see above)."""
-    counted = [g for p in params if (g := grad_of(p)) is not None and p.meta.counted_in_norm]
-    device = counted[0].device if counted else topo.device
-    sum_sq = torch.zeros((), dtype=torch.float32, device=device)
-    if counted:
-        sum_sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
-    if topo.tp_size * topo.pp_size > 1:
-        dist.all_reduce(sum_sq, group=topo.mp_group)
-    return sum_sq.sqrt()
 
 
 def clip_grads(grads, grad_norm: float, max_norm: float) -> None:

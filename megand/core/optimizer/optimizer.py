@@ -22,13 +22,13 @@ name, tensors of the local tp-shard shape) and :meth:`scalar_state` / :meth:`loa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
-from megand.core.distributed import DataParallel
+from megand.core.distributed import DataParallel, DataParallelConfig
+from megand.core.optimizer.config import OptimizerConfig
 from megand.core.optimizer.grad_norm import clip_grads, norm_and_nonfinite
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
@@ -72,23 +72,22 @@ class _Holder(torch.nn.Module):
 
 
 class Optimizer:
-    def __init__(self, named_params, optim_cfg, train_iters, topo, ddp: DataParallel | None = None):
+    def __init__(self, named_params, config: OptimizerConfig, topo, ddp: DataParallel | None = None):
         self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named_params]
-        if ddp is None:
-            ddp = DataParallel([_Holder(self.params)], topo, optim_cfg, overlap_param_gather=False)
-        self.ddp, self.topo, self.cfg = ddp, topo, optim_cfg
-        self.clip_grad = optim_cfg.clip_grad
-        self.schedule = LRSchedule(optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_iters,
-                                   optim_cfg.decay_iters or train_iters, optim_cfg.schedule)
+        if ddp is None:  # a plain (replicated) engine over the bare parameters
+            ddp = DataParallel([_Holder(self.params)], topo, DataParallelConfig())
+        self.ddp, self.topo, self.cfg = ddp, topo, config
+        self.clip_grad = config.clip_grad
+        self.schedule = LRSchedule(config.lr, config.min_lr, config.warmup_iters, config.decay_iters, config.schedule)
         fp16 = any(buf.dtype == torch.float16 for buf in ddp.buffers)
-        self.scaler = (DynamicLossScaler(optim_cfg.initial_loss_scale, optim_cfg.min_loss_scale,
-                                         optim_cfg.loss_scale_window, optim_cfg.hysteresis)
+        self.scaler = (DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
+                                         config.loss_scale_window, config.hysteresis)
                        if fp16 else ConstantLossScaler())
         self.steps = 0
         self._build_state()
         device = topo.device
-        self.use_apex = ApexFusedAdam is not None and device.type == "cuda" and os.environ.get("MEGAND_NO_APEX") != "1"
+        self.use_apex = ApexFusedAdam is not None and device.type == "cuda"
         self.fused = device.type == "cuda" and not self.use_apex
         if self.use_apex:
             self._apex = self._make_apex()

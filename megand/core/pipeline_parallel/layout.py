@@ -3,6 +3,27 @@
 from dataclasses import dataclass
 
 
+class PipelineLayoutError(ValueError):
+    """Layers that cannot be split as asked over the pipeline stages; the message names the values."""
+
+
+def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout=None) -> list[int]:
+    """Layers per virtual stage (pp*vpp entries, in virtual-stage order); ``layout=None``: even."""
+    stages = pp * (vpp or 1)
+    if layout is None:
+        if num_layers % stages:
+            raise PipelineLayoutError(
+                f"model.num_layers={num_layers} cannot be split evenly over parallel.pp={pp} x "
+                f"parallel.vpp={vpp or 1} = {stages} stages; set parallel.pipeline_layout")
+        return [num_layers // stages] * stages
+    layout = list(layout)
+    if len(layout) != stages or sum(layout) != num_layers or min(layout) < 0:
+        raise PipelineLayoutError(
+            f"parallel.pipeline_layout={layout} must have pp*vpp = {stages} non-negative entries "
+            f"summing to model.num_layers={num_layers} (it has {len(layout)} summing to {sum(layout)})")
+    return layout
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     layer_ids: list

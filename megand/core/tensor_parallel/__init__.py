@@ -14,6 +14,5 @@ from megand.core.tensor_parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_sp,
-    scatter_to_tp,
 )
 from megand.core.tensor_parallel.random import TensorParallelRNG, checkpoint, seed_default_generator

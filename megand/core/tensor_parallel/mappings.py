@@ -89,19 +89,6 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class ScatterToTensorParallel(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward, all-gather it backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
 class GatherFromTensorParallel(torch.autograd.Function):
     """All-gather the last dim forward, keep this rank's slice backward."""
 
@@ -166,10 +153,6 @@ def copy_to_tp(x, group):
 
 def reduce_from_tp(x, group):
     return ReduceFromTensorParallel.apply(x, group)
-
-
-def scatter_to_tp(x, group):
-    return ScatterToTensorParallel.apply(x, group)
 
 
 def gather_from_tp(x, group):

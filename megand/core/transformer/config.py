@@ -1,6 +1,6 @@
 """The model's shape and the runtime choices that change how its layers are built."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -47,14 +47,3 @@ class TransformerConfig:
     @property
     def params_dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
-
-    @classmethod
-    def from_cfg(cls, model_cfg, parallel_cfg=None, train_cfg=None):
-        """Build from the Hydra groups ``model``, ``parallel`` and ``train`` (only the keys it knows)."""
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in dict(model_cfg).items() if k in names}
-        if parallel_cfg is not None:
-            values.update(sequence_parallel=bool(parallel_cfg.sequence_parallel), cp_comm=parallel_cfg.cp_comm)
-        if train_cfg is not None:
-            values.update(recompute=train_cfg.recompute, precision=train_cfg.precision)
-        return cls(**values)

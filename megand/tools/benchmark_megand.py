@@ -1,7 +1,7 @@
 """megand's own benchmark mode: the real ``Trainer`` built in-process, timed over ``train_step()`` calls.
 
 A plain ``python`` launch is a world of one; under ``torchrun`` every rank runs this and rank 0 reports.
-The keys are those of the baseline (``megand/benchmark_baseline.py``), so ``--mode both`` divides one by
+The keys are those of the baseline (``megand/tools/benchmark_baseline.py``), so ``--mode both`` divides one by
 the other. Step times are the max over ranks of each step; peak memory is the max over ranks.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megand.benchmark_baseline import peak_memory, reset_peak_memory, synchronize, timing_summary
-from megand.training.flops import flops_per_iteration
+from megand.tools.benchmark_baseline import peak_memory, reset_peak_memory, synchronize, timing_summary
+from megand.models.flops import flops_per_iteration
 from megand.training.peak import device_peak_flops
 
 
@@ -33,7 +33,7 @@ def benchmark_config(overrides, steps: int, warmup: int, cuda: bool):
     Unless overridden: no evaluation, one micro-batch per data-parallel rank per step (as the baseline),
     bf16 on CUDA, the run's files in a temporary directory.
     """
-    from megand.config import compose
+    from megand.training.config import compose
 
     overrides = list(overrides)
     given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
@@ -63,17 +63,15 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
     topo, device = trainer.topo, trainer.topo.device
     losses = []
     for _ in range(warmup):
-        losses.append(trainer.train_step()[0])
-        trainer.iteration += 1
+        losses.append(trainer.step()[0])
     reset_peak_memory(device)
     step_times = []
     for _ in range(steps):
         synchronize(device)
         start = time.perf_counter()
-        losses.append(trainer.train_step()[0])
+        losses.append(trainer.step()[0])
         synchronize(device)
         step_times.append(time.perf_counter() - start)
-        trainer.iteration += 1
 
     # the slowest rank sets the step time; the most loaded rank the memory
     times = torch.tensor(step_times, dtype=torch.float64, device=device)
@@ -103,7 +101,7 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
         "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "cp": topo.cp_size, "dp": topo.dp_size,
                    "sequence_parallel": bool(cfg.parallel.sequence_parallel), "recompute": t.recompute,
                    "distributed_optimizer": bool(cfg.optim.distributed)},
-        "params": sum(p.numel() for p in trainer.params),  # this rank's
+        "params": sum(p.numel() for _, p in trainer.named_params),  # this rank's
         "micro_batch": t.micro_batch_size,
         "global_batch": t.global_batch_size,
         "seq_length": cfg.model.seq_length,

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from megand.training.flops import flops_per_iteration
+from megand.models.flops import flops_per_iteration
 from megand.training.peak import device_peak_flops, mfu
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,7 +76,7 @@ def run_baseline(model_cfg: Mapping[str, Any], micro_batch: int, steps: int, war
     bf16/fp16 use autocast over fp32 weights (mixed precision, as a plain PyTorch user would); fp16 adds
     a gradient scaler.
     """
-    from megand.hf_config import build_hf_model  # raises a clear error when transformers is missing
+    from megand.models.hf import build_hf_model  # raises a clear error when transformers is missing
 
     if steps < 1:
         raise ValueError("steps must be >= 1")

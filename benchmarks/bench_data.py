@@ -1,6 +1,6 @@
 """Measure the data pipeline: preprocessing throughput and peak memory, index-building time.
 
-    python tools/bench_data.py --size-mb 200 --workers 1 2 --num-samples 10000000
+    python benchmarks/bench_data.py --size-mb 200 --workers 1 2 --num-samples 10000000
 
 Generates a jsonl of about --size-mb MB (paragraphs of the pydoc topics, shuffled into documents of
 a few KB) and a tokenizer in a temporary directory, preprocesses it once per worker count in a fresh

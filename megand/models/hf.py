@@ -11,6 +11,8 @@ Both use the rotate-half RoPE, tanh-GELU (``gelu_new``) and norm epsilon 1e-5.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from tqdm import tqdm
 
@@ -208,3 +210,30 @@ def load_hf(hf_dir: str):
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     return config, model.state_dict()
+
+
+# ------------------------------------------------------------------------------- benchmark baseline
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as e:  # optional dependency (pip install megand[dev])
+        raise RuntimeError("this needs the optional package `transformers` "
+                           "(pip install transformers)") from e
+    return transformers
+
+
+def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa"):
+    """A ``LlamaConfig`` (arch=llama) or ``GPT2Config`` (arch=gpt) of the same shape (the mapping that
+    checkpoint export uses too)."""
+    _require_transformers()
+    cfg = hf_model_config({k: v for k, v in dict(model).items()})
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def build_hf_model(model: Mapping[str, Any], attn_implementation: str = "sdpa"):
+    """A freshly initialised ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` on the CPU."""
+    tf = _require_transformers()
+    cfg = hf_config(model, attn_implementation)
+    cls = tf.LlamaForCausalLM if hf_kind(dict(model)) == "llama" else tf.GPT2LMHeadModel
+    return cls(cfg)

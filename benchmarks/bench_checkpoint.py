@@ -1,7 +1,7 @@
 """Measure checkpoint save/load: training stall per save (sync vs async), time until the checkpoint is
 published, load time, on-disk size. Launch with torchrun (the layout comes from the overrides):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=4 tools/bench_checkpoint.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=4 benchmarks/bench_checkpoint.py \
         --dir /tmp/bench_ckpt model=llama_50m parallel.tp=2 train.global_batch_size=4 train.micro_batch_size=1
 
 Trains one step (so the Adam states exist), then for sync and async: `--repeats` saves, each timed
@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from megand.config import register_schema  # noqa: E402
+from megand.training.config import register_schema  # noqa: E402
 from megand.core.checkpointing import Checkpointer  # noqa: E402
 from megand.training.pretrain import Trainer  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Forward+backward time of context-parallel causal attention at cp=1,2,4 (gloo, CPU, one thread per rank),
 and the share of the ring's communication hidden behind compute.
 
-    OMP_NUM_THREADS=1 python tools/bench_cp_attention.py [--seq 4096 --heads 8 --groups 8 --head-dim 64]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cp_attention.py [--seq 4096 --heads 8 --groups 8 --head-dim 64]
 
 Printed per cp and variant: the slowest rank's time, best of --iters (median in brackets), after a warm-up:
   fwd+bwd   one forward and backward of the attention on the local tokens (total sequence fixed)

@@ -1,6 +1,6 @@
 """Pipeline bubble: per stage, busy vs idle time of each step's schedule, next to the theory.
 
-    python tools/bench_pipeline.py --pp 4 --m 8 --vpp 1 2 [hydra overrides ...]
+    python benchmarks/bench_pipeline.py --pp 4 --m 8 --vpp 1 2 [hydra overrides ...]
 
 Runs the training step of a config on ``pp`` local ranks (gloo, CPU; pipeline parallelism only) once
 per ``--vpp`` value. Busy is the wall time a stage spends inside forward and backward computation; idle
@@ -37,7 +37,7 @@ def compose(overrides):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from megand.config import register_schema
+    from megand.training.config import register_schema
 
     register_schema()
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):

@@ -1,6 +1,6 @@
 """Measure the data-parallel engine and the optimizer on this machine.
 
-    python tools/bench_optimizer.py [--steps 10] [--hidden 128]
+    python benchmarks/bench_optimizer.py [--steps 10] [--hidden 128]
 
 1. Bytes per parameter held per rank at dp=4 (parameter buffer + fp32 grad buffer + the optimizer's
    own tensors, measured, divided by the rank's parameter count) for fp32/bf16 x distributed off/on,
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def build_trainer(overrides):
     from hydra import compose, initialize_config_dir
 
-    from megand.config import register_schema
+    from megand.training.config import register_schema
     from megand.training.pretrain import Trainer
 
     register_schema()

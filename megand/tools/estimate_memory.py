@@ -50,7 +50,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from megand.training.flops import Shape, layer_params, norm_params
+from megand.models.flops import Shape, layer_params, norm_params
 
 @dataclass(frozen=True)
 class Layout:
@@ -260,7 +260,7 @@ def _count(n: float) -> str:
 
 def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEstimate) -> str:
     """A table of the estimate, one column per reported pipeline stage."""
-    from megand.training.flops import model_flops_per_token, param_counts
+    from megand.models.flops import model_flops_per_token, param_counts
 
     shape = Shape.from_config(model)
     counts = param_counts(model)

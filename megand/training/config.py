@@ -1,16 +1,21 @@
-"""The run's configuration: a structured schema (unknown keys are errors) and the checks of its values.
+"""The run's configuration: a structured schema (unknown keys are errors), the checks of its values, and
+the translation into core's own typed configs.
 
 Hydra composes ``conf/`` on top of :class:`Config`; :func:`validate` then checks every value and every
-divisibility the layout needs, before any work, and names the offending values.
+divisibility the layout needs, before any work, and names the offending values. This is the only
+module that reads the Hydra config for core: :func:`transformer_config`, :func:`optimizer_config`,
+:func:`data_parallel_config` and :func:`checkpoint_config` build core's dataclasses from it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -130,6 +135,9 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
+# conf/ of the source tree (megand is installed from it: ``pip install -e .``)
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
+
 CHOICES = {
     "model.arch": ("gpt", "llama"),
     "model.norm": ("layernorm", "rmsnorm"),
@@ -154,21 +162,6 @@ def _get(cfg, dotted):
     return cfg
 
 
-def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout) -> list[int]:
-    """Layers per virtual stage (pp*vpp entries, in virtual-stage order)."""
-    stages = pp * (vpp or 1)
-    if layout is None:
-        if num_layers % stages:
-            raise ConfigError(f"model.num_layers={num_layers} cannot be split evenly over parallel.pp={pp} x "
-                              f"parallel.vpp={vpp or 1} = {stages} stages; set parallel.pipeline_layout")
-        return [num_layers // stages] * stages
-    layout = list(layout)
-    if len(layout) != stages or sum(layout) != num_layers or min(layout) < 0:
-        raise ConfigError(f"parallel.pipeline_layout={layout} must have pp*vpp = {stages} non-negative entries "
-                          f"summing to model.num_layers={num_layers} (it has {len(layout)} summing to {sum(layout)})")
-    return layout
-
-
 def check_keys(cfg) -> None:
     """Unknown keys are errors, also those forced in with Hydra's ``+key=value``."""
     from omegaconf import OmegaConf
@@ -184,6 +177,7 @@ def check_keys(cfg) -> None:
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
+    from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
 
     check_keys(cfg)
     for key, allowed in CHOICES.items():
@@ -229,7 +223,10 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({micro_batches} = "
                               f"global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}))"
                               f" to be a multiple of parallel.pp={p.pp}")
-    pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
+    try:
+        pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
+    except PipelineLayoutError as e:
+        raise ConfigError(str(e)) from None
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
@@ -238,12 +235,44 @@ def validate(cfg, world_size: int) -> None:
 
 def compose(overrides=(), config_dir: str | None = None):
     """The composed run config, as ``pretrain_gpt.py`` would see it (for tools and tests)."""
-    import os
-
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_schema()
-    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    config_dir = config_dir or CONF_DIR
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def _known(dataclass_type, values) -> dict:
+    names = {f.name for f in dataclass_fields(dataclass_type)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def transformer_config(cfg):
+    """The model's shape from ``model``, plus the runtime choices of ``parallel`` and ``train``."""
+    from megand.core.transformer import TransformerConfig
+
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return TransformerConfig(**_known(TransformerConfig, model), sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                             cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision)
+
+
+def optimizer_config(cfg):
+    from megand.core.optimizer.config import OptimizerConfig
+
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optim["decay_iters"] = optim.get("decay_iters") or cfg.train.iters
+    return OptimizerConfig(**_known(OptimizerConfig, optim))
+
+
+def data_parallel_config(cfg):
+    from megand.core.distributed.config import DataParallelConfig
+
+    return DataParallelConfig(**_known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True)))
+
+
+def checkpoint_config(cfg):
+    from megand.core.checkpointing.config import CheckpointConfig
+
+    return CheckpointConfig(**_known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True)))

@@ -1,0 +1,9 @@
+"""The checkpointer's own configuration (built from the run config by the training package)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None  # directory of iter_NNNNNNN/ checkpoints and `latest`
+    async_save: bool = False  # write in a background thread after a copy to CPU

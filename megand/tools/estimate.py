@@ -1,0 +1,66 @@
+"""Estimate per-rank memory (parameters, optimizer states, activations) for a run's config and layout.
+
+The model and layout are the training config: Hydra overrides, composed exactly as ``pretrain_gpt.py``
+composes them (``model=`` picks a conf/model preset, ``+experiment=`` a whole experiment):
+
+    python tools/estimate.py model=llama_8b parallel.tp=8 parallel.sequence_parallel=true \\
+        train.recompute=selective train.precision=bf16 --world-size 64
+    python tools/estimate.py +experiment=llama70b_64gpu --world-size 64 --json
+
+``--world-size`` fills ``parallel.dp: null`` (default: tp·pp·cp, i.e. dp=1). The formulas and what they
+leave out are documented in megand/tools/estimate_memory.py.
+"""
+
+import argparse
+import json
+import sys
+
+
+from omegaconf import OmegaConf
+
+from megand.training.config import ConfigError, compose, validate
+from megand.tools.estimate_memory import Layout, estimate_memory, format_report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (key=value, model=NAME)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks of the run (default: tp*pp*cp*(dp or 1))")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="flash/memory-efficient attention: the s x s attention probabilities are not stored")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p.parse_intermixed_args(argv)
+
+
+def world_size_of(cfg, world_size=None) -> int:
+    p = cfg.parallel
+    return world_size or p.tp * p.pp * p.cp * (p.dp or 1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = compose(args.overrides)
+    world = world_size_of(cfg, args.world_size)
+    p, t = cfg.parallel, cfg.train
+    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else None
+    fill_pipeline = dp is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0
+    if fill_pipeline:  # the batch only sets micro-batches in flight: assume enough to fill the pipeline
+        print(f"estimate: train.global_batch_size={t.global_batch_size} is not a multiple of micro batch "
+              f"{t.micro_batch_size} x dp {dp}; assuming enough micro-batches to fill the pipeline", file=sys.stderr)
+        t.global_batch_size = t.micro_batch_size * dp
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        raise SystemExit(f"estimate: invalid configuration for world size {world}: {e}")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
+    if fill_pipeline:
+        layout = Layout(**{**vars(layout), "num_microbatches": None})
+    if args.fused_attention:
+        layout = Layout(**{**vars(layout), "fused_attention": True})
+    estimate = estimate_memory(model, layout)
+    if args.json:
+        print(json.dumps({"model": model, "layout": vars(layout), "world_size": world, "memory": estimate.as_dict()}))
+    else:
+        print(format_report(model, layout, estimate))
+
