@@ -16,18 +16,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from megand.training.config import register_schema  # noqa: E402
-from megand.core.checkpointing import Checkpointer  # noqa: E402
-from megand.training.pretrain import Trainer  # noqa: E402
+from megand.core.checkpointing import CheckpointConfig, Checkpointer
+from megand.training.config import compose
+from megand.training.pretrain import Trainer
 
 
 def main():
@@ -37,11 +34,7 @@ def main():
     p.add_argument("--keep", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    register_schema()
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    with initialize_config_dir(config_dir=conf, version_base=None):
-        cfg = compose("config", overrides=[f"run_dir={args.dir}/run", "train.iters=1000", "train.eval_iters=0",
-                                           *args.overrides])
+    cfg = compose([f"run_dir={args.dir}/run", "train.iters=1000", "train.eval_iters=0", *args.overrides])
     os.makedirs(cfg.run_dir, exist_ok=True)
     trainer = Trainer(cfg)
     rank0 = dist.get_rank() == 0
@@ -64,9 +57,7 @@ def main():
     results = {"world_size": dist.get_world_size(), "layout": trainer.topo.describe().split(" ", 2)[2],
                "params": int(n_params)}
     for mode in ("sync", "async"):
-        ckpt_cfg = OmegaConf.create({"save": f"{args.dir}/{mode}", "load": None, "interval": 0,
-                                     "async_save": mode == "async"})
-        ckpt = Checkpointer(ckpt_cfg, trainer.topo, trainer.named_params, trainer.optimizer, trainer.chunks,
+        ckpt = Checkpointer(CheckpointConfig(save=f"{args.dir}/{mode}", async_save=mode == "async"), trainer.topo, trainer.named_params, trainer.optimizer, trainer.chunks,
                             OmegaConf.to_yaml(cfg), OmegaConf.to_container(cfg.model))
         stalls, published, during, baseline = [], [], [], []
         for _ in range(args.repeats):

@@ -20,13 +20,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megand.data.blended_dataset import build_blending_indices  # noqa: E402
-from megand.data.gpt_dataset import build_gpt_indices  # noqa: E402
-from megand.data.preprocess import preprocess_jsonl  # noqa: E402
-from megand.data.quickstart import quickstart_documents  # noqa: E402
-from megand.data.spm_train import train_sentencepiece  # noqa: E402
+from megand.data.blended_dataset import build_blending_indices
+from megand.data.gpt_dataset import build_gpt_indices
+from megand.data.preprocess import preprocess_jsonl
+from megand.data.quickstart import quickstart_documents
+from megand.data.spm_train import train_sentencepiece
 
 
 def generate_jsonl(path: str, size_mb: float, seed: int = 0) -> None:

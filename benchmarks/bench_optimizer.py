@@ -4,7 +4,7 @@
 
 1. Bytes per parameter held per rank at dp=4 (parameter buffer + fp32 grad buffer + the optimizer's
    own tensors, measured, divided by the rank's parameter count) for fp32/bf16 x distributed off/on,
-   next to DESIGN.md's figures (mixed precision: 18, distributed: 6 + 12/dp).
+   next to the theoretical figures (mixed precision: 18, distributed: 6 + 12/dp).
 2. Step time at dp=2 (distributed optimizer, several buckets) with overlap_grad_reduce and
    overlap_param_gather on vs off (median over --steps after one warm-up step, the two runs alternating).
 """
@@ -13,24 +13,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_trainer(overrides):
-    from hydra import compose, initialize_config_dir
-
-    from megand.training.config import register_schema
+    from megand.training.config import compose
     from megand.training.pretrain import Trainer
 
-    register_schema()
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose("config", overrides=["+experiment=tiny_llama", f"run_dir={tempfile.mkdtemp()}", *overrides])
+    cfg = compose(["+experiment=tiny_llama", f"run_dir={tempfile.mkdtemp()}", *overrides])
     return Trainer(cfg)
 
 
@@ -82,7 +76,7 @@ def main():
     args = parser.parse_args()
     model = [f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.hidden * 11 // 4}"]
     memory = run_distributed(memory_worker, 4, model)[0]
-    print("bytes per parameter per rank at dp=4 (DESIGN.md: bf16 18 plain, 6 + 12/4 = 9 distributed; "
+    print("bytes per parameter per rank at dp=4 (theory: bf16 18 plain, 6 + 12/4 = 9 distributed; "
           "fp32 16 plain, 8 + 8/4 = 10 distributed)")
     for key, row in memory.items():
         print(f"  {key:26s} total {row['total_bytes_per_param']:6.2f} = param {row['param_bytes']:.2f} + grad "

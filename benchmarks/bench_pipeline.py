@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 DEFAULT_OVERRIDES = [
     "+experiment=tiny_gpt", "model.num_layers=8", "model.hidden_size=512", "model.ffn_hidden_size=2048",
@@ -33,21 +31,11 @@ DEFAULT_OVERRIDES = [
 ]
 
 
-def compose(overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from megand.training.config import register_schema
-
-    register_schema()
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
-
-
 def _rank_main(overrides, steps, warmup):
     import torch.distributed as dist
 
     from megand.core.pipeline_parallel import ScheduleStats
+    from megand.training.config import compose
     from megand.training.pretrain import Trainer
 
     trainer = Trainer(compose(overrides))
@@ -71,6 +59,7 @@ def _rank_main(overrides, steps, warmup):
 
 def bench(pp, vpp, m, steps, warmup, extra):
     from megand.tools.spawn import run_distributed
+    from megand.training.config import compose
 
     run_dir = tempfile.mkdtemp(prefix="bench_pipeline_")
     overrides = [*DEFAULT_OVERRIDES, f"parallel.pp={pp}", f"parallel.vpp={vpp if vpp > 1 else 'null'}",

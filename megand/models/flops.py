@@ -20,7 +20,7 @@ Conventions (shared by every function here):
   attention core (+4·s·h per token per layer).
 
 With these conventions ``model_flops_per_token ≈ 6·N + 12·L·h·s + 6·h·V`` where N counts the non-embedding
-matmul weights, which is the reference figure of the design note plus the logits term.
+matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term.
 """
 
 from dataclasses import dataclass

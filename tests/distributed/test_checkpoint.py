@@ -1,10 +1,10 @@
-"""Exact resume and resharding (issue 6), fp32 on gloo.
+"""Exact resume and resharding , fp32 on gloo.
 
 Saved runs (tp=2 x pp=2; tp=2 x dp=2 and dp=4 with the distributed optimizer) train 10 steps and save
 at step 5 (asynchronously, so a resume also proves the background save wrote the state of step 5, not a
 later one) and at step 10. Every other run loads step 5 at some layout and continues to step 10:
 - same layout: losses and grad norms bit-identical to the saved run's steps 6-10;
-- another layout: within DESIGN.md's tolerances of the saved run's continuation.
+- another layout: within the parity tolerances of the saved run's continuation.
 GQA with 4 query groups so that tp=4 is valid; vocab 251 is uneven over tp=4 (63, 63, 63, 62 rows).
 """
 

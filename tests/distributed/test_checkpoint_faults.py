@@ -1,4 +1,4 @@
-"""Faults (issue 6): a stop signal saves and exits 0; a job killed mid-save leaves the previous checkpoint
+"""Faults: a stop signal saves and exits 0; a job killed mid-save leaves the previous checkpoint
 as `latest`, and it loads; a checkpoint of another model shape fails before training."""
 
 import os
@@ -84,29 +84,69 @@ def test_sigterm_saves_and_exits_0_then_other_shape_fails_before_training(tmp_pa
     assert not os.path.exists(os.path.join(str(tmp_path / "bad"), "metrics.jsonl"))  # failed before training
 
 
+def rank_of(pid) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"])
+
+
+def freeze_publisher_mid_save(proc, save, publisher):
+    """Stop the publishing rank (SIGSTOP) while a save after the first published one is in progress:
+    ``iter_N.tmp`` exists and ``iter_N`` does not. Returns N. A save caught too late (already renamed)
+    is let go (SIGCONT) and the next one is tried."""
+    published = None
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended before a save could be interrupted ({proc.returncode})")
+        try:
+            names = os.listdir(save)
+        except FileNotFoundError:
+            names = []
+        if published is None and "latest" in names:
+            with open(os.path.join(save, "latest")) as f:
+                published = int(f.read())
+        in_progress = [int(n[5:12]) for n in names if n.startswith("iter_") and n.endswith(".tmp")]
+        if published is not None and in_progress and max(in_progress) > published:
+            os.kill(publisher, signal.SIGSTOP)
+            iteration = max(in_progress)
+            if not os.path.exists(os.path.join(save, f"iter_{iteration:07d}")):
+                return iteration
+            os.kill(publisher, signal.SIGCONT)  # it had already renamed: wait for the next save
+            published = iteration
+        time.sleep(0.001)
+    kill_job(proc)
+    raise AssertionError("timed out waiting for a save to interrupt")
+
+
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    save, marker = str(tmp_path / "ckpt"), str(tmp_path / "hanging")
-    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=6", f"checkpoint.save={save}", "checkpoint.interval=2"]
+    """The job is frozen and killed from outside while a save is being written: `latest` still names the
+    previous checkpoint, which resumes bit-identically."""
+    save = str(tmp_path / "ckpt")
+    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=20", f"checkpoint.save={save}",
+              "checkpoint.interval=2"]
     killed_dir = str(tmp_path / "killed")
-    proc = launch(killed_dir, common, 4, extra_env={"MEGAND_TEST_HANG_SAVE": f"4:{marker}"})
-    wait_for(lambda: os.path.exists(marker), proc)  # rank 0 has written its files of iteration 4, not renamed
+    proc = launch(killed_dir, common, 4)
+    wait_for(lambda: len(children(proc.pid)) == 4, proc)
+    publisher = next(pid for pid in children(proc.pid) if rank_of(pid) == 0)  # rank 0 renames and writes `latest`
+    interrupted = freeze_publisher_mid_save(proc, save, publisher)
     kill_job(proc)
     proc.communicate(timeout=60)
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "2"
-    assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))
-    assert any(n.endswith(".distcp") for n in os.listdir(os.path.join(save, "iter_0000004.tmp")))
-    assert not os.path.exists(os.path.join(save, "iter_0000004"))
+        previous = int(f.read())
+    assert previous == interrupted - 2
+    assert os.path.isdir(os.path.join(save, f"iter_{interrupted:07d}.tmp"))
+    assert not os.path.exists(os.path.join(save, f"iter_{interrupted:07d}"))
     killed = read_metrics(killed_dir)
-    assert [r["iter"] for r in killed] == [1, 2, 3, 4]
+    assert [r["iter"] for r in killed][:interrupted] == list(range(1, interrupted + 1))
 
-    # resume from `latest` (step 2) into the same directory, now saving asynchronously
+    # resume from `latest` into the same directory, now saving asynchronously
     resumed_dir = str(tmp_path / "resumed")
     proc = run_pretrain(resumed_dir, [*common, f"checkpoint.load={save}", "checkpoint.async_save=true"], nproc=4)
-    assert "loaded checkpoint" in proc.stdout and "iteration 2" in proc.stdout
+    assert "loaded checkpoint" in proc.stdout and f"iteration {previous}" in proc.stdout
     resumed = read_metrics(resumed_dir)
-    assert [r["iter"] for r in resumed] == [3, 4, 5, 6]
-    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[2:4]]  # bit-identical
+    assert [r["iter"] for r in resumed] == list(range(previous + 1, 21))
+    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[previous: previous + 2]]  # bit-identical
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "6"
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+        assert f.read().strip() == "20"
+    assert not any(n.endswith(".tmp") for n in os.listdir(save))  # the interrupted save was cleaned up

@@ -1,4 +1,4 @@
-"""Hugging Face interoperability (issue 6): a tiny llama and a tiny gpt trained at tp=2, exported, loaded by
+"""Hugging Face interoperability : a tiny llama and a tiny gpt trained at tp=2, exported, loaded by
 transformers: same logits (fp32, max abs diff <= 1e-4); imported back: identical megand logits; greedy
 tools/generate.py == transformers' greedy generate for 20 tokens. The imported llama also trains at tp=2."""
 

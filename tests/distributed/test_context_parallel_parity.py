@@ -1,4 +1,4 @@
-"""Context parallelism reproduces the one-process run (DESIGN.md section 3), ring and all-gather."""
+"""Context parallelism reproduces the one-process run (the parity tolerances of tests/harness.py), ring and all-gather."""
 
 import pytest
 

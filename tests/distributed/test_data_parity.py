@@ -1,5 +1,5 @@
 """On an indexed dataset (the offline quickstart corpus), a tp=2 x dp=2 run and the one-process run see
-identical global batches (token checksums per step) and match losses per DESIGN.md section 3."""
+identical global batches (token checksums per step) and match losses within the parity tolerances."""
 
 from tests.harness import assert_parity
 

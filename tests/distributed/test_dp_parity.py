@@ -1,4 +1,4 @@
-"""DESIGN.md section 3 parity of the data-parallel engine and the distributed optimizer (fp32, torchrun)."""
+"""Parity (tests/harness.py tolerances) of the data-parallel engine and the distributed optimizer (fp32, torchrun)."""
 
 import pytest
 

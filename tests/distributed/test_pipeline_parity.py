@@ -1,6 +1,6 @@
-"""Pipeline parallelism matches the one-process reference (DESIGN.md section 3), fp32, gpt and llama.
+"""Pipeline parallelism matches the one-process reference (the parity tolerances of tests/harness.py), fp32, gpt and llama.
 
-Each acceptance case of issue 3 runs by default on one or both architectures; the rest of the
+Each pipeline case runs by default on one or both architectures; the rest of the
 cross product is marked slow. Every run also evaluates once (the tiny experiments' eval_iters=1) (forward-only schedules) and must match
 the reference's validation loss.
 """

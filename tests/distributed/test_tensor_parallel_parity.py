@@ -1,4 +1,4 @@
-"""Tensor, sequence and data parallelism reproduce the one-process run (DESIGN.md section 3)."""
+"""Tensor, sequence and data parallelism reproduce the one-process run (the parity tolerances of tests/harness.py)."""
 
 import pytest
 

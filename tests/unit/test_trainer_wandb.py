@@ -13,7 +13,6 @@ DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 @pytest.fixture
 def one_process_world(tmp_path, monkeypatch):
     """``init_distributed`` makes a one-process world and sets the torchrun variables: undo both after."""
-    pytest.importorskip("wandb")
     for name in DIST_ENV + ("WANDB_MODE",):
         monkeypatch.delenv(name, raising=False)
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
