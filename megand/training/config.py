@@ -48,7 +48,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard norms/dropout activations over tp along the sequence
     order: str = "tp-cp-dp-pp"  # fastest- to slowest-varying rank dimension
     pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
-    cp_comm: str = "p2p"  # p2p (ring) | all_gather
+    cp_comm: str = "p2p"  # p2p (ring) | all_gather | a2a (Ulysses: heads re-sharded over cp)
 
 
 @dataclass
@@ -143,7 +143,7 @@ CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position_embedding": ("learned", "rope"),
-    "parallel.cp_comm": ("p2p", "all_gather"),
+    "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -227,6 +227,10 @@ def validate(cfg, world_size: int) -> None:
         pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
     except PipelineLayoutError as e:
         raise ConfigError(str(e)) from None
+    if p.cp > 1 and p.cp_comm == "a2a" and (m.num_attention_heads // p.tp) % p.cp:
+        raise ConfigError(f"parallel.cp_comm=a2a re-shards heads over cp: the query heads per tensor-parallel rank "
+                          f"(model.num_attention_heads={m.num_attention_heads} / parallel.tp={p.tp}) must be "
+                          f"divisible by parallel.cp={p.cp} (model.num_query_groups={groups})")
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:

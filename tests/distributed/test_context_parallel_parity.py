@@ -19,3 +19,18 @@ LAYOUTS = {
 def test_context_parallel_matches_one_process(reference, launch, experiment, layout):
     nproc, overrides = LAYOUTS[layout]
     assert_parity(reference(experiment), launch(experiment, nproc, *overrides))
+
+
+# All-to-all (Ulysses): GQA K/V heads split over cp (cp=2, cp=2 x pp=2) or are repeated first (cp=4, tp=2).
+ULYSSES = {
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp4": (4, ["parallel.cp=4"]),
+    "cp2_tp2_sp": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", ULYSSES)
+def test_ulysses_matches_one_process(reference, launch, layout):
+    nproc, overrides = ULYSSES[layout]
+    assert_parity(reference("tiny_llama"), launch("tiny_llama", nproc, *overrides, "parallel.cp_comm=a2a"))

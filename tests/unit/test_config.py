@@ -29,6 +29,9 @@ def check(overrides, world_size=1):
     (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=6", "train.micro_batch_size=2"], 2,
      r"micro-batches \(3 .*multiple of parallel.pp=2"),
     (["parallel.order=tp-dp-pp"], 1, r"parallel.order='tp-dp-pp'"),
+    (["model=llama_tiny", "model.seq_length=64", "parallel.cp=8", "parallel.cp_comm=a2a"], 8,
+     r"cp_comm=a2a .*model.num_attention_heads=4 / parallel.tp=1\) must be divisible by parallel.cp=8 "
+     r"\(model.num_query_groups=2\)"),
 ])
 def test_invalid_values_are_named(overrides, world_size, message):
     with pytest.raises(ConfigError, match=message):

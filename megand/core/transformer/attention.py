@@ -8,10 +8,14 @@ gives each rank whole groups, so the layout of the full weight does not depend o
 import torch
 import torch.nn.functional as F
 
-from megand.core.context_parallel import all_gather_attention, ring_attention
+from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.rope import apply_rope
+
+
+# parallel.cp_comm -> the attention over a context-parallel group
+CP_ATTENTION = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": ulysses_attention}
 
 
 class Attention(torch.nn.Module):
@@ -32,7 +36,7 @@ class Attention(torch.nn.Module):
     def core(self, q, k, v):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads."""
         if self.cp_group is not None:  # the other tokens of the sequence live on the other cp ranks
-            attend = ring_attention if self.cfg.cp_comm == "p2p" else all_gather_attention
+            attend = CP_ATTENTION[self.cfg.cp_comm]
             return attend(q, k, v, self.cp_group)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
