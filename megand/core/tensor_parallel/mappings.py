@@ -152,6 +152,8 @@ def copy_to_tp(x, group):
 
 
 def reduce_from_tp(x, group):
+    if dist.get_world_size(group) == 1:  # nothing to sum: skip the autograd node and its copy
+        return x
     return ReduceFromTensorParallel.apply(x, group)
 
 
