@@ -16,4 +16,4 @@ from megand.core.tensor_parallel.mappings import (
     scatter_to_sp,
     scatter_to_tp,
 )
-from megand.core.tensor_parallel.random import TensorParallelRNG, checkpoint, seed_default_generator
+from megand.core.tensor_parallel.random import TensorParallelRNG, checkpoint, seed_random_streams
