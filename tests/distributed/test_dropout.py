@@ -100,7 +100,7 @@ def record_masks(topo, cfg, layer_ids, pre_process):
     return records
 
 
-# name: (sizes, sequence parallel, pre_process); every layout draws from the first two layers of its stage
+# name: (sizes, sequence parallel, pre_process); each stage holds two layers of a four-layer model
 MASK_LAYOUTS = {
     "tp2_dp2": (ParallelSizes(tp=2, dp=2), False, True),
     "tp2_dp2_sp": (ParallelSizes(tp=2, dp=2), True, True),
