@@ -29,9 +29,9 @@ WORD_EMBEDDING = "embedding.word.weight"
 
 
 class Embedding(torch.nn.Module):
-    def __init__(self, cfg: TransformerConfig, topo):
+    def __init__(self, cfg: TransformerConfig, topo, rng):
         super().__init__()
-        self.cfg, self.tp_group = cfg, topo.tp_group
+        self.cfg, self.tp_group, self.rng = cfg, topo.tp_group, rng
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group,
                                            init_std=cfg.init_std, dtype=cfg.params_dtype, device=topo.device)
         self.position = None
@@ -48,6 +48,9 @@ class Embedding(torch.nn.Module):
         if self.cfg.sequence_parallel:
             x = scatter_to_sp(x, self.tp_group)
         if self.training and self.cfg.hidden_dropout > 0:
+            if self.cfg.sequence_parallel:  # each tp rank holds other tokens: draw other masks
+                with self.rng.fork():
+                    return F.dropout(x, self.cfg.hidden_dropout)
             x = F.dropout(x, self.cfg.hidden_dropout)
         return x
 
@@ -58,7 +61,7 @@ class GPTModel(torch.nn.Module):
         self.cfg, self.topo = cfg, topo
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
-        self.embedding = Embedding(cfg, topo) if pre_process else None
+        self.embedding = Embedding(cfg, topo, rng) if pre_process else None
         self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng) for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if post_process:

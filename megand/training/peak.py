@@ -72,9 +72,14 @@ def gpu_peak_flops(device_name: str, precision: str, tf32: bool = False) -> Opti
 
 def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32,
                          device: Union[str, torch.device] = "cpu") -> float:
-    """Best FLOP/s of an n×n×n ``torch.mm`` over ``repeats`` timed runs (after one warm-up)."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    """Best FLOP/s of an n×n×n ``torch.mm`` over ``repeats`` timed runs (after one warm-up).
+
+    The matrices come from a private generator: only the logging rank measures, and only when no cached
+    figure exists, so a draw from the default generator would shift that rank's dropout masks.
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):

@@ -18,7 +18,7 @@ from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_parameters
-from megand.core.tensor_parallel import TensorParallelRNG, seed_default_generator
+from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
@@ -43,9 +43,10 @@ def build_topology(cfg, device) -> Topology:
 
 
 def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
-    """This rank's model chunks (one unless interleaved), initialised independently of the layout."""
+    """This rank's model chunks (one unless interleaved), initialised independently of the layout, and
+    its random streams (the default generator and the chunks' shared tensor-parallel stream) seeded."""
     model_cfg = transformer_config(cfg)
-    rng = TensorParallelRNG(cfg.train.seed, topo.tp_rank, topo.device)
+    rng = seed_random_streams(cfg.train.seed, topo)
     layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
     chunks = []
     for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank):
@@ -98,7 +99,6 @@ class Trainer:
         device = init_distributed()
         validate(cfg, dist.get_world_size())
         self.topo = build_topology(cfg, device)
-        seed_default_generator(cfg.train.seed, self.topo.pp_rank, self.topo.cp_rank)
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]

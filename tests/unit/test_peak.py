@@ -66,3 +66,15 @@ def test_real_measurement_is_positive():
 def test_mfu():
     assert peak.mfu(50e12, 100e12) == pytest.approx(0.5)
     assert peak.mfu(50e12, None) is None
+
+
+def test_measurement_leaves_the_global_rng_alone(tmp_path):
+    """Only the logging rank measures, and only when the cache is missing: drawing the matrices from the
+    default generator would shift that rank's dropout masks (and make them differ from its tp peers')."""
+    import torch
+
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    peak.measure_matmul_flops(n=64, repeats=1)
+    peak.device_peak_flops("cpu", "fp32", cache_dir=tmp_path)
+    assert torch.equal(torch.get_rng_state(), before), "the peak measurement drew from the default generator"

@@ -15,4 +15,4 @@ from megand.core.tensor_parallel.mappings import (
     reduce_scatter_to_sp,
     scatter_to_sp,
 )
-from megand.core.tensor_parallel.random import TensorParallelRNG, checkpoint, seed_default_generator
+from megand.core.tensor_parallel.random import TensorParallelRNG, checkpoint, seed_random_streams

@@ -1,9 +1,15 @@
 """Model-parallel RNG: a second random stream for regions whose values differ across tensor-parallel ranks.
 
-Dropout on activations that are replicated across tp (hidden states without sequence parallelism) must
-draw the same mask on every tp rank: it uses the default generator, seeded alike on all tp ranks.
-Dropout on activations that are sharded across tp (attention heads, sequence shards) must draw
-different masks: it runs inside :meth:`TensorParallelRNG.fork`, a stream seeded per tp rank.
+Dropout on activations that are replicated across tp (hidden states and the embedding output without
+sequence parallelism) must draw the same mask on every tp rank: it uses the default generator, seeded
+alike on all tp ranks. Dropout on activations that are sharded across tp (attention heads, sequence
+shards under sequence parallelism) must draw different masks: it runs inside
+:meth:`TensorParallelRNG.fork`, a stream seeded per tp rank.
+
+Both streams also differ across pipeline stages (other layers), context-parallel ranks (other tokens)
+and data-parallel replicas (other samples): :func:`seed_random_streams` seeds them as Megatron does
+(default ``seed + 100 * pp_rank``, tensor-parallel ``that + 2718 + tp_rank``), with the cp and dp
+coordinates folded into the stage index so that no two ranks share a stream they should not.
 """
 
 from contextlib import contextmanager
@@ -23,21 +29,28 @@ def _set_state(state, device):
         torch.set_rng_state(state)
 
 
-def seed_default_generator(seed: int, pp_rank: int, cp_rank: int) -> None:
-    # Same on tp and dp peers (their replicated activations must see the same dropout masks),
-    # different across pipeline stages and context shards, which hold different layers/tokens.
-    torch.manual_seed(seed + 100 * pp_rank + 10 * cp_rank)
+TP_OFFSET = 2718  # Megatron's offset of the tensor-parallel stream from the default one
+
+
+def default_seed(seed: int, topo) -> int:
+    """The default generator's seed on this rank: equal on tp peers, different for every (pp, cp, dp).
+
+    ``seed + 100 * pp_rank`` when cp = dp = 1 (Megatron's rule); otherwise the stage index runs over
+    (pp, cp, dp) in mixed radix, so distinct coordinates never share a seed. The tensor-parallel seeds
+    ``default_seed + 2718 + tp_rank`` never meet another rank's default seed while tp < 82."""
+    index = topo.pp_rank + topo.pp_size * (topo.cp_rank + topo.cp_size * topo.dp_rank)
+    return seed + 100 * index
 
 
 class TensorParallelRNG:
-    """The tp-rank-specific random stream, swapped into the device's default generator on demand."""
+    """The tp-rank-specific random stream, swapped into the device's default generator on demand.
+
+    ``seed`` is this rank's default seed (:func:`default_seed`); the stream is seeded with
+    ``seed + 2718 + tp_rank``. Building it leaves every global generator untouched."""
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device):
         self.device = device
-        saved = _get_state(device)
-        torch.manual_seed(seed + 2718 + tp_rank)
-        self.state = _get_state(device)
-        _set_state(saved, device)
+        self.state = torch.Generator(device=device).manual_seed(seed + TP_OFFSET + tp_rank).get_state()
 
     @contextmanager
     def fork(self):
@@ -48,6 +61,13 @@ class TensorParallelRNG:
         finally:
             self.state = _get_state(self.device)
             _set_state(saved, self.device)
+
+
+def seed_random_streams(seed: int, topo) -> TensorParallelRNG:
+    """Seed this rank's default generator (every device) and return its tensor-parallel stream."""
+    rank_seed = default_seed(seed, topo)
+    torch.manual_seed(rank_seed)
+    return TensorParallelRNG(rank_seed, topo.tp_rank, topo.device)
 
 
 def checkpoint(fn, *args, rng: TensorParallelRNG | None = None):
