@@ -2,7 +2,11 @@
 
 The fused QKV weight is laid out per query group: ``[groups, q_heads_per_group + 2, head_dim, hidden]``
 (the group's query heads, then its key head, then its value head). Splitting its rows evenly across tp
-gives each rank whole groups, so the layout of the full weight does not depend on tp.
+gives each rank whole groups, so the layout of the full weight does not depend on tp. ``fuse_qkv`` and
+``split_qkv`` convert between that layout and separate query/key/value weights (checkpoint conversion).
+
+Generation passes a :class:`KVCache`: the keys and values of earlier tokens are kept, so each new token
+costs one position instead of the whole window.
 """
 
 import torch
@@ -12,6 +16,68 @@ from megand.core.context_parallel import all_gather_attention, ring_attention
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.rope import apply_rope
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_groups: int) -> torch.Tensor:
+    """The fused QKV weight (or bias) from full query ``[heads * d, ...]``, key and value
+    ``[groups * d, ...]`` tensors: each query group's query heads, then its key head, then its value head."""
+    rest, head_dim = q.shape[1:], k.shape[0] // query_groups
+    q = q.reshape(query_groups, -1, head_dim, *rest)  # [groups, q_per_group, d, ...]
+    k, v = k.reshape(query_groups, 1, head_dim, *rest), v.reshape(query_groups, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: full query ``[heads * d, ...]``, key and value ``[groups * d, ...]``."""
+    rest = qkv.shape[1:]
+    q_per_group = num_heads // query_groups
+    qkv = qkv.reshape(query_groups, q_per_group + 2, -1, *rest)  # [groups, q_per_group + 2, d, ...]
+    q = qkv[:, :q_per_group].reshape(-1, *rest)
+    return q, qkv[:, q_per_group].reshape(-1, *rest), qkv[:, q_per_group + 1].reshape(-1, *rest)
+
+
+class LayerKVCache:
+    """One layer's keys and values ``[b, groups, max_len, d]`` of the tokens seen so far."""
+
+    def __init__(self, batch: int, groups: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.empty(batch, groups, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k``/``v`` ``[b, groups, s, d]`` after the cached tokens; return every token's k and v."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {end} tokens > capacity {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Per-layer caches for incremental decoding (one process, no tensor/context parallelism)."""
+
+    def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids):
+        self.layers = {str(i): LayerKVCache(batch, cfg.query_groups, max_len, cfg.head_dim, dtype, device)
+                       for i in layer_ids}
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.layers.values())).length if self.layers else 0
+
+
+def cached_attention(q, k, v):
+    """Attention of the new queries ``[b, heads, s_new, d]`` over every cached key/value ``[b, groups, s, d]``:
+    query i is the token at position ``s - s_new + i`` and sees the keys up to it."""
+    s_new, s = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if s_new == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if s_new == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - s_new, s, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(torch.nn.Module):
@@ -39,7 +105,7 @@ class Attention(torch.nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, cache: LayerKVCache | None = None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
         qkv = self.qkv(x)
         s = qkv.shape[0]
@@ -49,7 +115,9 @@ class Attention(torch.nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.cfg.recompute == "selective":
+        if cache is not None:
+            out = cached_attention(q, *cache.append(k, v))
+        elif self.cfg.recompute == "selective":
             out = checkpoint(self.core, q, k, v, rng=self.rng)
         else:
             out = self.core(q, k, v)
