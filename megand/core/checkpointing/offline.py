@@ -69,7 +69,8 @@ def load_full_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tens
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in metadata.state_dict_metadata.items()
              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=iter_dir, no_dist=True)
+    with _one_process():
+        dcp.load(state, checkpoint_id=iter_dir, no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}
 
 
