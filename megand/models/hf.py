@@ -70,10 +70,6 @@ def adapter_for_hf(config):
     raise ValueError(f"model_type={config.model_type!r}: only llama and gpt2 can be imported")
 
 
-def hf_kind(m: Mapping[str, Any]) -> str:
-    return adapter_for(m).MODEL_TYPE
-
-
 def _require_transformers():
     try:
         import transformers
