@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import os
+from dataclasses import fields
 
 import torch
 from omegaconf import OmegaConf
 
 from megand.core.checkpointing import CheckpointError
 from megand.core.checkpointing.files import resolve
-from megand.core.checkpointing.offline import load_full_tensors, save_model_streaming, single_process_topology
+from megand.core.checkpointing.offline import (
+    load_full_tensors,
+    save_model_streaming,
+    single_process_topology,
+)
 from megand.core.sharding import ParamMeta, init_parameters, param_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig

@@ -94,7 +94,7 @@ class GPTModel(torch.nn.Module):
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
         per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``.
         ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism).
-        ``kv_cache``: a :class:`~megand.core.transformer.attention.KVCache` (generation): ``input_ids`` are
+        ``kv_cache``: a :class:`~megand.core.transformer.kv_cache.KVCache` (generation): ``input_ids`` are
         the tokens after the cached ones, at positions from the cache's length on.
         """
         if kv_cache is not None and positions is None:

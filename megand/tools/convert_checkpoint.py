@@ -27,7 +27,12 @@ from tqdm import tqdm
 from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.config import DTYPES
 from megand.models import full, hf
-from megand.tools.safetensors_files import INDEX, SafetensorsReader, ShardWriter, parse_size
+from megand.tools.safetensors_files import (
+    INDEX,
+    SafetensorsReader,
+    ShardWriter,
+    parse_size,
+)
 
 DEFAULT_MAX_SHARD = "5GB"
 # tensors that Hugging Face files may hold beside the weights (buffers of older transformers versions)

@@ -23,7 +23,7 @@ import torch
 
 from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.parallel_state import choose_device_and_backend
-from megand.core.transformer.attention import KVCache
+from megand.core.transformer.kv_cache import KVCache
 from megand.models import full
 
 

@@ -35,7 +35,6 @@ def _load_tool():
 
 
 def test_baseline_short_run_prints_one_json_line(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("transformers")
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)  # keep the test short
     _load_tool().main(TINY + ["--mode", "baseline", "--steps", "3", "--warmup", "1", "train.micro_batch_size=2",
                               "--peak-cache-dir", str(tmp_path), f"run_dir={tmp_path}"])
@@ -50,7 +49,6 @@ def test_baseline_short_run_prints_one_json_line(tmp_path, monkeypatch, capsys):
 
 
 def test_bf16_autocast_runs_on_cpu(monkeypatch):
-    pytest.importorskip("transformers")
     from megand.tools.benchmark_baseline import run_baseline
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)
     cfg = tiny_model(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=2, num_query_groups=1,
@@ -68,7 +66,6 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 
 def test_megand_and_baseline_in_one_run(tmp_path, monkeypatch, capsys):
     """``--mode both``: the Trainer in a one-process world, then the baseline; one JSON line, every key."""
-    pytest.importorskip("transformers")
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)
     for name in DIST_ENV:  # init_distributed sets these for a one-process world: restore them afterwards
         monkeypatch.delenv(name, raising=False)

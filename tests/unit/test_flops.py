@@ -17,7 +17,6 @@ GPT = dict(arch="gpt", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_at
 
 
 def _hf_model(cfg):
-    pytest.importorskip("transformers")
     from megand.models.hf import build_hf_model
     # eager attention: its matmuls are visible to FlopCounterMode (CPU sdpa kernels are not counted)
     return build_hf_model(cfg, attn_implementation="eager")

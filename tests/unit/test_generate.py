@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megand.core.checkpointing import files, offline
-from megand.core.transformer.attention import KVCache
+from megand.core.transformer.kv_cache import KVCache
 from megand.models import full
 from megand.tools import generate
 from tests.unit.data_helpers import train_small_tokenizer

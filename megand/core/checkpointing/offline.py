@@ -36,10 +36,10 @@ def _one_process():
 
 def tensor_shapes(path: str, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """(full shape, dtype) of every tensor under ``prefix`` of the checkpoint at ``path``, keyed without the
-    prefix; reads only the metadata (and checks the data files are complete)."""
+    prefix; reads the metadata and checks the data files (sizes, checksums) without loading tensors."""
     iter_dir = files.resolve(path)
     metadata = files.read_metadata(iter_dir)
-    files.check_files(iter_dir, metadata, verify_crc=False)
+    files.check_files(iter_dir, metadata)
     return {k[len(prefix):]: (tuple(md.size), md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
 

@@ -33,7 +33,7 @@ class TransformerLayer(torch.nn.Module):
         return x + self.dropout(self.mlp(self.post_attention_norm(x)))
 
     def forward(self, x, rope=None, cache=None):
-        """``cache``: this layer's :class:`~megand.core.transformer.attention.LayerKVCache` (generation)."""
+        """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation)."""
         if cache is not None:
             return self._forward(x, rope, cache)
         if self.cfg.recompute == "full":
