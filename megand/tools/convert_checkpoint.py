@@ -1,6 +1,6 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
-    python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype bf16] [--max-shard-size 5GB]
+    python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
         megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama) or
         GPT2LMHeadModel (gpt): safetensors shards (+ model.safetensors.index.json when there are several)
         and config.json
@@ -10,7 +10,8 @@
 
 Both directions stream: one tensor is read, converted and written at a time (peak memory about the
 largest tensor plus one output shard), shapes are checked from the config before any tensor is read,
-and no model is built. Tensors keep their stored dtype unless --dtype is given. An existing checkpoint
+and no model is built. Export writes bf16 unless --dtype says otherwise (a checkpoint holds fp32 weights);
+import keeps the dtype of the files unless --dtype is given. An existing checkpoint
 directory (import) or a non-empty output directory (export) is refused unless --force.
 """
 
@@ -47,7 +48,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None else t.to(dtype)
 
 
-def export(load: str, out: str, dtype: torch.dtype | None = None, max_shard_bytes: int | None = None,
+def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_shard_bytes: int | None = None,
            force: bool = False) -> None:
     max_shard_bytes = max_shard_bytes or parse_size(DEFAULT_MAX_SHARD)
     if os.path.isdir(out) and os.listdir(out) and not force:
@@ -156,21 +157,23 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    dtype_help = "convert every tensor to this dtype (default: keep each tensor's stored dtype)"
     e = sub.add_parser("export", help="megand checkpoint -> Hugging Face directory")
     e.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir")
     e.add_argument("--out", required=True, help="output transformers directory (new or empty)")
-    e.add_argument("--dtype", choices=sorted(DTYPES), help=dtype_help)
+    e.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the written tensors (default bf16, as models are published; fp32 keeps the "
+                        "checkpoint's fp32 weights exactly)")
     e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
     i.add_argument("--hf", required=True, help="local transformers directory (llama or gpt2, safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
-    i.add_argument("--dtype", choices=sorted(DTYPES), help=dtype_help)
+    i.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")
     i.add_argument("--force", action="store_true", help="import into a directory that already holds checkpoints")
     args = p.parse_args(argv)
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    dtype = DTYPES[args.dtype] if args.dtype else None  # None: keep each tensor's dtype
     try:
         if args.command == "export":
             export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)

@@ -1,8 +1,8 @@
 """Hugging Face interoperability of trained checkpoints: a tiny llama and a tiny gpt trained at tp=2,
-exported, loaded by transformers: same logits (fp32, max abs diff <= 1e-4); imported back: identical
+exported in fp32, loaded by transformers: same logits (max abs diff <= 1e-4); imported back: identical
 megand logits; greedy tools/generate.py (with and without the KV cache) == transformers' greedy generate
-for 20 tokens. An imported llama trains at tp=2. Each test converts what it needs itself; the trained
-checkpoints are shared fixtures."""
+for 20 tokens. A llama exported in bf16 (the default) and imported trains at tp=2. Each test converts
+what it needs itself; the trained checkpoints are shared fixtures."""
 
 import os
 
@@ -52,7 +52,7 @@ def test_export_import_generate(name, trained, topo, tmp_path, capsys):
     ours = megand_logits(model, ids)
 
     hf_dir, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
-    assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", hf_dir]) == 0
+    assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", hf_dir, "--dtype", "fp32"]) == 0
     assert os.path.isfile(f"{hf_dir}/model.safetensors") and os.path.isfile(f"{hf_dir}/config.json")
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     expected_cls = "LlamaForCausalLM" if name == "tiny_llama" else "GPT2LMHeadModel"
@@ -92,7 +92,8 @@ def test_export_import_generate(name, trained, topo, tmp_path, capsys):
 
 
 def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
-    """An imported checkpoint (no optimizer state) loads at tp=2 and step 1's loss is the loss of its weights."""
+    """An imported checkpoint (bf16, as exported by default; no optimizer state) loads into fp32 training at
+    tp=2 and step 1's loss is the loss of its weights."""
     name, root = "tiny_llama", trained("tiny_llama")
     hf_dir, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
     assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", hf_dir]) == 0
@@ -101,6 +102,7 @@ def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
     proc = run_pretrain(run_dir, [f"+experiment={name}", "parallel.tp=2", "train.iters=1",
                                   f"checkpoint.load={imported}"], nproc=2)
     assert "optimizer state: no" in proc.stdout
+    assert {t.dtype for t in offline.load_full_tensors(imported).values()} == {torch.bfloat16}
     loss = read_metrics(run_dir)[0]["loss"]
     # the same first batch through the imported weights in one process
     from omegaconf import OmegaConf

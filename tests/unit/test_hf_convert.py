@@ -97,11 +97,19 @@ def test_bf16_round_trip_through_sharded_safetensors(arch, topo, tmp_path, capsy
         assert (ours_model(input_ids=ids) - theirs_model(input_ids=ids).logits).abs().max().item() <= 1e-4
 
 
-def test_dtype_option_converts(tmp_path, capsys):
-    full.save_random_model(str(tmp_path / "ckpt"), LLAMA, torch.float32)
-    assert run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--dtype", "bf16")[0] == 0
-    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+def file_dtypes(path):
+    with safe_open(str(path), "pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def test_export_writes_bf16_unless_told_and_import_keeps_or_casts(tmp_path, capsys):
+    full.save_random_model(str(tmp_path / "ckpt"), LLAMA, torch.float32)  # as training saves: fp32
+    assert run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))[0] == 0
+    assert file_dtypes(tmp_path / "hf" / "model.safetensors") == {"BF16"}
+    assert run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf32"), "--dtype", "fp32")[0] == 0
+    assert file_dtypes(tmp_path / "hf32" / "model.safetensors") == {"F32"}
+    assert run(capsys, "import", "--hf", str(tmp_path / "hf32"), "--save", str(tmp_path / "back32"))[0] == 0
+    assert {t.dtype for t in offline.load_full_tensors(str(tmp_path / "back32")).values()} == {torch.float32}
     assert run(capsys, "import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "back"), "--dtype", "fp32")[0] == 0
     assert {t.dtype for t in offline.load_full_tensors(str(tmp_path / "back")).values()} == {torch.float32}
 
