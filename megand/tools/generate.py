@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 0:
         p.error(f"--max-new-tokens={args.max_new_tokens}: must be >= 0")
     if args.tokenizer and not os.path.isfile(args.tokenizer):
-        p.error(f"--tokenizer {args.tokenizer}: no such file")
+        print(f"generate: --tokenizer {args.tokenizer}: no such file", file=sys.stderr)
+        return 2
     device, _ = choose_device_and_backend()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
@@ -124,9 +125,14 @@ def main(argv=None) -> int:
     if args.prompt is not None or args.tokenizer:
         if not tok_path:
             p.error("--prompt needs --tokenizer (or a checkpoint whose run set data.tokenizer)")
+        from megand.data.errors import DataError
         from megand.data.tokenizer import SentencePieceTokenizer
 
-        tokenizer = SentencePieceTokenizer(tok_path)
+        try:
+            tokenizer = SentencePieceTokenizer(tok_path)
+        except DataError as e:
+            print(f"generate: {e}", file=sys.stderr)
+            return 2
         if tokenizer.vocab_size > model.cfg.vocab_size:
             print(f"generate: warning: tokenizer {tok_path} has {tokenizer.vocab_size} tokens, more than the model's "
                   f"vocab_size={model.cfg.vocab_size}: it was not the tokenizer of this model", file=sys.stderr)

@@ -90,3 +90,12 @@ def test_warns_when_the_tokenizer_vocabulary_exceeds_the_model(tmp_path, capsys)
                           "--max-new-tokens", "2"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "200" in warnings[0] and "vocab_size=120" in warnings[0]
+
+
+def test_missing_tokenizer_file_is_one_line(tmp_path, capsys):
+    write_run(tmp_path, LLAMA, "tok.model")
+    capsys.readouterr()
+    missing = str(tmp_path / "nope.model")
+    assert generate.main(["--load", str(tmp_path / "ckpts" / "run"), "--tokenizer", missing, "--prompt", "Hi"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and missing in err[0]
