@@ -116,15 +116,15 @@ def main(argv=None) -> int:
     try:
         run_cfg = full.read_config(args.load)
         tok_path = args.tokenizer or (stored_tokenizer_path(args.load, run_cfg) if args.prompt is not None else None)
+        if args.prompt is not None and not tok_path:
+            raise FileNotFoundError("--prompt needs --tokenizer (the checkpoint's run set no data.tokenizer)")
         model, run_cfg = full.load_model(args.load, offline.single_process_topology(device))
     except (CheckpointError, FileNotFoundError) as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
     model = model.to(dtype)
     tokenizer = None
-    if args.prompt is not None or args.tokenizer:
-        if not tok_path:
-            p.error("--prompt needs --tokenizer (or a checkpoint whose run set data.tokenizer)")
+    if tok_path:
         from megand.data.errors import DataError
         from megand.data.tokenizer import SentencePieceTokenizer
 
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
             return 2
         if tokenizer.vocab_size > model.cfg.vocab_size:
             print(f"generate: warning: tokenizer {tok_path} has {tokenizer.vocab_size} tokens, more than the model's "
-                  f"vocab_size={model.cfg.vocab_size}: it was not the tokenizer of this model", file=sys.stderr)
+                  f"vocab_size={model.cfg.vocab_size}: its ids >= {model.cfg.vocab_size} cannot be used (is it this model's "
+                  f"tokenizer?)", file=sys.stderr)
     ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.ids
     if not ids or max(ids) >= model.cfg.vocab_size or min(ids) < 0:
         p.error(f"prompt ids must be non-empty and in [0, {model.cfg.vocab_size})")
