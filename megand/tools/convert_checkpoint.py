@@ -9,7 +9,7 @@
         at any layout with `checkpoint.load=ckpts/imported`
 
 Both directions stream: one tensor is read, converted and written at a time (peak memory about the
-largest tensor plus one output shard), shapes are checked from the config before any tensor is read,
+largest tensor), shapes are checked from the config before any tensor is read,
 and no model is built. Export writes bf16 unless --dtype says otherwise (a checkpoint holds fp32 weights);
 import keeps the dtype of the files unless --dtype is given. An existing checkpoint
 directory (import) or a non-empty output directory (export) is refused unless --force.
@@ -69,16 +69,17 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
             if name == "config.json" or (name.startswith("model") and (name.endswith(".safetensors") or name == INDEX)):
                 os.remove(os.path.join(out, name))
 
-    writer = ShardWriter(out, max_shard_bytes)
-    written = set()
+    entries = [(name, shape, dtype or stored[rule.megand][1]) for rule in rules
+               for name, shape in rule.hf_shapes(stored[rule.megand][0]).items()]
+    writer = ShardWriter(out, entries, max_shard_bytes)
     for rule in tqdm(rules, desc="tensors", unit="tensor", disable=None):
         tensor = offline.load_tensors(load, [rule.megand])[rule.megand]
         for name, piece in zip(rule.hf, rule.to_hf(tensor)):
             writer.add(name, _cast(piece, dtype))
-            written.add(piece.dtype if dtype is None else dtype)
         del tensor
     shards = writer.close()
     config = adapter.hf_config(model_cfg)
+    written = {d for _, _, d in entries}
     if len(written) == 1:
         config.dtype = written.pop()
     config.save_pretrained(out)

@@ -2,7 +2,7 @@
 in ``model.safetensors.index.json``, and writing shards of bounded size plus the index.
 
 Reading opens a shard only for the tensor asked for and closes it again, so the process never keeps a
-whole memory-mapped shard resident; writing holds at most one shard's tensors before it is flushed.
+whole memory-mapped shard resident; writing streams each tensor to its shard as it comes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import re
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -76,54 +75,73 @@ class SafetensorsReader:
             return f.get_tensor(name)
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a storage of its own (safetensors refuses views sharing memory)."""
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+NAMES_OF = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class ShardWriter:
-    """Writes tensors into ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a
-    larger tensor gets a shard of its own) and the index; a single shard is ``model.safetensors``."""
+    """Writes tensors, in the order they were announced, into ``model-0000i-of-0000n.safetensors`` shards of
+    at most ``max_shard_bytes`` (a larger tensor gets a shard of its own) plus the index; a single shard is
+    ``model.safetensors``. Every name, shape and dtype is known up front, so each shard's header is
+    written first and each tensor goes to disk as soon as it is added: nothing is buffered."""
 
-    def __init__(self, directory: str, max_shard_bytes: int):
-        self.directory, self.max_shard_bytes = directory, max_shard_bytes
+    def __init__(self, directory: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int):
+        self.directory = directory
+        self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+        size = 0
+        for name, shape, dtype in entries:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if self.shards[-1] and size + nbytes > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, tuple(shape), dtype))
+            size += nbytes
+        n = len(self.shards)
+        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.order = [(i, entry) for i, shard in enumerate(self.shards) for entry in shard]
+        self.next = 0
+        self.file = None
+        self.total_bytes = sum(torch.Size(s).numel() * d.itemsize for _, s, d in entries)
         os.makedirs(directory, exist_ok=True)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []  # tensor names per written shard
-        self.total_bytes = 0
 
-    def _tmp_name(self, i: int) -> str:
-        return os.path.join(self.directory, f"model-{i + 1:05d}.safetensors.tmp")
+    def _open(self, i: int) -> None:
+        header, offset = {}, 0
+        for name, shape, dtype in self.shards[i]:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": NAMES_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.file = open(os.path.join(self.directory, self.names[i] + ".tmp"), "wb")
+        self.file.write(len(text).to_bytes(8, "little"))
+        self.file.write(text)
 
-    def _flush(self) -> None:
-        if self.pending:
-            save_file(self.pending, self._tmp_name(len(self.shards)), metadata={"format": "pt"})
-            self.shards.append(list(self.pending))
-            self.pending, self.pending_bytes = {}, 0
+    def _close(self, i: int) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        self.file = None
+        os.replace(os.path.join(self.directory, self.names[i] + ".tmp"), os.path.join(self.directory, self.names[i]))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self.pending and self.pending_bytes + tensor.nbytes > self.max_shard_bytes:
-            self._flush()
-        self.pending[name] = _own(tensor)
-        self.pending_bytes += tensor.nbytes
-        self.total_bytes += tensor.nbytes
+        i, (expected, shape, dtype) = self.order[self.next]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype}: expected {expected} {shape} {dtype}")
+        if self.file is None:
+            self._open(i)
+        self.file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        self.next += 1
+        if self.next == len(self.order) or self.order[self.next][0] != i:
+            self._close(i)
 
     def close(self) -> list[str]:
-        """Flush, give the shards their final names, write the index (several shards); returns the files."""
-        self._flush()
-        n = len(self.shards)
-        if n == 1:
-            os.replace(self._tmp_name(0), os.path.join(self.directory, SINGLE))
-            return [SINGLE]
-        names, weight_map = [], {}
-        for i, tensors in enumerate(self.shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self._tmp_name(i), os.path.join(self.directory, name))
-            names.append(name)
-            weight_map.update({t: name for t in tensors})
+        """Write the index (several shards); returns the files written."""
+        if self.next != len(self.order):
+            raise ValueError(f"{len(self.order) - self.next} announced tensors were not written, "
+                             f"the first {self.order[self.next][1][0]}")
+        if len(self.names) == 1:
+            return list(self.names)
+        weight_map = {name: self.names[i] for i, (name, _, _) in self.order}
         with open(os.path.join(self.directory, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
-        return names + [INDEX]
+        return self.names + [INDEX]
