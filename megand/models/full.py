@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import os
+from dataclasses import fields
 
 import torch
 from omegaconf import OmegaConf
 
 from megand.core.checkpointing import CheckpointError
 from megand.core.checkpointing.files import resolve
-from megand.core.checkpointing.offline import load_full_tensors, single_process_topology
-from megand.core.sharding import init_parameters
+from megand.core.checkpointing.offline import (
+    load_full_tensors,
+    save_model_streaming,
+    single_process_topology,
+)
+from megand.core.sharding import ParamMeta, init_parameters, param_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
 from megand.models.gpt import GPTModel
@@ -22,6 +25,40 @@ def transformer_config(model_cfg: dict) -> TransformerConfig:
     """The fp32, one-process TransformerConfig of a ``model`` section (as stored with a checkpoint)."""
     names = {f.name for f in fields(TransformerConfig)}
     return TransformerConfig(**{k: v for k, v in dict(model_cfg).items() if k in names})
+
+
+def param_metas(model_cfg) -> dict[str, ParamMeta]:
+    """Name -> ParamMeta of every tensor a checkpoint of ``model_cfg`` holds, read from the model's own
+    parameters built on the meta device (nothing is allocated)."""
+    cfg = transformer_config(model_cfg)
+    model = GPTModel(cfg, single_process_topology(torch.device("meta")), TensorParallelRNG(0, 0, torch.device("meta")))
+    return {name: p.meta for name, p in model.named_parameters() if p.meta.copy_of is None}
+
+
+def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """Name -> full (unpadded) shape of every tensor a checkpoint of ``model_cfg`` holds."""
+    return {name: tuple(meta.full_shape) for name, meta in param_metas(model_cfg).items()}
+
+
+def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+    """A model-only checkpoint of random weights (benchmarks and tests), written one tensor at a time:
+    matrices N(0, init_std), norm weights 1 + N(0, 0.1), biases N(0, 0.1) (not the training init's ones and
+    zeros, so that a misplaced norm or bias shows). Returns the iteration directory."""
+    metas = param_metas(model_cfg)
+
+    def produce(name):
+        meta = metas[name]
+        generator = torch.Generator().manual_seed(param_seed(seed, name))
+        noise = torch.randn(meta.full_shape, generator=generator)
+        if meta.init == "normal":
+            noise.mul_(meta.init_std)
+        else:
+            noise.mul_(0.1).add_(1.0 if meta.init == "ones" else 0.0)
+        return noise.to(dtype)
+
+    shapes = {name: (tuple(meta.full_shape), dtype) for name, meta in metas.items()}
+    config_yaml = OmegaConf.to_yaml({"model": dict(model_cfg)})
+    return save_model_streaming(save_dir, shapes, produce, config_yaml, dict(model_cfg))
 
 
 def read_config(path: str):

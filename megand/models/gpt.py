@@ -91,21 +91,25 @@ class GPTModel(torch.nn.Module):
             return None
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def forward(self, input_ids=None, positions=None, labels=None, hidden=None):
+    def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
 
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
         per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``.
         ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism).
+        ``kv_cache``: a :class:`~megand.core.transformer.kv_cache.KVCache` (generation): ``input_ids`` are
+        the tokens after the cached ones, at positions from the cache's length on.
         """
+        if kv_cache is not None and positions is None:
+            positions = torch.arange(kv_cache.length, kv_cache.length + input_ids.shape[1], device=self.topo.device)
         if positions is None:
             s = input_ids.shape[1] if input_ids is not None else hidden.shape[0] * (
                 self.topo.tp_size if self.cfg.sequence_parallel else 1)
             positions = torch.arange(s, device=self.topo.device)
         x = self.embedding(input_ids, positions) if self.pre_process else hidden
         rope = self.rope(positions)
-        for layer in self.layers.values():
-            x = layer(x, rope)
+        for name, layer in self.layers.items():
+            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None)
         if not self.post_process:
             return x
         logits = self.logits(self.final_norm(x))

@@ -1,37 +1,158 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
-    python tools/convert_checkpoint.py export --load ckpts/run --out hf/run
+    python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
         megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama) or
-        GPT2LMHeadModel (gpt) as safetensors + config.json
-    python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported
-        transformers directory -> megand checkpoint (model only, iteration 0), loadable at any layout with
-        `checkpoint.load=ckpts/imported`
+        GPT2LMHeadModel (gpt): safetensors shards (+ model.safetensors.index.json when there are several)
+        and config.json
+    python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
+        local transformers directory (safetensors) -> megand checkpoint (model only, iteration 0), loadable
+        at any layout with `checkpoint.load=ckpts/imported`
+
+Both directions stream: one tensor is read, converted and written at a time (peak memory about the
+largest tensor), shapes are checked from the config before any tensor is read,
+and no model is built. Export writes bf16 unless --dtype says otherwise (a checkpoint holds fp32 weights);
+import keeps the dtype of the files unless --dtype is given. An existing checkpoint
+directory (import) or a non-empty output directory (export) is refused unless --force.
 """
 
+from __future__ import annotations
+
 import argparse
+import os
 import sys
 
-
+import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
-from megand.core.checkpointing import CheckpointError, offline
+from megand.core.checkpointing import CheckpointError, files, offline
+from megand.core.transformer.config import DTYPES
 from megand.models import full, hf
+from megand.tools.safetensors_files import (
+    INDEX,
+    SafetensorsReader,
+    ShardWriter,
+    parse_size,
+)
+
+DEFAULT_MAX_SHARD = "5GB"
+# tensors that Hugging Face files may hold beside the weights (buffers of older transformers versions)
+IGNORABLE = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def export(load: str, out: str) -> None:
+def _holds_checkpoints(path: str) -> bool:
+    return os.path.isdir(path) and any(n == files.LATEST or n.startswith("iter_") for n in os.listdir(path))
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_shard_bytes: int | None = None,
+           force: bool = False) -> None:
+    max_shard_bytes = max_shard_bytes or parse_size(DEFAULT_MAX_SHARD)
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ValueError(f"--out {out}: directory is not empty (use --force to write into it)")
     model_cfg = OmegaConf.to_container(full.read_config(load).model, resolve=True)
-    tensors = offline.load_full_tensors(load)
-    hf.export(tensors, model_cfg, out)
-    print(f"exported {load} ({hf.hf_kind(model_cfg)}, {sum(t.numel() for t in tensors.values()):,} parameters) to {out}")
+    adapter = hf.adapter_for(model_cfg)
+    rules = adapter.rules(model_cfg)
+    stored = offline.tensor_shapes(load)
+    expected = full.full_shapes(model_cfg)
+    for rule in rules:
+        if rule.megand not in stored:
+            raise CheckpointError(f"{load}: tensor {rule.megand} is missing from the checkpoint")
+        if stored[rule.megand][0] != expected[rule.megand]:
+            raise CheckpointError(f"{load}: tensor {rule.megand} has shape {stored[rule.megand][0]}, the model "
+                                  f"config gives {expected[rule.megand]}")
+    if force and os.path.isdir(out):  # stale shards of an earlier export would mix with the new ones
+        for name in os.listdir(out):
+            if name == "config.json" or (name.startswith("model") and (name.endswith(".safetensors") or name == INDEX)):
+                os.remove(os.path.join(out, name))
+
+    entries = [(name, shape, dtype or stored[rule.megand][1]) for rule in rules
+               for name, shape in rule.hf_shapes(stored[rule.megand][0]).items()]
+    writer = ShardWriter(out, entries, max_shard_bytes)
+    for rule in tqdm(rules, desc="tensors", unit="tensor", disable=None):
+        tensor = offline.load_tensors(load, [rule.megand])[rule.megand]
+        for name, piece in zip(rule.hf, rule.to_hf(tensor)):
+            writer.add(name, _cast(piece, dtype))
+        del tensor
+    shards = writer.close()
+    config = adapter.hf_config(model_cfg)
+    written = {d for _, _, d in entries}
+    if len(written) == 1:
+        config.dtype = written.pop()
+    config.save_pretrained(out)
+    n_params = sum(torch.Size(stored[r.megand][0]).numel() for r in rules)
+    print(f"exported {load} ({adapter.MODEL_TYPE}, {n_params:,} parameters, {writer.total_bytes / 2**30:.2f} GiB "
+          f"in {len([s for s in shards if s != INDEX])} safetensors file(s)) to {out}")
 
 
-def import_(hf_dir: str, save: str) -> None:
-    config, sd = hf.load_hf(hf_dir)
-    model_cfg, tensors = hf.from_hf(config, sd)
-    full.build_full_model(model_cfg, tensors)  # checks names and shapes against a megand model
+def read_hf_config(hf_dir: str):
+    """The transformers config of a local directory (never a download)."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"--hf {hf_dir}: no such local directory (models are not downloaded)")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"--hf {hf_dir}: no config.json (not a transformers model directory)")
+    return AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+
+
+def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: bool = False) -> None:
+    if _holds_checkpoints(save) and not force:
+        raise ValueError(f"--save {save}: already holds checkpoints (use --force to replace `latest` with the import)")
+    config = read_hf_config(hf_dir)
+    adapter = hf.adapter_for_hf(config)
+    model_cfg = adapter.model_config(config)
+    try:
+        reader = SafetensorsReader(hf_dir)
+    except FileNotFoundError as e:
+        raise ValueError(f"--hf {hf_dir}: {e}") from None
+    present = set(reader.names())
+
+    def source_name(name: str) -> str:  # base-model files (e.g. the original gpt2) lack the head's prefix
+        if name in present:
+            return name
+        short = name.split(".", 1)[1]
+        if short in present:
+            return short
+        raise CheckpointError(f"--hf {hf_dir}: tensor {name} is missing")
+
+    rules = adapter.rules(model_cfg)
+    expected = full.full_shapes(model_cfg)
+    shapes, used = {}, set()
+    for rule in rules:
+        for name, shape in rule.hf_shapes(expected[rule.megand]).items():
+            src = source_name(name)
+            used.add(src)
+            if reader.shape(src) != shape:
+                raise CheckpointError(f"--hf {hf_dir}: tensor {src} has shape {reader.shape(src)}, "
+                                      f"config.json gives {shape}")
+        first = source_name(rule.hf[0])
+        shapes[rule.megand] = (expected[rule.megand], dtype or reader.dtype(first))
+    ignored = sorted(n for n in present - used
+                     if not (n.endswith(IGNORABLE) or (model_cfg["tie_embeddings"] and n == "lm_head.weight")))
+    if ignored:
+        raise CheckpointError(f"--hf {hf_dir}: {len(ignored)} tensor(s) that a {adapter.MODEL_TYPE} model of this "
+                              f"config does not have, e.g. {ignored[0]}")
+
+    by_megand = {rule.megand: rule for rule in rules}
+    progress = tqdm(total=len(rules), desc="tensors", unit="tensor", disable=None)
+
+    def produce(name: str) -> torch.Tensor:
+        rule = by_megand[name]
+        tensor = rule.from_hf(*(reader.get(source_name(n)) for n in rule.hf))
+        progress.update()
+        return _cast(tensor, shapes[name][1])
+
     config_yaml = OmegaConf.to_yaml({"model": model_cfg})
-    path = offline.save_full_model(save, tensors, config_yaml, model_cfg)
-    print(f"imported {hf_dir} ({config.model_type}) to {path}")
+    try:
+        path = offline.save_model_streaming(save, shapes, produce, config_yaml, model_cfg)
+    finally:
+        progress.close()
+    print(f"imported {hf_dir} ({config.model_type}, "
+          f"{sum(torch.Size(s).numel() for s, _ in shapes.values()):,} parameters) to {path}")
 
 
 def main(argv=None) -> int:
@@ -39,18 +160,27 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="megand checkpoint -> Hugging Face directory")
     e.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir")
-    e.add_argument("--out", required=True, help="output transformers directory")
+    e.add_argument("--out", required=True, help="output transformers directory (new or empty)")
+    e.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="dtype of the written tensors (default bf16, as models are published; fp32 keeps the "
+                        "checkpoint's fp32 weights exactly)")
+    e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
+                   help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
+    e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="transformers directory (llama or gpt2)")
+    i.add_argument("--hf", required=True, help="local transformers directory (llama or gpt2, safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
+    i.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")
+    i.add_argument("--force", action="store_true", help="import into a directory that already holds checkpoints")
     args = p.parse_args(argv)
+    dtype = DTYPES[args.dtype] if args.dtype else None  # None: keep each tensor's dtype
     try:
         if args.command == "export":
-            export(args.load, args.out)
+            export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)
         else:
-            import_(args.hf, args.save)
+            import_(args.hf, args.save, dtype, args.force)
     except (CheckpointError, ValueError) as err:
         print(f"convert_checkpoint: {err}", file=sys.stderr)
         return 2
     return 0
-

@@ -1,24 +1,19 @@
-"""Hugging Face interoperability : a tiny llama and a tiny gpt trained at tp=2, exported, loaded by
-transformers: same logits (fp32, max abs diff <= 1e-4); imported back: identical megand logits; greedy
-tools/generate.py == transformers' greedy generate for 20 tokens. The imported llama also trains at tp=2."""
+"""Hugging Face interoperability of trained checkpoints: a tiny llama and a tiny gpt trained at tp=2,
+exported in fp32, loaded by transformers: same logits (max abs diff <= 1e-4); imported back: identical
+megand logits; greedy tools/generate.py (with and without the KV cache) == transformers' greedy generate
+for 20 tokens. A llama exported in bf16 (the default) and imported trains at tp=2. Each test converts
+what it needs itself; the trained checkpoints are shared fixtures."""
 
 import os
-import sys
 
 import pytest
 import torch
+import transformers
 
 from megand.core.checkpointing import offline
 from megand.models import full
+from megand.tools import convert_checkpoint, generate
 from tests.harness import read_metrics, run_pretrain
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import convert_checkpoint  # noqa: E402
-import generate  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +21,21 @@ def topo():
     return offline.single_process_topology()
 
 
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_gpt"])
-def trained(request, tmp_path_factory):
-    """A checkpoint trained 3 steps at tp=2 (vocab 251: uneven, padded shards)."""
-    root = tmp_path_factory.mktemp(request.param)
-    run_pretrain(str(root / "run"), [f"+experiment={request.param}", "parallel.tp=2", "train.iters=3",
-                                     f"checkpoint.save={root}/ckpt"], nproc=2)
-    return request.param, root
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(name)``: the root of a checkpoint of experiment ``name`` trained 3 steps at tp=2 (vocab 251:
+    uneven, padded shards), trained once per module."""
+    roots = {}
+
+    def get(name):
+        if name not in roots:
+            root = tmp_path_factory.mktemp(name)
+            run_pretrain(str(root / "run"), [f"+experiment={name}", "parallel.tp=2", "train.iters=3",
+                                             f"checkpoint.save={root}/ckpt"], nproc=2)
+            roots[name] = root
+        return roots[name]
+
+    return get
 
 
 def megand_logits(model, ids):
@@ -40,40 +43,44 @@ def megand_logits(model, ids):
         return model(input_ids=ids)
 
 
-def test_export_import_generate(trained, topo, capsys):
-    name, root = trained
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gpt"])
+def test_export_import_generate(name, trained, topo, tmp_path, capsys):
+    root = trained(name)
     model, _ = full.load_model(f"{root}/ckpt", topo)
     vocab = model.cfg.vocab_size
     ids = torch.randint(0, vocab, (2, model.cfg.seq_length), generator=torch.Generator().manual_seed(0))
     ours = megand_logits(model, ids)
 
-    assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", f"{root}/hf"]) == 0
-    assert os.path.isfile(f"{root}/hf/model.safetensors") and os.path.isfile(f"{root}/hf/config.json")
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32).eval()
+    hf_dir, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", hf_dir, "--dtype", "fp32"]) == 0
+    assert os.path.isfile(f"{hf_dir}/model.safetensors") and os.path.isfile(f"{hf_dir}/config.json")
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     expected_cls = "LlamaForCausalLM" if name == "tiny_llama" else "GPT2LMHeadModel"
     assert type(theirs_model).__name__ == expected_cls
     with torch.no_grad():
         theirs = theirs_model(input_ids=ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
 
-    assert convert_checkpoint.main(["import", "--hf", f"{root}/hf", "--save", f"{root}/imported"]) == 0
-    back, _ = full.load_model(f"{root}/imported", topo)
+    assert convert_checkpoint.main(["import", "--hf", hf_dir, "--save", imported]) == 0
+    back, _ = full.load_model(imported, topo)
     assert torch.equal(megand_logits(back, ids), ours)
 
     prompt = ids[0, :8].tolist()
     with torch.no_grad():
         hf_out = theirs_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                                        pad_token_id=0)[0].tolist()
-    capsys.readouterr()
-    assert generate.main(["--load", f"{root}/ckpt", "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in hf_out]
     assert len(hf_out) == len(prompt) + 20
+    for cache_flag in ([], ["--no-kv-cache"]):
+        capsys.readouterr()
+        assert generate.main(["--load", f"{root}/ckpt", "--ids", *map(str, prompt), "--max-new-tokens", "20",
+                              *cache_flag]) == 0
+        assert capsys.readouterr().out.split() == [str(t) for t in hf_out]
 
     if name == "tiny_llama":  # a text prompt through a sentencepiece tokenizer (vocab 200 <= 251), sampled
         from megand.data.tokenizer import SentencePieceTokenizer
         from tests.unit.data_helpers import train_small_tokenizer
 
-        tok_path = train_small_tokenizer(root, vocab_size=200)
+        tok_path = train_small_tokenizer(tmp_path, vocab_size=200)
         args = ["--load", f"{root}/ckpt", "--prompt", "The data", "--tokenizer", tok_path, "--max-new-tokens", "5",
                 "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
         outputs = []
@@ -85,16 +92,17 @@ def test_export_import_generate(trained, topo, capsys):
 
 
 def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
-    """The imported checkpoint (no optimizer state) loads at tp=2 and step 1's loss is the loss of its weights."""
-    name, root = trained
-    if name != "tiny_llama":
-        pytest.skip("one training launch is enough")
-    if not os.path.isdir(f"{root}/imported"):
-        pytest.skip("needs test_export_import_generate's import")
+    """An imported checkpoint (bf16, as exported by default; no optimizer state) loads into fp32 training at
+    tp=2 and step 1's loss is the loss of its weights."""
+    name, root = "tiny_llama", trained("tiny_llama")
+    hf_dir, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
+    assert convert_checkpoint.main(["export", "--load", f"{root}/ckpt", "--out", hf_dir]) == 0
+    assert convert_checkpoint.main(["import", "--hf", hf_dir, "--save", imported]) == 0
     run_dir = str(tmp_path / "run")
     proc = run_pretrain(run_dir, [f"+experiment={name}", "parallel.tp=2", "train.iters=1",
-                                  f"checkpoint.load={root}/imported"], nproc=2)
+                                  f"checkpoint.load={imported}"], nproc=2)
     assert "optimizer state: no" in proc.stdout
+    assert {t.dtype for t in offline.load_full_tensors(imported).values()} == {torch.bfloat16}
     loss = read_metrics(run_dir)[0]["loss"]
     # the same first batch through the imported weights in one process
     from omegaconf import OmegaConf
@@ -103,7 +111,7 @@ def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
 
     cfg = OmegaConf.load(f"{root}/run/config.yaml")
     train, _ = build_datasets(cfg, topo)
-    model, _ = full.load_model(f"{root}/imported", topo)
+    model, _ = full.load_model(imported, topo)
     tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
     with torch.no_grad():
         expected = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).mean().item()

@@ -20,7 +20,6 @@ state, so two calls record equal masks exactly when they start from the same gen
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.parallel_state import ParallelSizes, Topology

@@ -2,7 +2,11 @@
 
 The fused QKV weight is laid out per query group: ``[groups, q_heads_per_group + 2, head_dim, hidden]``
 (the group's query heads, then its key head, then its value head). Splitting its rows evenly across tp
-gives each rank whole groups, so the layout of the full weight does not depend on tp.
+gives each rank whole groups, so the layout of the full weight does not depend on tp. ``fuse_qkv`` and
+``split_qkv`` convert between that layout and separate query/key/value weights (checkpoint conversion).
+
+Generation passes a layer's KV cache (:mod:`megand.core.transformer.kv_cache`): the keys and values of
+earlier tokens are kept, so each new token costs one position instead of the whole window.
 """
 
 import torch
@@ -11,11 +15,28 @@ import torch.nn.functional as F
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
+from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
 from megand.core.transformer.rope import apply_rope
 
 
 # parallel.cp_comm -> the attention over a context-parallel group
 CP_ATTENTION = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": ulysses_attention}
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_groups: int) -> torch.Tensor:
+    """The fused QKV weight (or bias) from full query ``[heads * d, ...]``, key and value
+    ``[groups * d, ...]`` tensors: each query group's query heads, then its key head, then its value head."""
+    rest, head_dim = q.shape[1:], k.shape[0] // query_groups
+    q = q.reshape(query_groups, -1, head_dim, *rest)  # [groups, q_per_group, d, ...]
+    k, v = k.reshape(query_groups, 1, head_dim, *rest), v.reshape(query_groups, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: full query ``[heads * d, ...]``, key and value ``[groups * d, ...]``."""
+    rest = qkv.shape[1:]
+    q_per_group = num_heads // query_groups
+    qkv = qkv.reshape(query_groups, q_per_group + 2, -1, *rest)  # [groups, q_per_group + 2, d, ...]
+    q = qkv[:, :q_per_group].reshape(-1, *rest)
+    return q, qkv[:, q_per_group].reshape(-1, *rest), qkv[:, q_per_group + 1].reshape(-1, *rest)
 
 
 class Attention(torch.nn.Module):
@@ -43,7 +64,7 @@ class Attention(torch.nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, cache: LayerKVCache | None = None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
         qkv = self.qkv(x)
         s = qkv.shape[0]
@@ -53,7 +74,9 @@ class Attention(torch.nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.cfg.recompute == "selective":
+        if cache is not None:
+            out = cached_attention(q, *cache.append(k, v))
+        elif self.cfg.recompute == "selective":
             out = checkpoint(self.core, q, k, v, rng=self.rng)
         else:
             out = self.core(q, k, v)

@@ -6,9 +6,22 @@ import torch.nn.functional as F
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
+def fuse_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The fused SwiGLU fc1 weight ``[ffn * 2, hidden]`` (row pairs: gate, up) from full gate and up
+    weights ``[ffn, hidden]``."""
+    return torch.stack([gate, up], dim=1).reshape(-1, *gate.shape[1:])
+
+
+def split_swiglu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_swiglu`: (gate, up), each ``[ffn, hidden]``."""
+    pairs = fc1.reshape(-1, 2, *fc1.shape[1:])
+    return pairs[:, 0], pairs[:, 1]
+
+
 class MLP(torch.nn.Module):
-    """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved),
-    so an even split across tp gives each rank matching gate and up rows whatever tp is."""
+    """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved,
+    see :func:`fuse_swiglu`), so an even split across tp gives each rank matching gate and up rows whatever
+    tp is."""
 
     def __init__(self, cfg, topo):
         super().__init__()

@@ -1,0 +1,49 @@
+"""KV cache for incremental decoding (generation, one process): the keys and values of the tokens seen so
+far, per layer, and attention of new queries over them."""
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerKVCache:
+    """One layer's keys and values ``[b, groups, max_len, d]`` of the tokens seen so far."""
+
+    def __init__(self, batch: int, groups: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.empty(batch, groups, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k``/``v`` ``[b, groups, s, d]`` after the cached tokens; return every token's k and v."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {end} tokens > capacity {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Per-layer caches for incremental decoding (one process, no tensor/context parallelism)."""
+
+    def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids):
+        self.layers = {str(i): LayerKVCache(batch, cfg.query_groups, max_len, cfg.head_dim, dtype, device)
+                       for i in layer_ids}
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.layers.values())).length if self.layers else 0
+
+
+def cached_attention(q, k, v):
+    """Attention of the new queries ``[b, heads, s_new, d]`` over every cached key/value ``[b, groups, s, d]``:
+    query i is the token at position ``s - s_new + i`` and sees the keys up to it."""
+    s_new, s = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if s_new == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if s_new == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - s_new, s, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -1,0 +1,92 @@
+"""State-dict adapter: megand GPT-2-style models <-> ``transformers`` ``GPT2LMHeadModel``.
+
+GPT-2's ``c_attn`` is ``[Q | K | V]`` (megand's fused QKV with one query group per head, regrouped), and
+its Conv1D layers store ``[in, out]``: every GPT-2 linear weight is the transpose of megand's. Both use
+tanh-GELU (``gelu_new``) and LayerNorm epsilon 1e-5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megand.core.transformer.attention import fuse_qkv, split_qkv
+from megand.models.hf import NORM_EPS, Rule, dims
+
+MODEL_TYPE = "gpt2"
+MODEL_CLASS = "GPT2LMHeadModel"
+
+
+def matches(m) -> bool:
+    return (m["arch"] == "gpt" and m["norm"] == "layernorm" and m["activation"] == "gelu"
+            and m["position_embedding"] == "learned"
+            and (m.get("num_query_groups") or m["num_attention_heads"]) == m["num_attention_heads"])
+
+
+def hf_config(m: dict):
+    from transformers import GPT2Config
+
+    h, heads, _, _ = dims(m)
+    return GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_length"], n_embd=h, n_layer=m["num_layers"],
+                      n_head=heads, n_inner=m["ffn_hidden_size"], activation_function="gelu_new",
+                      resid_pdrop=m.get("hidden_dropout", 0.0), embd_pdrop=m.get("hidden_dropout", 0.0),
+                      attn_pdrop=m.get("attention_dropout", 0.0), layer_norm_epsilon=NORM_EPS,
+                      initializer_range=m.get("init_std", 0.02), tie_word_embeddings=bool(m["tie_embeddings"]),
+                      bos_token_id=None, eos_token_id=None)
+
+
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``GPT2Config``; ValueError for what megand does not implement."""
+    h, heads = config.n_embd, config.n_head
+    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation_function={config.activation_function!r}: megand's GPT uses tanh-GELU")
+    if abs(config.layer_norm_epsilon - NORM_EPS) > 1e-12:
+        raise ValueError(f"layer_norm_epsilon={config.layer_norm_epsilon}: megand uses {NORM_EPS}")
+    if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+        raise ValueError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    return dict(arch="gpt", num_layers=config.n_layer, hidden_size=h, ffn_hidden_size=config.n_inner or 4 * h,
+                num_attention_heads=heads, num_query_groups=None, seq_length=config.n_positions,
+                vocab_size=config.vocab_size, norm="layernorm", activation="gelu", position_embedding="learned",
+                rope_theta=10000.0, tie_embeddings=bool(config.tie_word_embeddings),
+                init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _transposed(t: torch.Tensor) -> tuple[torch.Tensor]:
+    return (t.t(),)
+
+
+def _untransposed(t: torch.Tensor) -> torch.Tensor:
+    return t.t()
+
+
+def rules(m: dict) -> list[Rule]:
+    _, heads, _, _ = dims(m)
+
+    def qkv_to_hf(t):  # weight [3h, h] -> Conv1D [h, 3h]; bias [3h] -> [3h]
+        merged = torch.cat(split_qkv(t, heads, heads))
+        return (merged.t() if merged.dim() == 2 else merged,)
+
+    def qkv_from_hf(t):
+        rows = t.t() if t.dim() == 2 else t
+        return fuse_qkv(*rows.chunk(3), heads)
+
+    out = [Rule("embedding.word.weight", ("transformer.wte.weight",)),
+           Rule("embedding.position", ("transformer.wpe.weight",))]
+    for i in range(m["num_layers"]):
+        p, q = f"layers.{i}.", f"transformer.h.{i}."
+        out += [
+            Rule(p + "attention.qkv.weight", (q + "attn.c_attn.weight",), qkv_to_hf, qkv_from_hf),
+            Rule(p + "attention.qkv.bias", (q + "attn.c_attn.bias",), qkv_to_hf, qkv_from_hf),
+            Rule(p + "attention.proj.weight", (q + "attn.c_proj.weight",), _transposed, _untransposed),
+            Rule(p + "attention.proj.bias", (q + "attn.c_proj.bias",)),
+            Rule(p + "mlp.fc1.weight", (q + "mlp.c_fc.weight",), _transposed, _untransposed),
+            Rule(p + "mlp.fc1.bias", (q + "mlp.c_fc.bias",)),
+            Rule(p + "mlp.fc2.weight", (q + "mlp.c_proj.weight",), _transposed, _untransposed),
+            Rule(p + "mlp.fc2.bias", (q + "mlp.c_proj.bias",)),
+        ]
+        for ours, theirs in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2")):
+            out += [Rule(p + ours + ".weight", (q + theirs + ".weight",)),
+                    Rule(p + ours + ".bias", (q + theirs + ".bias",))]
+    out += [Rule("final_norm.weight", ("transformer.ln_f.weight",)), Rule("final_norm.bias", ("transformer.ln_f.bias",))]
+    if not m["tie_embeddings"]:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    return out
