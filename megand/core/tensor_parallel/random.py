@@ -50,7 +50,8 @@ class TensorParallelRNG:
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device):
         self.device = device
-        self.state = torch.Generator(device=device).manual_seed(seed + TP_OFFSET + tp_rank).get_state()
+        stream_device = device if device.type == "cuda" else torch.device("cpu")  # meta-built models too
+        self.state = torch.Generator(device=stream_device).manual_seed(seed + TP_OFFSET + tp_rank).get_state()
 
     @contextmanager
     def fork(self):
