@@ -27,7 +27,7 @@ class ModelConfig:
     num_attention_heads: int = 4  # query heads
     num_query_groups: Optional[int] = None  # null: multi-head attention
     seq_length: int = 32  # tokens per sample
-    vocab_size: int = 256  # must be >= the tokenizer's vocab; padded to a multiple of tp internally
+    vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked); padded to a multiple of tp internally
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
