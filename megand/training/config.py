@@ -236,7 +236,7 @@ def validate(cfg, world_size: int) -> None:
 
 # (key, smallest allowed value): counts that would otherwise fail late (a ZeroDivisionError after step
 # 1, a batch of negative size inside step 1) or silently (a run of "0 iterations" that exits 0)
-MINIMUM = {"train.iters": 1, "train.global_batch_size": 1, "train.micro_batch_size": 1, "train.log_interval": 1,
+MINIMUM = {"train.iters": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1, "train.log_interval": 1,
            "train.eval_interval": 0, "train.eval_iters": 0, "optim.warmup_iters": 0, "checkpoint.interval": 0}
 
 

@@ -92,3 +92,12 @@ def test_train_tokenizer_says_when_the_vocabulary_is_smaller_than_asked(tmp_path
 ])
 def test_estimate_bad_input_is_one_line(args, named):
     one_line_exit_2(tool("estimate", *args), named)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["model=nope"], "Could not find 'model/nope'"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0 must be >= 1"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+])
+def test_benchmark_bad_input_is_one_line(tmp_path, args, named):
+    one_line_exit_2(tool("benchmark", *args, f"run_dir={tmp_path / 'run'}"), named)
