@@ -108,13 +108,15 @@ class Trainer:
         on_every_rank(lambda: check_output_dirs(cfg))
         self.topo = build_topology(cfg, device)
         seed_default_generator(cfg.train.seed, self.topo.pp_rank, self.topo.cp_rank)
+        # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
+        # own: the order changes no random stream)
+        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.ddp = DataParallel(self.chunks, self.topo, data_parallel_config(cfg))  # params now live in its buffers
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.schedule = get_schedule(self.topo)
-        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
