@@ -1,5 +1,6 @@
 """Pretrain a GPT or LLaMA model: `torchrun --nproc-per-node=N pretrain_gpt.py +experiment=NAME key=value ...`."""
 
+import os
 import sys
 
 import hydra
@@ -9,18 +10,33 @@ from megand.training.config import ConfigError, register_schema
 register_schema()
 
 
+def report(e: BaseException, what: str) -> None:
+    """One line on stderr; an error every rank raised alike (``every_rank``) is printed by rank 0 only."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or not getattr(e, "every_rank", False):
+        print(f"megand: {what}: {e}", file=sys.stderr, flush=True)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
     from megand.core.checkpointing import CheckpointError
+    from megand.data.errors import DataError
     from megand.training.pretrain import pretrain
 
+    # every user-facing failure is one line and exit code 2; anything else is a bug, with its traceback
     try:
         pretrain(cfg)
     except ConfigError as e:
-        print(f"megand: invalid configuration: {e}", file=sys.stderr, flush=True)
+        report(e, "invalid configuration")
         sys.exit(2)
-    except CheckpointError as e:  # raised by every rank alike, before training
-        print(f"megand: cannot load checkpoint: {e}", file=sys.stderr, flush=True)
+    except CheckpointError as e:
+        report(e, "cannot load checkpoint")
+        sys.exit(2)
+    except DataError as e:
+        report(e, "bad training data")
+        sys.exit(2)
+    except OSError as e:
+        report(e, "file system error")
         sys.exit(2)
 
 

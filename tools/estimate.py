@@ -11,7 +11,9 @@ composes them (``model=`` picks a conf/model preset, ``+experiment=`` a whole ex
 leave out are documented in megand/tools/estimate_memory.py.
 """
 
+import sys
+
 from megand.tools.estimate import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

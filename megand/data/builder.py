@@ -15,6 +15,7 @@ from megand.data.errors import DataError
 from megand.data.gpt_dataset import GPTDataset, samples_per_epoch
 from megand.data.indexed_dataset import IndexedDataset
 from megand.data.mock import MockGPTDataset
+from megand.data.token_range import check_token_ids
 from megand.data.tokenizer import build_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -87,7 +88,7 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int, seed: int,
     fractions = parse_split(data_cfg.get("split", "969,30,1"))
     build_tokenizer(data_cfg, vocab_size)  # checks the vocab fits the model's embedding
     weights = [w for w, _ in paths]
-    datasets = [IndexedDataset(prefix) for _, prefix in paths]  # checks files and sizes
+    datasets = [IndexedDataset(prefix) for _, prefix in paths]  # checks files, sizes and the index
     ranges = [split_ranges(len(ds), fractions) for ds in datasets]
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
         if not n:
@@ -99,6 +100,8 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int, seed: int,
                 raise DataError(f"{prefix}: the {name} split (data.split={data_cfg.get('split')!r}) has "
                                 f"{last - first} documents and {tokens} tokens, not enough for one sample of "
                                 f"{seq_length + 1} tokens ({len(ds)} documents in the dataset)")
+    for ds in datasets:  # with or without a tokenizer, the ids must fit the embedding (one scan, cached)
+        check_token_ids(ds, vocab_size, data_cfg.get("cache_dir"))
 
     # --- build ---
     cache_dir = data_cfg.get("cache_dir")

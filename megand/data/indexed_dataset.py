@@ -67,6 +67,41 @@ def write_index(path: str, dtype, sequence_lengths: np.ndarray, document_indices
         f.write(docs.astype("<i8").tobytes())
 
 
+_CHECK_BLOCK = 1 << 22  # index entries checked at a time: memory stays bounded whatever the dataset size
+
+
+def check_index(ipath: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, itemsize: int) -> None:
+    """An index whose parts contradict each other (a flipped bit, a bad writer) fails here, naming the entry:
+    sizes non-negative, each pointer the sum of the sizes before it, document starts non-decreasing from
+    0 to the number of sequences. One pass over the index (never the tokens)."""
+    n, byte = len(lengths), 0
+    for start in range(0, n, _CHECK_BLOCK):
+        sizes = np.asarray(lengths[start:start + _CHECK_BLOCK], dtype=np.int64)
+        negative = np.flatnonzero(sizes < 0)
+        if negative.size:
+            i = start + int(negative[0])
+            raise DataError(f"{ipath}: corrupted index: sequence_lengths[{i}]={int(lengths[i])} is negative")
+        expected = byte + np.concatenate(([0], np.cumsum(sizes[:-1]))) * itemsize
+        wrong = np.flatnonzero(np.asarray(pointers[start:start + _CHECK_BLOCK]) != expected)
+        if wrong.size:
+            i = start + int(wrong[0])
+            raise DataError(f"{ipath}: corrupted index: sequence_pointers[{i}]={int(pointers[i])} but the sizes of "
+                            f"sequences 0..{i - 1} add up to byte {int(expected[wrong[0]])} (a damaged size or "
+                            f"pointer at or before sequence {i})")
+        byte = int(expected[-1] + sizes[-1] * itemsize)
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] != n:
+        ends = f"{int(documents[0])}..{int(documents[-1])}" if len(documents) else "empty"
+        raise DataError(f"{ipath}: corrupted index: document_indices run {ends}, expected 0..{n} (the number "
+                        f"of sequences)")
+    for start in range(0, len(documents) - 1, _CHECK_BLOCK):
+        block = np.asarray(documents[start:start + _CHECK_BLOCK + 1])
+        down = np.flatnonzero(np.diff(block) < 0)
+        if down.size:
+            i = start + int(down[0]) + 1
+            raise DataError(f"{ipath}: corrupted index: document_indices[{i}]={int(documents[i])} is smaller than "
+                            f"document_indices[{i - 1}]={int(documents[i - 1])}")
+
+
 class IndexedDataset:
     """Random access to the sequences of a ``.bin``/``.idx`` pair without reading them into memory.
 
@@ -82,7 +117,10 @@ class IndexedDataset:
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
-                raise DataError(f"{p}: missing (an indexed dataset needs both {self.prefix}.bin and .idx)")
+                stem, ext = os.path.splitext(self.prefix)
+                hint = (f"; give the prefix without the extension: {stem}"
+                        if ext in (".bin", ".idx") and os.path.isfile(idx_path(stem)) else "")
+                raise DataError(f"{p}: missing (an indexed dataset needs both {self.prefix}.bin and .idx){hint}")
         with open(ipath, "rb") as f:
             head = f.read(_HEADER_BYTES)
         if len(head) < _HEADER_BYTES or head[:9] != INDEX_HEADER:
@@ -101,6 +139,7 @@ class IndexedDataset:
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, n, _HEADER_BYTES)
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, n, _HEADER_BYTES + 4 * n)
         self.document_indices = np.frombuffer(self._idx, np.int64, d, _HEADER_BYTES + 12 * n)
+        check_index(ipath, self.sequence_lengths, self.sequence_pointers, self.document_indices, self.dtype.itemsize)
         data_bytes = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n else 0
         bin_size = os.path.getsize(bpath)
         if bin_size != data_bytes:
@@ -127,6 +166,11 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return len(self._bin)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the dataset, back to back (a read-only map of the ``.bin``)."""
+        return self._bin
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (a read-only view of the map)."""

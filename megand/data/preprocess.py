@@ -242,13 +242,39 @@ def _collect(queue, procs) -> list:
 def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, json_keys=("text",),
                      append_eod: bool = False, workers: int = 1, partitions: int = 1, on_error: str = "fail",
                      progress: bool = True) -> PreprocessSummary:
-    """Tokenize a jsonl file into one indexed dataset per key; returns counts and timing."""
+    """Tokenize a jsonl file into one indexed dataset per key; returns counts and timing.
+
+    Everything is written under private names next to the output and renamed into place only once every
+    dataset is complete, so a failed or interrupted run leaves an existing dataset of the same prefix as
+    it was. The output directory is created when missing."""
     keys = list(json_keys)
     if on_error not in ("fail", "skip"):
         raise ValueError(f"on_error must be fail or skip, got {on_error!r}")
     if not os.path.isfile(input_path):
         raise DataError(f"{input_path}: input file not found")
     SentencePieceTokenizer(tokenizer_model)  # fail early on a bad model path
+    os.makedirs(os.path.dirname(output_prefix) or ".", exist_ok=True)
+    staging = f"{output_prefix}.tmp{os.getpid()}"
+    try:
+        summary = _preprocess(input_path, staging, tokenizer_model, keys, append_eod, workers, partitions, on_error,
+                              progress)
+        for key in keys:  # publish: every dataset is complete
+            for path_of in (bin_path, idx_path):
+                os.replace(path_of(output_prefix_for(staging, key)), path_of(output_prefix_for(output_prefix, key)))
+    finally:
+        for key in keys:
+            _remove_dataset(output_prefix_for(staging, key))
+    return summary
+
+
+def _remove_dataset(prefix: str) -> None:
+    for f in (bin_path(prefix), idx_path(prefix)):
+        if os.path.exists(f):
+            os.remove(f)
+
+
+def _preprocess(input_path, output_prefix, tokenizer_model, keys, append_eod, workers, partitions, on_error,
+                progress) -> PreprocessSummary:
     bounds = _partition_bounds(input_path, max(1, partitions))
     common = (tokenizer_model, keys, append_eod)
     if len(bounds) == 1:
@@ -273,9 +299,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, 
     finally:
         for pp in part_prefixes:
             for key in keys:
-                for f in (bin_path(output_prefix_for(pp, key)), idx_path(output_prefix_for(pp, key))):
-                    if os.path.exists(f):
-                        os.remove(f)
+                _remove_dataset(output_prefix_for(pp, key))
     total = PreprocessSummary()
     for _, s in results:
         total = total + s

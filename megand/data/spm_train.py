@@ -3,7 +3,10 @@ quickstart corpus)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+
+from megand.data.errors import DataError
 
 # sentencepiece skips training sentences longer than this many bytes; documents are fed line by line.
 _MAX_SENTENCE_BYTES = 16384
@@ -30,8 +33,12 @@ def train_sentencepiece(documents: Iterable[str], model_prefix: str, vocab_size:
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be bpe or unigram, got {model_type!r}")
+    sentences = _sentences(documents)
+    first = next(sentences, None)
+    if first is None:  # sentencepiece would fail with an INTERNAL error
+        raise DataError("no text to train on: the input is empty or holds only blank lines")
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_sentences(documents)), model_prefix=str(model_prefix),
+        sentence_iterator=itertools.chain([first], sentences), model_prefix=str(model_prefix),
         vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
         byte_fallback=byte_fallback, input_sentence_size=input_sentence_size,
         shuffle_input_sentence=input_sentence_size > 0, max_sentence_length=_MAX_SENTENCE_BYTES,

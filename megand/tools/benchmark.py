@@ -18,6 +18,7 @@ fp32 against a measured matmul peak.
 """
 
 import argparse
+import sys
 import json
 
 
@@ -43,15 +44,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
+def fail(message) -> None:
+    """Bad input: one line naming it, exit code 2."""
+    message = str(message).split("Config search path")[0]  # Hydra appends its search path: noise here
+    print(f"benchmark: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv=None) -> dict:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megand.core.checkpointing.errors import CheckpointError
+    from megand.data.errors import DataError
+    from megand.training.config import ConfigError
+
     args = parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        fail(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
-    cfg = benchmark_config(args.overrides, args.steps, args.warmup, cuda)
     result = None
-    if args.mode in ("megand", "both"):
-        result = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
+    try:
+        cfg = benchmark_config(args.overrides, args.steps, args.warmup, cuda)
+        if args.mode in ("megand", "both"):
+            result = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
+    except (HydraException, OmegaConfBaseException, ConfigError, DataError, CheckpointError, OSError) as e:
+        fail(e)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.mode in ("baseline", "both") and rank == 0:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -16,9 +16,11 @@ import json
 import sys
 
 
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from megand.training.config import ConfigError, compose, validate
+from megand.training.config import ConfigError, check_counts, compose, validate
 from megand.tools.estimate_memory import Layout, estimate_memory, format_report
 
 
@@ -37,9 +39,22 @@ def world_size_of(cfg, world_size=None) -> int:
     return world_size or p.tp * p.pp * p.cp * (p.dp or 1)
 
 
-def main(argv=None) -> None:
+def fail(message: str) -> int:
+    """One line on stderr, exit code 2: the user's input is at fault."""
+    message = str(message).split("Config search path")[0]  # Hydra appends its search path: noise here
+    print(f"estimate: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = compose(args.overrides)
+    if args.world_size is not None and args.world_size < 1:
+        return fail(f"--world-size {args.world_size} must be >= 1")
+    try:
+        cfg = compose(args.overrides)
+        check_counts(cfg)
+    except (HydraException, OmegaConfBaseException, ConfigError) as e:  # unknown preset or key, bad value
+        return fail(e)
     world = world_size_of(cfg, args.world_size)
     p, t = cfg.parallel, cfg.train
     dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else None
@@ -51,7 +66,7 @@ def main(argv=None) -> None:
     try:
         validate(cfg, world)
     except ConfigError as e:
-        raise SystemExit(f"estimate: invalid configuration for world size {world}: {e}")
+        return fail(f"invalid configuration for world size {world}: {e}")
     model = OmegaConf.to_container(cfg.model, resolve=True)
     layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
     if fill_pipeline:
@@ -63,4 +78,5 @@ def main(argv=None) -> None:
         print(json.dumps({"model": model, "layout": vars(layout), "world_size": world, "memory": estimate.as_dict()}))
     else:
         print(format_report(model, layout, estimate))
+    return 0
 

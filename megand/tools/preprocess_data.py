@@ -31,9 +31,9 @@ def main(argv=None) -> int:
         summary = preprocess_jsonl(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
                                    args.append_eod, args.workers, args.partitions, args.on_error,
                                    progress=not args.no_progress)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (DataError, OSError) as e:  # bad input or an unusable output path: one line, exit 2
+        print(f"preprocess_data: {e}", file=sys.stderr)
+        return 2
     print(summary.describe())
     for key in args.json_keys:
         print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")

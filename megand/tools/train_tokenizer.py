@@ -17,6 +17,7 @@ from tqdm import tqdm
 from megand.data.errors import DataError
 from megand.data.jsonl import iter_texts
 from megand.data.spm_train import train_sentencepiece
+from megand.data.tokenizer import SentencePieceTokenizer
 
 
 def main(argv=None) -> int:
@@ -35,14 +36,38 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail", help="malformed jsonl lines")
     args = p.parse_args(argv)
-    texts = tqdm(iter_texts(args.input, args.json_keys, args.on_error), desc="documents read", unit=" docs")
+    inputs = ", ".join(args.input)
+    missing = [path for path in args.input if not os.path.isfile(path)]
+    if missing:
+        print(f"train_tokenizer: --input {', '.join(missing)}: no such file", file=sys.stderr)
+        return 2
+    counted = [0]
+
+    def count(documents):
+        for counted[0], document in enumerate(documents, 1):
+            yield document
+
+    texts = tqdm(count(iter_texts(args.input, args.json_keys, args.on_error)), desc="documents read", unit=" docs",
+                 disable=None)  # a bar on a terminal only: logs keep one line per message
     try:
         path = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
                                    args.character_coverage, args.byte_fallback, args.input_sentence_size,
                                    args.num_threads, args.normalization)
-    except (DataError, RuntimeError) as e:  # RuntimeError: sentencepiece rejects the options/corpus
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {path}")
+    except DataError as e:
+        print(f"train_tokenizer: --input {inputs}: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as e:  # RuntimeError: sentencepiece rejects the options/corpus
+        print(f"train_tokenizer: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    print(vocabulary_report(path, args.vocab_size, counted[0]))
     return 0
 
+
+def vocabulary_report(path: str, asked: int, documents: int) -> str:
+    """What was written, and why the vocabulary is smaller than asked when it is."""
+    got = SentencePieceTokenizer(path).vocab_size
+    if got >= asked:
+        return f"wrote {path}: {got} pieces"
+    return (f"wrote {path}: {got} pieces, fewer than the {asked} asked for: the corpus ({documents} documents) "
+            f"yields no more distinct pieces (sentencepiece stops there rather than fail); train on more text "
+            f"for a larger vocabulary. model.vocab_size must be >= {got}")

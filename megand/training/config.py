@@ -27,7 +27,7 @@ class ModelConfig:
     num_attention_heads: int = 4  # query heads
     num_query_groups: Optional[int] = None  # null: multi-head attention
     seq_length: int = 32  # tokens per sample
-    vocab_size: int = 256  # must be >= the tokenizer's vocab; padded to a multiple of tp internally
+    vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked); padded to a multiple of tp internally
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
@@ -187,6 +187,7 @@ def validate(cfg, world_size: int) -> None:
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         if m[key] < 1:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
+    check_counts(cfg)
     try:
         parse_order(p.order)
         sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
@@ -235,6 +236,30 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+
+
+# (key, smallest allowed value): counts that would otherwise fail late (a ZeroDivisionError after step
+# 1, a batch of negative size inside step 1) or silently (a run of "0 iterations" that exits 0)
+MINIMUM = {"train.iters": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1, "train.log_interval": 1,
+           "train.eval_interval": 0, "train.eval_iters": 0, "optim.warmup_iters": 0, "checkpoint.interval": 0}
+
+
+def check_counts(cfg) -> None:
+    """Counts within their range and a readable ``data.split``; ConfigError naming the value."""
+    from megand.data.builder import parse_split
+    from megand.data.errors import DataError
+
+    for key, low in MINIMUM.items():
+        if _get(cfg, key) < low:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
+    if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
+        raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
+    try:
+        train_fraction = parse_split(cfg.data.split)[0]
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    if train_fraction == 0 and cfg.data.kind != "mock":
+        raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
 
 
 def compose(overrides=(), config_dir: str | None = None):

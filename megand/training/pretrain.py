@@ -23,6 +23,7 @@ from megand.core.transformer import TransformerConfig
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
+from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import rank_microbatches
 from megand.training.config import (
     checkpoint_config,
@@ -32,6 +33,7 @@ from megand.training.config import (
     validate,
 )
 from megand.training.metrics import MetricsWriter, console_line
+from megand.training.output_dirs import check_output_dirs
 from megand.training.peak import device_peak_flops, mfu
 from megand.training.wandb_logger import WandbLogger
 
@@ -60,14 +62,19 @@ def build_datasets(cfg, topo):
     """Train and validation datasets. Index files are cached in ``data.cache_dir``: global rank 0 builds
     them first; then the first rank of every other node (which loads rank 0's files when the filesystem
     is shared, or builds its own on a node-local disk); then every other rank, which loads its node's.
-    Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done."""
+    Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done.
+    A bad input found in any phase stops every rank at the end of that phase, with the same message."""
     t, m = cfg.train, cfg.model
     num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
     turn = 0 if topo.rank == 0 else 1 if topo.local_rank == 0 else 2
     for phase in range(3):
+        error = None
         if phase == turn:
-            train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
-        dist.barrier()
+            try:
+                train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
+            except USER_ERRORS as e:
+                error = e
+        raise_agreed(error)  # also the barrier between the phases
     return train, valid
 
 
@@ -97,15 +104,19 @@ class Trainer:
     def __init__(self, cfg, wandb_run_id: str | None = None):
         self.cfg = cfg
         device = init_distributed()
-        validate(cfg, dist.get_world_size())
+        # before any work: the values, then the directories the run must be able to write
+        on_every_rank(lambda: validate(cfg, dist.get_world_size()))
+        on_every_rank(lambda: check_output_dirs(cfg))
         self.topo = build_topology(cfg, device)
+        # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
+        # own: the order changes no random stream)
+        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self.model_cfg, self.chunks = build_model(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.ddp = DataParallel(self.chunks, self.topo, data_parallel_config(cfg))  # params now live in its buffers
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.schedule = get_schedule(self.topo)
-        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
@@ -307,7 +318,6 @@ def final_summary(trainer, seconds: float, best_val: float) -> str:
 
 
 def pretrain(cfg) -> None:
-    os.makedirs(cfg.run_dir, exist_ok=True)
     trainer = Trainer(cfg)
     trainer.run()
     dist.barrier()

@@ -57,3 +57,28 @@ def test_launch_with_an_invalid_layout_fails_before_training(tmp_path):
     assert proc.returncode != 0
     assert "world size 1 is not divisible by tp*pp*cp = 2*1*1 = 2" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.iters=-3", r"train.iters=-3 must be >= 1"),
+    ("train.iters=0", r"train.iters=0 must be >= 1"),
+    ("train.global_batch_size=-8", r"train.global_batch_size=-8 must be >= 1"),
+    ("train.micro_batch_size=0", r"train.micro_batch_size=0 must be >= 1"),
+    ("train.log_interval=0", r"train.log_interval=0 must be >= 1"),
+    ("train.eval_iters=-1", r"train.eval_iters=-1 must be >= 0"),
+    ("checkpoint.interval=-5", r"checkpoint.interval=-5 must be >= 0"),
+    ("data.split='0,0,0'", r"data.split='0,0,0': parts must be non-negative with a positive sum"),
+    ("data.split='a,b'", r"data.split='a,b': expected comma-separated numbers"),
+])
+def test_counts_and_split_are_checked_by_validate(override, message):
+    with pytest.raises(ConfigError, match=message):
+        check([override])
+
+
+@pytest.mark.parametrize("override, value", [("train.iters=-3", "train.iters=-3"),
+                                             ("data.split='a,b'", "data.split='a,b'")])
+def test_launch_with_a_bad_count_is_one_line_exit_2(tmp_path, override, value):
+    proc = run_pretrain(tmp_path, ["+experiment=tiny_gpt", override], nproc=1, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and value in proc.stderr, proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

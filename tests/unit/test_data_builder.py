@@ -11,7 +11,7 @@ from megand.data.quickstart import prepare_quickstart_corpus
 
 from tests.unit.data_helpers import train_small_tokenizer, unique_token_docs, write_indexed
 
-SEQ, VOCAB = 16, 1024
+SEQ, VOCAB = 16, 1 << 16  # the token ids are positions in the corpus: the vocabulary must hold them
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,14 +84,15 @@ def test_cli_fails_with_file_line(tmp_path, tok_model):
     path.write_text('{"text": "a"}\n{bad\n{"text": "c"}\n')
     r = subprocess.run([sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", str(path),
                         "--output-prefix", str(tmp_path / "o"), "--tokenizer-model", tok_model, "--no-progress"],
-                       capture_output=True, text=True)
-    assert r.returncode == 1 and f"{path}:2: invalid JSON" in r.stderr
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and f"{path}:2: invalid JSON" in r.stderr
 
 
 def test_train_tokenizer_cli(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", quickstart_documents()[:300])
     r = subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input", path,
                         "--model-prefix", str(tmp_path / "t"), "--vocab-size", "500", "--model-type", "unigram",
-                        "--byte-fallback", "--num-threads", "1"], capture_output=True, text=True)
+                        "--byte-fallback", "--num-threads", "1"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert SentencePieceTokenizer(str(tmp_path / "t.model")).vocab_size <= 500

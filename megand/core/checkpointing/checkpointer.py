@@ -5,7 +5,7 @@ Save (every rank, collectively):
   2. rank 0 makes ``iter_N.tmp/``; each rank writes its RNG file, rank 0 ``common.pt`` and ``config.yaml``;
   3. the pieces of model and optimizer state are staged on CPU (copied when asynchronous) and written
      with torch.distributed.checkpoint (in a background thread when asynchronous: training goes on);
-  4. each rank checksums its own data files; rank 0 writes the manifest, renames ``iter_N.tmp`` to
+  4. each rank checksums the files it wrote (every file is in the manifest); rank 0 writes it, renames ``iter_N.tmp`` to
      ``iter_N`` and then atomically replaces ``latest`` - only after every rank has finished writing.
 A crash anywhere before step 4 leaves ``latest`` and the previous checkpoint untouched.
 
@@ -115,7 +115,7 @@ class Checkpointer:
                       "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
                       "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg}
             torch.save(common, os.path.join(tmp, files.COMMON))
-            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            with open(os.path.join(tmp, files.CONFIG), "w") as f:
                 f.write(self.config_yaml)
         asynchronous = self.executor is not None
         state = sharded.save_state(self.named_params, self.optimizer, self.mesh, copy=asynchronous)
@@ -129,6 +129,10 @@ class Checkpointer:
     def _write(self, state, tmp: str, iteration: int) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
+        # every file of the checkpoint is checksummed: its own RNG file on each rank, the rest on rank 0
+        mine.append(os.path.join("rng", f"rank_{self.rank:05d}.pt"))
+        if self.rank == 0:
+            mine += [files.COMMON, files.CONFIG, files.METADATA]
         crcs = {n: files.file_crc(os.path.join(tmp, n)) for n in mine}
         gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
         dist.gather_object(crcs, gathered, dst=0, group=self.group)  # every rank has finished writing
@@ -182,6 +186,7 @@ class Checkpointer:
     def load(self, path: str) -> LoadedState:
         iter_dir = files.resolve(path)
         metadata = files.read_metadata(iter_dir)
+        self._check_files_together(iter_dir, metadata)  # checksums first: nothing read below can be damaged
         common = files.read_common(iter_dir)
         keys = set(metadata.state_dict_metadata)
         template = self.optimizer.state_dict_per_param()
@@ -192,7 +197,6 @@ class Checkpointer:
         required = {k for k in expected if k.startswith("model.") or (has_optimizer and not k.endswith(".main"))}
         files.check_shapes(iter_dir, metadata, expected, required)
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
-        self._check_files_together(iter_dir, metadata)
 
         state, model_targets, optim_targets = sharded.load_buffers(self.named_params, template, self.mesh, keys)
         try:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 LATEST = "latest"
 COMMON = "common.pt"
+CONFIG = "config.yaml"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
 FORMAT = 1
@@ -124,6 +125,8 @@ def check_files(iter_dir: str, metadata, verify_crc: bool = True, part: tuple[in
         with open(manifest) as f:
             crcs = json.load(f)["crc32"]
         for rel, crc in sorted(crcs.items())[part[0]::part[1]]:
+            if not os.path.isfile(os.path.join(iter_dir, rel)):
+                raise CheckpointError(f"{os.path.join(iter_dir, rel)}: missing (listed in {MANIFEST})")
             got = file_crc(os.path.join(iter_dir, rel))
             if got != crc:
                 raise CheckpointError(f"{os.path.join(iter_dir, rel)}: corrupted: checksum {got:08x}, "
