@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         print(f"train_tokenizer: --input {inputs}: {e}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as e:  # RuntimeError: sentencepiece rejects the options/corpus
-        print(f"train_tokenizer: " + " ".join(str(e).split()), file=sys.stderr)
+        print("train_tokenizer: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     print(vocabulary_report(path, args.vocab_size, counted[0]))
     return 0
