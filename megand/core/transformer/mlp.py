@@ -10,13 +10,13 @@ class MLP(torch.nn.Module):
     """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved),
     so an even split across tp gives each rank matching gate and up rows whatever tp is."""
 
-    def __init__(self, cfg, topo):
+    def __init__(self, cfg, topo, device=None):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         if cfg.activation not in ("gelu", "swiglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
-                      dtype=cfg.params_dtype, device=topo.device)
+                      dtype=cfg.params_dtype, device=topo.device if device is None else device)
         fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
