@@ -80,21 +80,13 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=()):
     return offsets, buckets
 
 
-def place_meta_param(param: torch.nn.Parameter, view: torch.Tensor) -> None:
-    """Make a parameter built on the meta device a view into ``view``'s memory, in place: the same
-    Python object (modules and optimizers keep their references), its sharding tag kept. Nothing is
-    copied; the caller initialises the view afterwards."""
-    tag = getattr(param, "meta", None)
-    torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=param.requires_grad))
-    if tag is not None:  # swap_tensors also swaps the Python attributes
-        param.meta = tag
-
-
 class ParamAndGradBuffer:
     """The flat buffers of all parameters of one dtype; owns the memory the parameters view.
 
-    Parameters on the meta device (a model built without allocating) are placed straight into the
-    buffer (zeros) without a copy; initialise them afterwards (``init_parameters``)."""
+    A parameter on the meta device (a model built without allocating) is replaced by a new parameter
+    that views the buffer (zeros; nothing copied), with the same sharding tag: ``replaced`` maps
+    ``id(old)`` to it, for the owner to put into its modules; initialise it afterwards (``init_parameters``).
+    """
 
     def __init__(self, params, dtype, bucket_size: int, shard_rank: int, shard_count: int, device):
         self.dtype, self.params = dtype, list(params)
@@ -103,12 +95,15 @@ class ParamAndGradBuffer:
         self.numel = layout[-1][1] if layout else 0
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.offset = {}
+        self.offset, self.replaced = {}, {}
         with torch.no_grad():
-            for p, off in zip(self.params, offsets):
+            for i, (p, off) in enumerate(zip(self.params, offsets)):
                 view = self.param_data[off: off + p.numel()].view(p.shape)
                 if p.is_meta:
-                    place_meta_param(p, view)
+                    new = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+                    if hasattr(p, "meta"):
+                        new.meta = p.meta
+                    self.replaced[id(p)] = self.params[i] = p = new
                 else:
                     view.copy_(p.data)
                     p.data = view
