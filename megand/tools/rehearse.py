@@ -174,6 +174,7 @@ def rehearse(cfg, world: int, rank: int) -> dict:
             result = fn()
             phases[name] = {"peak_bytes": tracker.peak, "live_after_bytes": tracker.live,
                             "seconds": round(time.perf_counter() - start, 2)}
+            print(f"rehearse: {name} done in {phases[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
             return result
 
         mesh = sharded.tp_mesh(topo)  # real: the mesh computes its coordinates from values
