@@ -13,14 +13,12 @@ from megand.core.sharding import ParamMeta, retag, tag
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
-    gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
-from megand.core.tensor_parallel.layers import padded_vocab_size
+from megand.core.tensor_parallel.layers import column_parallel_linear, padded_vocab_size
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import rope_cos_sin
@@ -84,8 +82,7 @@ class GPTModel(torch.nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x)
         # tied to the word embedding on this stage: the same column-parallel product, on its weight
-        x = gather_from_sp(x, self.topo.tp_group) if self.cfg.sequence_parallel else copy_to_tp(x, self.topo.tp_group)
-        return F.linear(x, self.embedding.word.weight)
+        return column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group, self.cfg.sequence_parallel)
 
     def rope(self, positions):
         if self.cfg.position_embedding != "rope":
