@@ -6,6 +6,25 @@ import torch.nn.functional as F
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of the fc1 output ``[..., f, 2]`` (gate, up), saving only that input for backward
+    and recomputing the silu there: autograd on the plain expression would also keep ``silu(gate)``, one
+    more f-wide activation per layer and micro-batch."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return F.silu(h[..., 0]) * h[..., 1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h[..., 0], h[..., 1]
+        sig = torch.sigmoid(gate)
+        grad_gate = (grad * up) * sig * (1 + gate * (1 - sig))  # silu'(x) = sig(x) (1 + x (1 - sig(x)))
+        return torch.stack((grad_gate, grad * (gate * sig)), dim=-1)
+
+
 class MLP(torch.nn.Module):
     """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved),
     so an even split across tp gives each rank matching gate and up rows whatever tp is."""
@@ -25,8 +44,7 @@ class MLP(torch.nn.Module):
     def forward(self, x):
         h = self.fc1(x)
         if self.swiglu:
-            h = h.unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
+            h = SwiGLU.apply(h.unflatten(-1, (-1, 2)))
         else:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)
