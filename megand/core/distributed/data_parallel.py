@@ -53,7 +53,9 @@ def last_backward(grad_sync):
 
 
 class DataParallel:
-    """Gradient buffers and their reduction for this rank's model chunks (built after initialisation)."""
+    """Gradient buffers and their reduction for this rank's model chunks: initialised chunks (their
+    parameters are copied into the buffers) or chunks built on the meta device (their parameters are
+    replaced by views of the buffers, to be initialised in place afterwards)."""
 
     def __init__(self, chunks, topo, config: DataParallelConfig):
         self.topo, self.config = topo, config
