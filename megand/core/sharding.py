@@ -92,6 +92,7 @@ def draw_region(meta: ParamMeta, seed: int, name: str, region: tuple[slice, ...]
     bounds = [(r.start or 0, n if r.stop is None else r.stop) for r, n in zip(region, full)]
     counts = [-(-n // t) for n, t in zip(full, tile)]
     scratch = torch.empty(math.prod(tile), dtype=torch.float32)
+    whole_tile = scratch.view(tile)
     generator = torch.Generator()
     for coord in itertools.product(*(range(lo // t, -(-hi // t)) for (lo, hi), t in zip(bounds, tile))):
         index = 0
@@ -99,12 +100,14 @@ def draw_region(meta: ParamMeta, seed: int, name: str, region: tuple[slice, ...]
             index = index * n + c
         t_lo = [c * t for c, t in zip(coord, tile)]
         t_hi = [min(lo + t, n) for lo, t, n in zip(t_lo, tile, full)]
-        drawn = scratch[: math.prod(h - l for l, h in zip(t_lo, t_hi))].view([h - l for l, h in zip(t_lo, t_hi)])
+        t_shape = [h - l for l, h in zip(t_lo, t_hi)]
+        drawn = whole_tile if t_shape == list(tile) else scratch[: math.prod(t_shape)].view(t_shape)
         drawn.normal_(0.0, meta.init_std, generator=generator.manual_seed(tile_seed(seed, name, index)))
         lo = [max(a, b) for a, (b, _) in zip(t_lo, bounds)]
         hi = [min(a, b) for a, (_, b) in zip(t_hi, bounds)]
-        src = drawn[tuple(slice(l - t, h - t) for l, h, t in zip(lo, hi, t_lo))]
-        out[tuple(slice(l - b, h - b) for l, h, (b, _) in zip(lo, hi, bounds))].copy_(src)
+        if lo != t_lo or hi != t_hi:  # the region cuts this tile
+            drawn = drawn[tuple(slice(l - t, h - t) for l, h, t in zip(lo, hi, t_lo))]
+        out[tuple(slice(l - b, h - b) for l, h, (b, _) in zip(lo, hi, bounds))].copy_(drawn)
 
 
 def full_init(meta: ParamMeta, seed: int, name: str) -> torch.Tensor:
