@@ -24,6 +24,11 @@ states plus activations for forward_backward. The number of micro-batches per dp
 fewest that reach the schedule's steady state (2 without a pipeline, pp for 1F1B, 2*pp interleaved;
 ``--microbatches`` overrides): more only repeat it. The data are mock tokens (no files are read).
 
+The operations are torch's CPU implementations. Where they store more than the CUDA kernels the
+forward_backward peak is above a GPU run's: ``F.rms_norm`` on bf16 (no fused CPU kernel) keeps two fp32
+tensors of its input's size (8 bytes per element instead of 2), e.g. ~8.6 GiB more on the first stage of
+llama70b_64gpu. The checkpoint files themselves are not written.
+
 Private torch APIs used (no public equivalent in torch 2.13): the fake process group
 (``torch.testing._internal.distributed.fake_pg``, via megand.core.parallel_state.init_fake_distributed)
 and ``torch._subclasses.fake_tensor.FakeTensorMode``; the byte count uses the public
