@@ -127,6 +127,21 @@ def init_distributed() -> torch.device:
     return device
 
 
+def init_fake_distributed(rank: int, world_size: int) -> torch.device:
+    """A default process group of ``world_size`` ranks in which this process plays ``rank`` alone: torch's
+    ``fake`` backend, whose collectives return at once without communicating (values are not exchanged).
+    For rehearsing one rank of a large layout in one process (tools, benchmarks, tests); the device is
+    the CPU. torch ships this backend only in its testing package (a private module)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("init_fake_distributed: a default process group already exists")
+    if not 0 <= rank < world_size:
+        raise LayoutError(f"rank {rank} is not in a world of {world_size} ranks")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return torch.device("cpu")
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and its live process groups.

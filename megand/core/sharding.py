@@ -9,6 +9,8 @@ sequence-parallel gradient reduction, tied-weight synchronisation and resharding
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -61,29 +63,74 @@ def retag(param: torch.nn.Parameter, **changes) -> None:
     param.meta = dataclasses.replace(param.meta, **changes)
 
 
-def param_seed(seed: int, name: str) -> int:
-    return zlib.crc32(f"{seed}/{name}".encode())
+# Initialisation draws the full tensor tile by tile: a fixed grid over the FULL shape (independent of
+# the layout), each tile drawn from its own generator seeded by (seed, parameter name, tile index).
+# A rank draws only the tiles its slice overlaps, so init costs about 1/tp of the full tensor per rank
+# and every layout sees the same values.
+TILE_1D = 65536  # elements per tile of a 1-D tensor
+TILE_2D = (256, 256)  # rows x columns per tile of a matrix (further dims, if any, stay whole)
+
+
+def tile_shape(full_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(full_shape) == 1:
+        return (TILE_1D,)
+    return TILE_2D + tuple(full_shape[2:])
+
+
+def tile_seed(seed: int, name: str, index: int) -> int:
+    # 32 bits: all the CPU generator (mt19937) uses of a seed
+    return zlib.crc32(f"{seed}/{name}/{index}".encode())
+
+
+def draw_region(meta: ParamMeta, seed: int, name: str, region: tuple[slice, ...], out: torch.Tensor) -> None:
+    """Write ``full[region]`` of the full tensor ``name`` into ``out`` (of the region's shape), drawing
+    only the tiles that overlap the region. Tiles are drawn in fp32 on the CPU, whatever the device."""
+    if meta.init in ("ones", "zeros"):
+        out.fill_(1.0 if meta.init == "ones" else 0.0)
+        return
+    full, tile = meta.full_shape, tile_shape(meta.full_shape)
+    bounds = [(r.start or 0, n if r.stop is None else r.stop) for r, n in zip(region, full)]
+    counts = [-(-n // t) for n, t in zip(full, tile)]
+    scratch = torch.empty(math.prod(tile), dtype=torch.float32)
+    whole_tile = scratch.view(tile)
+    generator = torch.Generator()
+    for coord in itertools.product(*(range(lo // t, -(-hi // t)) for (lo, hi), t in zip(bounds, tile))):
+        index = 0
+        for c, n in zip(coord, counts):
+            index = index * n + c
+        t_lo = [c * t for c, t in zip(coord, tile)]
+        t_hi = [min(lo + t, n) for lo, t, n in zip(t_lo, tile, full)]
+        t_shape = [h - l for l, h in zip(t_lo, t_hi)]
+        drawn = whole_tile if t_shape == list(tile) else scratch[: math.prod(t_shape)].view(t_shape)
+        drawn.normal_(0.0, meta.init_std, generator=generator.manual_seed(tile_seed(seed, name, index)))
+        lo = [max(a, b) for a, (b, _) in zip(t_lo, bounds)]
+        hi = [min(a, b) for a, (_, b) in zip(t_hi, bounds)]
+        if lo != t_lo or hi != t_hi:  # the region cuts this tile
+            drawn = drawn[tuple(slice(l - t, h - t) for l, h, t in zip(lo, hi, t_lo))]
+        out[tuple(slice(l - b, h - b) for l, h, (b, _) in zip(lo, hi, bounds))].copy_(drawn)
 
 
 def full_init(meta: ParamMeta, seed: int, name: str) -> torch.Tensor:
-    """The full tensor that ``name`` is a slice of, identical whatever the layout."""
-    if meta.init == "ones":
-        return torch.ones(meta.full_shape)
-    if meta.init == "zeros":
-        return torch.zeros(meta.full_shape)
-    generator = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(meta.full_shape).normal_(0.0, meta.init_std, generator=generator)
+    """The full tensor that ``name`` is a slice of, identical whatever the layout (tests and tools)."""
+    full = torch.empty(meta.full_shape)
+    draw_region(meta, seed, name, tuple(slice(None) for _ in meta.full_shape), full)
+    return full
 
 
 @torch.no_grad()
 def init_parameters(module: torch.nn.Module, seed: int) -> None:
-    """Fill every tagged parameter with its slice of the full tensor drawn from (seed, name).
+    """Fill every tagged parameter, in place, with its slice of the full tensor drawn from (seed, name).
 
-    A copy (``copy_of``) draws from its original's name, so tied weights start equal. Padding rows
-    beyond the full tensor are zero.
+    Only the tiles overlapping this rank's slice are drawn (see :func:`draw_region`). A copy
+    (``copy_of``) draws from its original's name, so tied weights start equal. Padding rows beyond the
+    full tensor are zero. The parameters must be materialised (not on the meta device).
     """
     for name, param in module.named_parameters():
+        if param.is_meta:
+            raise ValueError(f"init_parameters: {name} is still on the meta device; materialise it first")
         meta = meta_of(param)
-        local = full_init(meta, seed, meta.copy_of or name)[meta.local_slice()]
-        param.zero_()
-        param[tuple(slice(0, n) for n in local.shape)].copy_(local)
+        region = meta.local_slice()
+        local_shape = [len(range(*s.indices(n))) for s, n in zip(region, meta.full_shape)]
+        if tuple(local_shape) != tuple(param.shape):
+            param.zero_()  # vocab padding beyond the full tensor
+        draw_region(meta, seed, meta.copy_of or name, region, param[tuple(slice(0, n) for n in local_shape)])

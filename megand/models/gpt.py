@@ -13,14 +13,12 @@ from megand.core.sharding import ParamMeta, retag, tag
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
-    gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
-from megand.core.tensor_parallel.layers import padded_vocab_size
+from megand.core.tensor_parallel.layers import column_parallel_linear, padded_vocab_size
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import rope_cos_sin
@@ -29,16 +27,16 @@ WORD_EMBEDDING = "embedding.word.weight"
 
 
 class Embedding(torch.nn.Module):
-    def __init__(self, cfg: TransformerConfig, topo, rng):
+    def __init__(self, cfg: TransformerConfig, topo, rng, device):
         super().__init__()
         self.cfg, self.tp_group, self.rng = cfg, topo.tp_group, rng
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group,
-                                           init_std=cfg.init_std, dtype=cfg.params_dtype, device=topo.device)
+                                           init_std=cfg.init_std, dtype=cfg.params_dtype, device=device)
         self.position = None
         if cfg.position_embedding == "learned":
             shape = (cfg.seq_length, cfg.hidden_size)
             meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std)
-            self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=topo.device)), meta)
+            self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
 
     def forward(self, input_ids, positions):
         x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
@@ -56,22 +54,26 @@ class Embedding(torch.nn.Module):
 
 
 class GPTModel(torch.nn.Module):
-    def __init__(self, cfg: TransformerConfig, topo, rng, layer_ids=None, pre_process=True, post_process=True):
+    def __init__(self, cfg: TransformerConfig, topo, rng, layer_ids=None, pre_process=True, post_process=True,
+                 device=None):
+        """``device``: where the parameters are created (default ``topo.device``). On ``meta`` nothing is
+        allocated: the data-parallel engine later places the parameters in its buffers."""
         super().__init__()
+        device = topo.device if device is None else device
         self.cfg, self.topo = cfg, topo
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
-        self.embedding = Embedding(cfg, topo, rng) if pre_process else None
-        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng) for i in self.layer_ids})
+        self.embedding = Embedding(cfg, topo, rng, device) if pre_process else None
+        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng, device) for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel,
-                                   tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=topo.device)
+                                   tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
             if not (cfg.tie_embeddings and pre_process):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, tp_group=topo.tp_group, bias=False,
                     sequence_parallel=cfg.sequence_parallel, init_std=cfg.init_std,
-                    padded_out=padded_vocab_size(cfg.vocab_size, topo.tp_size), dtype=cfg.params_dtype, device=topo.device)
+                    padded_out=padded_vocab_size(cfg.vocab_size, topo.tp_size), dtype=cfg.params_dtype, device=device)
                 if cfg.tie_embeddings:  # a later stage's copy of the first stage's word embedding
                     retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
         if pre_process and cfg.tie_embeddings and not post_process:
@@ -83,8 +85,7 @@ class GPTModel(torch.nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x)
         # tied to the word embedding on this stage: the same column-parallel product, on its weight
-        x = gather_from_sp(x, self.topo.tp_group) if self.cfg.sequence_parallel else copy_to_tp(x, self.topo.tp_group)
-        return F.linear(x, self.embedding.word.weight)
+        return column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group, self.cfg.sequence_parallel)
 
     def rope(self, positions):
         if self.cfg.position_embedding != "rope":

@@ -225,11 +225,13 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     return extra
 
 
-def estimate_memory(model: Mapping[str, Any], layout: Layout) -> MemoryEstimate:
+def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
+    """Per-rank memory of ``stages`` (default: the first and the last pipeline stage)."""
     shape = Shape.from_config(model)
     per_param = state_bytes_per_param(layout)
+    wanted = sorted({0, layout.pp - 1} if stages is None else set(stages))
     stages = []
-    for stage in sorted({0, layout.pp - 1}):
+    for stage in wanted:
         params = stage_params(model, layout, stage)
         per_layer = layer_activation_bytes(model, layout)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)

@@ -44,18 +44,33 @@ def build_topology(cfg, device) -> Topology:
     return Topology(sizes, order=p.order, vpp=p.vpp, device=device)
 
 
-def build_model(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]]:
+def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
     """This rank's model chunks (one unless interleaved), initialised independently of the layout, and
-    its random streams (the default generator and the chunks' shared tensor-parallel stream) seeded."""
+    its random streams (the default generator and the chunks' shared tensor-parallel stream) seeded.
+
+    ``device``: default ``topo.device``. On ``torch.device("meta")`` nothing is allocated nor initialised:
+    the data-parallel engine places the parameters in its buffers, then :func:`init_parameters` fills them
+    (what :class:`Trainer` does, so no rank ever holds a second copy of its parameters)."""
     model_cfg = transformer_config(cfg)
     rng = seed_random_streams(cfg.train.seed, topo)
     layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
     chunks = []
     for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank):
-        chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process)
-        init_parameters(chunk, cfg.train.seed)
+        chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device)
+        if device is None or torch.device(device).type != "meta":
+            init_parameters(chunk, cfg.train.seed)
         chunks.append(chunk)
     return model_cfg, chunks
+
+
+def build_model_and_engine(cfg, topo) -> tuple[TransformerConfig, list[GPTModel], DataParallel]:
+    """The model chunks built on the meta device, placed in the data-parallel engine's flat buffers and
+    initialised there: per rank, only the local shard is ever allocated and drawn."""
+    model_cfg, chunks = build_model(cfg, topo, device=torch.device("meta"))
+    ddp = DataParallel(chunks, topo, data_parallel_config(cfg))
+    for chunk in chunks:
+        init_parameters(chunk, cfg.train.seed)
+    return model_cfg, chunks, ddp
 
 
 def build_datasets(cfg, topo):
@@ -111,10 +126,10 @@ class Trainer:
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream)
         self.train_data, self.valid_data = build_datasets(cfg, self.topo)
-        self.model_cfg, self.chunks = build_model(cfg, self.topo)
+        # params live in the engine's buffers, allocated and initialised there (no full copy)
+        self.model_cfg, self.chunks, self.ddp = build_model_and_engine(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.ddp = DataParallel(self.chunks, self.topo, data_parallel_config(cfg))  # params now live in its buffers
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.schedule = get_schedule(self.topo)
         self._plan_batches()

@@ -81,7 +81,12 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=()):
 
 
 class ParamAndGradBuffer:
-    """The flat buffers of all parameters of one dtype; owns the memory the parameters view."""
+    """The flat buffers of all parameters of one dtype; owns the memory the parameters view.
+
+    A parameter on the meta device (a model built without allocating) is replaced by a new parameter
+    that views the buffer (zeros; nothing copied), with the same sharding tag: ``replaced`` maps
+    ``id(old)`` to it, for the owner to put into its modules; initialise it afterwards (``init_parameters``).
+    """
 
     def __init__(self, params, dtype, bucket_size: int, shard_rank: int, shard_count: int, device):
         self.dtype, self.params = dtype, list(params)
@@ -90,12 +95,18 @@ class ParamAndGradBuffer:
         self.numel = layout[-1][1] if layout else 0
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.offset = {}
+        self.offset, self.replaced = {}, {}
         with torch.no_grad():
-            for p, off in zip(self.params, offsets):
+            for i, (p, off) in enumerate(zip(self.params, offsets)):
                 view = self.param_data[off: off + p.numel()].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
+                if p.is_meta:
+                    new = torch.nn.Parameter(view, requires_grad=p.requires_grad)
+                    if hasattr(p, "meta"):
+                        new.meta = p.meta
+                    self.replaced[id(p)] = self.params[i] = p = new
+                else:
+                    view.copy_(p.data)
+                    p.data = view
                 p.main_grad = self.grad_data[off: off + p.numel()].view(p.shape)
                 self.offset[p] = off
         self.buckets = []

@@ -53,7 +53,9 @@ def last_backward(grad_sync):
 
 
 class DataParallel:
-    """Gradient buffers and their reduction for this rank's model chunks (built after initialisation)."""
+    """Gradient buffers and their reduction for this rank's model chunks: initialised chunks (their
+    parameters are copied into the buffers) or chunks built on the meta device (their parameters are
+    replaced by views of the buffers, to be initialised in place afterwards)."""
 
     def __init__(self, chunks, topo, config: DataParallelConfig):
         self.topo, self.config = topo, config
@@ -68,6 +70,14 @@ class DataParallel:
         shards = (topo.dp_cp_rank, self.size) if self.distributed else (0, 1)
         self.buffers = [ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device)
                         for dtype, ps in by_dtype.items()]
+        replaced = {k: v for buf in self.buffers for k, v in buf.replaced.items()}
+        if replaced:  # parameters built on the meta device now live in the buffers: put them in the modules
+            for chunk in chunks:
+                for module in chunk.modules():
+                    for name, p in list(module._parameters.items()):
+                        if p is not None and id(p) in replaced:
+                            module._parameters[name] = replaced[id(p)]
+            params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         for i, bucket in enumerate(self.buckets):
             bucket.index = i

@@ -4,8 +4,14 @@ import torch
 import torch.distributed as dist
 
 
-def norm_and_nonfinite(counted, grads, topo, sharded: bool):
-    """``(global L2 norm, found_inf)`` in one all-reduce, identical on every rank.
+def read_grad_stats(acc: torch.Tensor) -> tuple[float, bool]:
+    """``(norm, found_inf)`` from :func:`grad_stats`'s tensor: the step's one read of device values."""
+    norm = acc[0].sqrt().item()
+    return norm, bool(acc[1].item() > 0) or not torch.isfinite(acc[0]).item()
+
+
+def grad_stats(counted, grads, topo, sharded: bool) -> torch.Tensor:
+    """``[global sum of squares, non-finite count]`` after its one all-reduce, as a tensor (nothing read).
 
     ``counted``: this rank's gradients that count in the norm (parameters with ``meta.counted_in_norm``:
     tp-sharded ones on every tp rank, replicated ones on tp rank 0, tied copies nowhere); ``grads``:
@@ -23,8 +29,7 @@ def norm_and_nonfinite(counted, grads, topo, sharded: bool):
         dist.all_reduce(acc)  # every rank of the job: dp x cp x tp x pp
     elif not sharded and topo.tp_size * topo.pp_size > 1:
         dist.all_reduce(acc, group=topo.mp_group)
-    norm = acc[0].sqrt().item()
-    return norm, bool(acc[1].item() > 0) or not torch.isfinite(acc[0]).item()
+    return acc
 
 
 def clip_grads(grads, grad_norm: float, max_norm: float) -> None:

@@ -29,7 +29,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from megand.core.distributed import DataParallel, DataParallelConfig
 from megand.core.optimizer.config import OptimizerConfig
-from megand.core.optimizer.grad_norm import clip_grads, norm_and_nonfinite
+from megand.core.optimizer.grad_norm import clip_grads, grad_stats, read_grad_stats
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
 from megand.core.tensor_parallel.mappings import all_gather_flat
@@ -143,17 +143,27 @@ class Optimizer:
         self.ddp.zero_grad()
 
     def step(self) -> StepResult:
-        self.ddp.finish_grad_sync()  # a no-op when the trainer already called it
-        grads = [x.grad for x in self.pieces]
-        if self.scaler.scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        grad_norm, found_inf = norm_and_nonfinite(
-            [x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.distributed)
+        grad_norm, found_inf = read_grad_stats(self.prepare_grads())
         lr = self.schedule(self.steps + 1)
         self.scaler.update(found_inf)
         if found_inf:  # every rank saw the same all-reduced flag: all skip together
             return StepResult(grad_norm, True, lr, self.scaler.scale)
-        clip_grads(grads, grad_norm, self.clip_grad)
+        self.update(grad_norm, lr)
+        return StepResult(grad_norm, False, lr, self.scaler.scale)
+
+    # The two halves of step(), around its one read of device values (the norm and the inf/nan flag);
+    # a rehearsal on fake tensors, which hold no values, runs them with a norm of its choosing.
+    def prepare_grads(self) -> torch.Tensor:
+        """Finish the gradient sync, unscale (fp16); the global ``[sum of squares, non-finite count]``."""
+        self.ddp.finish_grad_sync()  # a no-op when the trainer already called it
+        grads = [x.grad for x in self.pieces]
+        if self.scaler.scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        return grad_stats([x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.distributed)
+
+    def update(self, grad_norm: float, lr: float) -> None:
+        """Clip, AdamW, write the updated slices back and start their all-gather."""
+        clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
         self._adamw(lr)
         self.steps += 1
         for state in self.flat:  # write the updated slices back into the parameter buffer
@@ -162,7 +172,6 @@ class Optimizer:
                     s = state["segments"][bucket.index]
                     bucket.data_shard.copy_(state["main"][s: s + bucket.shard_end - bucket.shard_start])
         self.ddp.start_param_sync()
-        return StepResult(grad_norm, False, lr, self.scaler.scale)
 
     def _adamw(self, lr):
         c = self.cfg

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
 from megand.core.tensor_parallel.mappings import (
+    _gather_first,
+    _reduce_scatter_first,
     copy_to_tp,
-    gather_from_sp,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -25,6 +26,41 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+class SequenceParallelLinear(torch.autograd.Function):
+    """``F.linear(all_gather(x), weight, bias)`` over the sequence shards ``x`` of the tp ranks, storing only
+    the local shard for backward: backward all-gathers it again for the weight gradient and reduce-scatters
+    the input gradient (Megatron's sequence-parallel linear). Autograd around a plain gather would store
+    the gathered input, tp times the shard, in every column-parallel layer of every micro-batch in flight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_first(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _reduce_scatter_first(grad.matmul(weight), ctx.group)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            full = _gather_first(x, ctx.group)
+            grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool):
+    """A column-parallel product: ``x`` is the full activation (replicated over tp) or, under sequence
+    parallelism, this rank's sequence shard."""
+    if sequence_parallel:
+        return SequenceParallelLinear.apply(x, weight, bias, group)
+    return F.linear(copy_to_tp(x, group), weight, bias)
 
 
 def _param(shape, meta, dtype, device):
@@ -51,8 +87,7 @@ class ColumnParallelLinear(torch.nn.Module):
                            dtype, device) if bias else None
 
     def forward(self, x):
-        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
 
 
 class RowParallelLinear(torch.nn.Module):

@@ -40,7 +40,7 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[tor
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, cfg, topo, rng):
+    def __init__(self, cfg, topo, rng, device=None):
         super().__init__()
         self.cfg, self.rng = cfg, rng
         self.cp_group = topo.cp_group if topo.cp_size > 1 else None
@@ -49,7 +49,7 @@ class Attention(torch.nn.Module):
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
         qkv_size = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
-                      dtype=cfg.params_dtype, device=topo.device)
+                      dtype=cfg.params_dtype, device=topo.device if device is None else device)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std, **common)
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)

@@ -10,15 +10,17 @@ from megand.core.transformer.norms import Norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, cfg, topo, rng):
+    def __init__(self, cfg, topo, rng, device=None):
+        """``device``: where the parameters are created (default ``topo.device``; ``meta``: shapes only)."""
+        device = topo.device if device is None else device
         super().__init__()
         self.cfg, self.rng = cfg, rng
         norm = dict(eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel, tp_rank=topo.tp_rank,
-                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=topo.device)
+                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, topo, rng)
+        self.attention = Attention(cfg, topo, rng, device)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, topo)
+        self.mlp = MLP(cfg, topo, device)
 
     def dropout(self, x):
         if not self.training or self.cfg.hidden_dropout == 0.0:

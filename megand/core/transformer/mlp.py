@@ -16,6 +16,23 @@ def split_swiglu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_swiglu`: (gate, up), each ``[ffn, hidden]``."""
     pairs = fc1.reshape(-1, 2, *fc1.shape[1:])
     return pairs[:, 0], pairs[:, 1]
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of the fc1 output ``[..., f, 2]`` (gate, up), saving only that input for backward
+    and recomputing the silu there: autograd on the plain expression would also keep ``silu(gate)``, one
+    more f-wide activation per layer and micro-batch."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return F.silu(h[..., 0]) * h[..., 1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h[..., 0], h[..., 1]
+        sig = torch.sigmoid(gate)
+        grad_gate = (grad * up) * sig * (1 + gate * (1 - sig))  # silu'(x) = sig(x) (1 + x (1 - sig(x)))
+        return torch.stack((grad_gate, grad * (gate * sig)), dim=-1)
 
 
 class MLP(torch.nn.Module):
@@ -23,13 +40,13 @@ class MLP(torch.nn.Module):
     see :func:`fuse_swiglu`), so an even split across tp gives each rank matching gate and up rows whatever
     tp is."""
 
-    def __init__(self, cfg, topo):
+    def __init__(self, cfg, topo, device=None):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         if cfg.activation not in ("gelu", "swiglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
-                      dtype=cfg.params_dtype, device=topo.device)
+                      dtype=cfg.params_dtype, device=topo.device if device is None else device)
         fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
@@ -38,8 +55,7 @@ class MLP(torch.nn.Module):
     def forward(self, x):
         h = self.fc1(x)
         if self.swiglu:
-            h = h.unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
+            h = SwiGLU.apply(h.unflatten(-1, (-1, 2)))
         else:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)
