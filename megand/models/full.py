@@ -15,7 +15,7 @@ from megand.core.checkpointing.offline import (
     save_model_streaming,
     single_process_topology,
 )
-from megand.core.sharding import ParamMeta, init_parameters, param_seed
+from megand.core.sharding import ParamMeta, init_parameters, tile_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
 from megand.models.gpt import GPTModel
@@ -48,7 +48,7 @@ def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch
 
     def produce(name):
         meta = metas[name]
-        generator = torch.Generator().manual_seed(param_seed(seed, name))
+        generator = torch.Generator().manual_seed(tile_seed(seed, name, 0))  # one draw per tensor
         noise = torch.randn(meta.full_shape, generator=generator)
         if meta.init == "normal":
             noise.mul_(meta.init_std)

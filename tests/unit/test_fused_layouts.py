@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.checkpointing import offline
@@ -17,7 +18,8 @@ from megand.core.transformer.mlp import MLP, fuse_swiglu, split_swiglu
 
 @pytest.fixture(scope="module")
 def topo():
-    return offline.single_process_topology()
+    yield offline.single_process_topology()
+    dist.destroy_process_group()  # leave no process group to the next module
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (8, 1)])

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megand.core.checkpointing import files, offline
 from megand.core.transformer.kv_cache import KVCache
@@ -22,7 +23,8 @@ GPT = dict(LLAMA, arch="gpt", num_query_groups=None, ffn_hidden_size=256, norm="
 
 @pytest.fixture(scope="module")
 def topo():
-    return offline.single_process_topology()
+    yield offline.single_process_topology()
+    dist.destroy_process_group()  # leave no process group to the next module
 
 
 @pytest.mark.parametrize("model_cfg", [LLAMA, GPT], ids=["llama", "gpt"])

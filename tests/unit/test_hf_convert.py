@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from safetensors import safe_open
 
@@ -24,7 +25,8 @@ MODELS = {"llama": LLAMA, "gpt": GPT}
 
 @pytest.fixture(scope="module")
 def topo():
-    return offline.single_process_topology()
+    yield offline.single_process_topology()
+    dist.destroy_process_group()  # leave no process group to the next module
 
 
 def run(capsys, *argv):
