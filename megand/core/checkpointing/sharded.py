@@ -72,12 +72,23 @@ def flat_pieces(key: str, param: torch.Tensor, lo: int, hi: int, flat: torch.Ten
     return out
 
 
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU view) as a tensor sharing its memory whose storage is exactly its bytes.
+
+    DCP's file writer copies every tensor whose storage is larger than the tensor (any view into our
+    flat buffers) and keeps the copies until the rank's file is written: a second copy of everything the
+    rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
+
+
 def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
     """This rank's pieces of the model and optimizer state, on CPU (copied if ``copy``, so training may
-    go on mutating the originals while they are written in the background)."""
+    go on mutating the originals while they are written in the background; views of them otherwise)."""
 
     def staged(t):
-        return t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else t)
+        return t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else exact_storage(t))
 
     pieces = [param_piece(model_key(name), p) for name, p in named_params if p.meta.copy_of is None]
     for shard in optimizer.sharded_state_dict():
