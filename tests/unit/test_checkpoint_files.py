@@ -159,3 +159,15 @@ def test_model_only_checkpoint_continues_in_bf16_from_the_loaded_weights(topo, t
     assert abs(after - loaded) < 0.05, f"after one step at lr 1e-5: {after}, loaded {loaded}, untrained {untrained}"
     for name, p in named:  # one tiny step away from the loaded weights (bf16 rounding), not from the init
         torch.testing.assert_close(p.float(), tensors[name], rtol=2 ** -7, atol=1e-4, msg=name)
+
+
+def test_fp32_run_resumed_from_bf16_takes_the_fp32_master_weights(topo, tmp_path):
+    bf16 = dict(MODEL, precision="bf16")
+    _, opt, ckpt = make(topo, tmp_path, bf16)
+    ckpt.save(2, 16)
+    masters = {s.name: s.tensors["main"].clone() for s in opt.sharded_state_dict()}
+    fresh, fresh_opt, loader = make(topo, tmp_path / "unused", steps=0)
+    assert loader.load(str(tmp_path)).optimizer_loaded
+    for name, p in fresh.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.reshape(-1), masters[name]), name  # not the bf16 rounding
+    assert fresh_opt.steps == 2

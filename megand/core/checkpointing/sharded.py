@@ -11,8 +11,8 @@ names, so pipeline stages and model chunks need no special handling:
 
 Nothing is gathered and nothing full-size is built: saving writes views of the live state (copied
 only for an asynchronous save), loading reads straight into the parameters and the optimizer's state.
-The fp32 master copy loads from ``optim.<name>.main`` when the checkpoint has one, else from the
-model weights at the precision they were stored in (a model-only or fp32 checkpoint).
+The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
+else from the model weights at the precision they were stored in (a model-only or fp32 checkpoint).
 A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys.
 """
 
@@ -100,7 +100,10 @@ def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
 
 def expected_full_shapes(named_params, optimizer) -> dict[str, tuple[int, ...]]:
     """Every key this rank may read, with the full shape it must have in the checkpoint."""
-    shapes = {model_key(saved_name(n, p.meta)): tuple(p.meta.full_shape) for n, p in named_params}
+    shapes = {}
+    for name, p in named_params:  # the weights, and the fp32 master copy they may be read from
+        for key in (model_key(saved_name(name, p.meta)), optim_key(saved_name(name, p.meta), "main")):
+            shapes[key] = tuple(p.meta.full_shape)
     for shard in optimizer.sharded_state_dict():
         meta = shard.param.meta
         for kind in shard.tensors:
@@ -109,17 +112,23 @@ def expected_full_shapes(named_params, optimizer) -> dict[str, tuple[int, ...]]:
 
 
 def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool) -> list[Piece]:
-    """Where each piece of the checkpoint goes, in place: every parameter from its model key; the fp32
-    master copies (where separate) from ``main`` if saved, else from the model weights; the Adam
-    moments only ``with_optimizer``."""
-    pieces = [param_piece(model_key(saved_name(n, p.meta)), p) for n, p in named_params]
+    """Where each piece of the checkpoint goes, in place: every parameter and its fp32 master copy (where
+    separate) from the saved ``main`` if there is one (the most precise copy: an fp32 run resumed from a
+    bf16 one keeps it), else from the model weights; the Adam moments only ``with_optimizer``."""
+
+    def weights(original):
+        main = optim_key(original, "main")
+        return main if main in keys else model_key(original)
+
+    pieces = [param_piece(weights(saved_name(n, p.meta)), p) for n, p in named_params]
     for shard in optimizer.sharded_state_dict():
         original = saved_name(shard.name, shard.param.meta)
         for kind, flat in shard.tensors.items():
-            key = optim_key(original, kind)
-            if kind == "main" and key not in keys:
-                key = model_key(original)
-            elif kind != "main" and not with_optimizer:
+            if kind == "main":
+                key = weights(original)
+            elif with_optimizer:
+                key = optim_key(original, kind)
+            else:
                 continue
             pieces += flat_pieces(key, shard.param, shard.lo, shard.hi, flat)
     return pieces
