@@ -194,8 +194,8 @@ class Checkpointer:
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
         self._check_files_together(iter_dir, metadata)
 
-        # read in place into the parameters and this rank's optimizer shard (the fp32 master copies too,
-        # from the model weights when the checkpoint has no optimizer state)
+        # read in place into the parameters and this rank's optimizer shard; the fp32 master copies from
+        # the saved ones, else from the weights (a model-only or fp32 checkpoint)
         self.optimizer.ddp.finish_param_sync()
         pieces = sharded.load_pieces(self.named_params, self.optimizer, keys, with_optimizer=has_optimizer)
         try:
