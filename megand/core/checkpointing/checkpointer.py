@@ -32,9 +32,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from megand.core.checkpointing import files, sharded
-from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
 from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.files import CheckpointError
+from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
 
 
 @dataclass

@@ -94,7 +94,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     Several pieces may read the same key and offsets (e.g. a weight and its fp32 master copy)."""
 
     def __init__(self, pieces: list[Piece]):
-        super().__init__()
+        super().__init__(flatten_state_dict=False)  # the state dict given to DCP is empty: nothing to flatten
         self.pieces = list(pieces)
 
     def create_local_plan(self) -> LoadPlan:

@@ -73,7 +73,7 @@ class StateShard:
     param: torch.nn.Parameter  # the local parameter (its ``meta`` places it in the full tensor)
     lo: int
     hi: int
-    tensors: dict
+    tensors: dict[str, torch.Tensor]
 
 
 class _Holder(torch.nn.Module):
