@@ -50,9 +50,10 @@ def test_round_trip_and_atomic_layout(topo, tmp_path):
     for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(a, b), name
     assert fresh_opt.steps == opt.steps == 2
-    for name, states in opt.state_dict_per_param().items():
-        for kind, t in states.items():
-            assert torch.equal(t, fresh_opt.state_dict_per_param()[name][kind]), (name, kind)
+    for a, b in zip(opt.sharded_state_dict(), fresh_opt.sharded_state_dict(), strict=True):
+        assert (a.name, a.lo, a.hi) == (b.name, b.lo, b.hi) and a.tensors.keys() == b.tensors.keys()
+        for kind, t in a.tensors.items():
+            assert torch.equal(t, b.tensors[kind]), (a.name, kind)
     # a save of a later iteration replaces `latest`; the earlier one stays loadable
     ckpt.save(3, 24)
     assert open(tmp_path / "latest").read().strip() == "3"
@@ -124,3 +125,49 @@ def test_model_only_checkpoint_loads_without_optimizer(topo, tmp_path):
     assert all(torch.equal(p, tensors[n]) for n, p in fresh.named_parameters())
     back = offline.load_full_tensors(str(tmp_path / "full"))
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in back)
+
+
+def _loss(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids[:, :-1], labels=ids[:, 1:]).float().mean().item()
+
+
+def test_model_only_checkpoint_continues_in_bf16_from_the_loaded_weights(topo, tmp_path):
+    """The fp32 master copy of bf16 parameters must come from the loaded weights, not the random init."""
+    ids = torch.randint(0, MODEL["vocab_size"], (2, MODEL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+    trained = full.build_full_model(MODEL, topo=topo).train()
+    opt = Optimizer(list(trained.named_parameters()), OptimizerConfig(lr=1e-2, warmup_iters=0, schedule="constant"), topo)
+    for _ in range(20):  # overfit one batch: the loaded model's loss is far below the untrained one
+        opt.zero_grad()
+        trained(input_ids=ids[:, :-1], labels=ids[:, 1:]).mean().backward()
+        opt.step()
+    tensors = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    offline.save_full_model(str(tmp_path / "full"), tensors, "model: {}\n", dict(MODEL))
+
+    bf16 = dict(MODEL, precision="bf16")
+    model = full.build_full_model(bf16, topo=topo).train()
+    untrained = _loss(model, ids)
+    named = list(model.named_parameters())
+    opt = Optimizer(named, OptimizerConfig(lr=1e-5, warmup_iters=0, schedule="constant"), topo)
+    Checkpointer(CheckpointConfig(), topo, named, opt, [model], "model: {}\n", dict(bf16)).load(str(tmp_path / "full"))
+    loaded = _loss(model, ids)
+    assert loaded < untrained - 1.0, (loaded, untrained)
+    opt.zero_grad()
+    model(input_ids=ids[:, :-1], labels=ids[:, 1:]).float().mean().backward()
+    assert not opt.step().skipped
+    after = _loss(model, ids)
+    assert abs(after - loaded) < 0.05, f"after one step at lr 1e-5: {after}, loaded {loaded}, untrained {untrained}"
+    for name, p in named:  # one tiny step away from the loaded weights (bf16 rounding), not from the init
+        torch.testing.assert_close(p.float(), tensors[name], rtol=2 ** -7, atol=1e-4, msg=name)
+
+
+def test_fp32_run_resumed_from_bf16_takes_the_fp32_master_weights(topo, tmp_path):
+    bf16 = dict(MODEL, precision="bf16")
+    _, opt, ckpt = make(topo, tmp_path, bf16)
+    ckpt.save(2, 16)
+    masters = {s.name: s.tensors["main"].clone() for s in opt.sharded_state_dict()}
+    fresh, fresh_opt, loader = make(topo, tmp_path / "unused", steps=0)
+    assert loader.load(str(tmp_path)).optimizer_loaded
+    for name, p in fresh.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.reshape(-1), masters[name]), name  # not the bf16 rounding
+    assert fresh_opt.steps == 2

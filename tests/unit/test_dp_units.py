@@ -77,10 +77,11 @@ def test_adamw_on_buffers_matches_torch_adamw():
         for p, q in zip(ours.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
             assert p.grad is None
-    states = opt.state_dict_per_param()
+    states = {s.name: s for s in opt.sharded_state_dict()}  # one process: every shard is a whole parameter
     for (name, q) in ref.named_parameters():
-        assert "main" not in states[name]  # fp32: the parameter is its own master copy
-        torch.testing.assert_close(states[name]["exp_avg"], torch_opt.state[q]["exp_avg"], rtol=1e-6, atol=1e-9)
+        assert "main" not in states[name].tensors  # fp32: the parameter is its own master copy
+        torch.testing.assert_close(states[name].tensors["exp_avg"].view(q.shape), torch_opt.state[q]["exp_avg"],
+                                   rtol=1e-6, atol=1e-9)
 
 
 def test_bf16_params_keep_fp32_main_params_and_grads():
@@ -93,11 +94,11 @@ def test_bf16_params_keep_fp32_main_params_and_grads():
     model(x).float().pow(2).mean().backward()
     assert all(p.main_grad.dtype == torch.float32 and p.grad is None for p in model.parameters())
     opt.step()
-    states = opt.state_dict_per_param()
+    states = {s.name: s.tensors for s in opt.sharded_state_dict()}
     for (name, p), q in zip(model.named_parameters(), before.parameters()):
         assert p.dtype == torch.bfloat16 and not torch.equal(p, q)
         assert states[name]["main"].dtype == torch.float32
-        assert torch.equal(states[name]["main"].to(torch.bfloat16), p)  # params are the rounded main params
+        assert torch.equal(states[name]["main"].view(p.shape).to(torch.bfloat16), p)  # params: the rounded main params
 
 
 def test_two_backwards_inside_last_backward_is_an_error():

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from megand.core.checkpointing import files, sharded
 from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.files import CheckpointError
+from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
 
 
 @dataclass
@@ -91,7 +92,6 @@ class Checkpointer:
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
         # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo")
-        self.mesh = sharded.tp_mesh(topo)
         self.rank = dist.get_rank()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
         self.pending: Future | None = None
@@ -118,7 +118,8 @@ class Checkpointer:
             with open(os.path.join(tmp, files.CONFIG), "w") as f:
                 f.write(self.config_yaml)
         asynchronous = self.executor is not None
-        state = sharded.save_state(self.named_params, self.optimizer, self.mesh, copy=asynchronous)
+        self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
+        state = sharded.save_pieces(self.named_params, self.optimizer, copy=asynchronous)
         if asynchronous:
             self.pending = self.executor.submit(self._write, state, tmp, iteration)
         else:
@@ -127,7 +128,7 @@ class Checkpointer:
         self.last_stall_s = time.perf_counter() - start
 
     def _write(self, state, tmp: str, iteration: int) -> None:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+        dcp.save({}, storage_writer=FileSystemWriter(tmp), planner=PieceSavePlanner(state), process_group=self.group)
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
         # every file of the checkpoint is checksummed: its own RNG file on each rank, the rest on rank 0
         mine.append(os.path.join("rng", f"rank_{self.rank:05d}.pt"))
@@ -189,8 +190,7 @@ class Checkpointer:
         self._check_files_together(iter_dir, metadata)  # checksums first: nothing read below can be damaged
         common = files.read_common(iter_dir)
         keys = set(metadata.state_dict_metadata)
-        template = self.optimizer.state_dict_per_param()
-        expected = sharded.expected_full_shapes(self.named_params, template)
+        expected = sharded.expected_full_shapes(self.named_params, self.optimizer)
         has_optimizer = any(k.startswith("optim.") for k in keys)
         # model weights always; optimizer states when the checkpoint has any (an imported HF model has
         # none); an fp32 ``main`` copy is optional (absent from fp32 runs)
@@ -198,19 +198,17 @@ class Checkpointer:
         files.check_shapes(iter_dir, metadata, expected, required)
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
 
-        state, model_targets, optim_targets = sharded.load_buffers(self.named_params, template, self.mesh, keys)
+        # read in place into the parameters and this rank's optimizer shard; the fp32 master copies from
+        # the saved ones, else from the weights (a model-only or fp32 checkpoint)
+        self.optimizer.ddp.finish_param_sync()
+        pieces = sharded.load_pieces(self.named_params, self.optimizer, keys, with_optimizer=has_optimizer)
         try:
-            dcp.load(state, storage_reader=FileSystemReader(iter_dir), process_group=self.group)
+            dcp.load({}, storage_reader=FileSystemReader(iter_dir), planner=PieceLoadPlanner(pieces),
+                     process_group=self.group)
         except Exception as e:  # noqa: BLE001 - name the checkpoint in whatever DCP raised
             raise CheckpointError(f"{iter_dir}: reading the checkpoint failed: {type(e).__name__}: {e}") from e
-        for name, param in self.named_params:
-            sharded.copy_into(param.data, state[model_targets[name]].to_local(), param.meta)
         if has_optimizer:
-            metas = dict(self.named_params)
-            states = {name: {kind: sharded.padded_like(template[name][kind], state[key].to_local(), metas[name].meta)
-                             for kind, key in optim_targets.get(name, {}).items()} for name in template}
             self.optimizer.load_scalar_state(common["optimizer"])
-            self.optimizer.load_state_dict_per_param(states)
         rng_restored = False
         rng_file = os.path.join(iter_dir, "rng", f"rank_{self.rank:05d}.pt")
         if common.get("layout") == layout_of(self.topo) and os.path.isfile(rng_file):

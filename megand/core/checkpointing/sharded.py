@@ -1,33 +1,27 @@
-"""Layout-free state dicts: every local tensor becomes a piece of its FULL tensor.
+"""Layout-free state: every local tensor becomes pieces of its FULL tensor (pieces.py writes and reads them).
 
 A parameter's :class:`~megand.core.sharding.ParamMeta` says which slice of the full tensor this rank
-holds. Here each local shard (without vocab padding rows) is wrapped as a DTensor on a 1-D mesh over
-the tensor-parallel group: ``Shard(split_dim)`` for split parameters, ``Replicate()`` otherwise.
-torch.distributed.checkpoint then records each piece with its global offset, keeps one copy of
-pieces replicated over dp/cp/tp, and on load reads whatever overlaps the piece the new layout needs.
-Keys are the full model's names, so pipeline stages and model chunks need no special handling:
+holds; its local shard (without vocab padding rows) is one piece at that slice's offset. An optimizer
+state shard (``Optimizer.sharded_state_dict``) is a flat range ``[lo, hi)`` of the local parameter:
+it becomes the few boxes that range covers, shifted to the full tensor. Keys are the full model's
+names, so pipeline stages and model chunks need no special handling:
 
-    model.<param name>                       the parameter
-    optim.<param name>.<exp_avg|exp_avg_sq|main>   its optimizer state (local tp-shard shapes)
+    model.<param name>                             the parameter
+    optim.<param name>.<exp_avg|exp_avg_sq|main>   its optimizer state (fp32; ``main`` only for non-fp32 runs)
 
+Nothing is gathered and nothing full-size is built: saving writes views of the live state (copied
+only for an asynchronous save), loading reads straight into the parameters and the optimizer's state.
+The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
+else from the model weights at the precision they were stored in (a model-only or fp32 checkpoint).
 A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megand.core.checkpointing.pieces import Piece, flat_range_boxes
 from megand.core.sharding import ParamMeta
-
-
-def contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def unpadded(local: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -38,16 +32,9 @@ def unpadded(local: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
     return local.narrow(meta.split_dim, 0, piece.stop - piece.start)
 
 
-def tp_mesh(topo) -> DeviceMesh:
-    """A 1-D mesh over this rank's tensor-parallel group (only metadata: DCP reads coordinates from it)."""
-    return DeviceMesh.from_group(topo.tp_group, "cpu")
-
-
-def as_piece(local: torch.Tensor, meta: ParamMeta, mesh: DeviceMesh) -> DTensor:
-    """``local`` (a CPU tensor with the unpadded local shape) as this rank's piece of the full tensor."""
-    placement = Replicate() if meta.split_dim is None else Shard(meta.split_dim)
-    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(meta.full_shape),
-                              stride=contiguous_stride(meta.full_shape))
+def tp_offset(meta: ParamMeta) -> tuple[int, ...]:
+    """Where this rank's (unpadded) local shard starts in the full tensor."""
+    return tuple(s.start or 0 for s in meta.local_slice())
 
 
 def saved_name(name: str, meta: ParamMeta) -> str:
@@ -62,77 +49,86 @@ def optim_key(name: str, state: str) -> str:
     return f"optim.{name}.{state}"
 
 
-def save_state(named_params, optimizer, mesh, copy: bool) -> dict[str, DTensor]:
-    """This rank's pieces of the model and optimizer state, on CPU (cloned if ``copy``, so training may go
-    on mutating the originals while they are written in the background)."""
-
-    def staged(t, meta):
-        t = unpadded(t.detach(), meta)
-        t = t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else t)
-        return as_piece(t, meta, mesh)
-
-    state = {}
-    metas = dict(named_params)
-    for name, param in named_params:
-        if param.meta.copy_of is None:
-            state[model_key(name)] = staged(param, param.meta)
-    for name, states in optimizer.state_dict_per_param().items():
-        meta = metas[name].meta
-        if meta.copy_of is None:
-            for kind, tensor in states.items():
-                state[optim_key(name, kind)] = staged(tensor, meta)
-    return state
+def param_piece(key: str, param: torch.nn.Parameter) -> Piece:
+    """The parameter's local shard as a piece: a view of its data (loading writes into the parameter)."""
+    meta = param.meta
+    return Piece(key, tp_offset(meta), tuple(meta.full_shape), unpadded(param.detach(), meta))
 
 
-def expected_full_shapes(named_params, optim_template) -> dict[str, tuple[int, ...]]:
-    """Every key this rank will read, with the full shape it must have in the checkpoint."""
-    metas = dict(named_params)
-    shapes = {model_key(saved_name(n, p.meta)): tuple(p.meta.full_shape) for n, p in named_params}
-    for name, states in optim_template.items():
-        meta = metas[name].meta
-        for kind in states:
-            shapes[optim_key(saved_name(name, meta), kind)] = tuple(meta.full_shape)
+def flat_pieces(key: str, param: torch.Tensor, lo: int, hi: int, flat: torch.Tensor) -> list[Piece]:
+    """``flat`` (elements ``[lo, hi)`` of the flattened local ``param``) as pieces of the full tensor:
+    views of ``flat``, padding rows left out."""
+    meta = param.meta
+    start = tp_offset(meta)
+    keep = unpadded(param, meta).shape
+    out = []
+    for offsets, sizes, first in flat_range_boxes(lo, hi, param.shape):
+        view = flat[first - lo: first - lo + int(torch.Size(sizes).numel())].view(sizes)
+        for d in range(len(sizes)):  # clip to the unpadded rows (only the split dim is ever padded)
+            stop = min(offsets[d] + sizes[d], keep[d])
+            view = view.narrow(d, 0, max(0, stop - offsets[d]))
+        if view.numel():
+            out.append(Piece(key, tuple(o + s for o, s in zip(offsets, start)), tuple(meta.full_shape), view))
+    return out
+
+
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU view) as a tensor sharing its memory whose storage is exactly its bytes.
+
+    DCP's file writer copies every tensor whose storage is larger than the tensor (any view into our
+    flat buffers) and keeps the copies until the rank's file is written: a second copy of everything the
+    rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
+
+
+def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
+    """This rank's pieces of the model and optimizer state, on CPU (copied if ``copy``, so training may
+    go on mutating the originals while they are written in the background; views of them otherwise)."""
+
+    def staged(t):
+        return t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else exact_storage(t))
+
+    pieces = [param_piece(model_key(name), p) for name, p in named_params if p.meta.copy_of is None]
+    for shard in optimizer.sharded_state_dict():
+        if shard.param.meta.copy_of is None:
+            for kind, flat in shard.tensors.items():
+                pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
+    return [Piece(p.key, p.offsets, p.full_shape, staged(p.tensor)) for p in pieces]
+
+
+def expected_full_shapes(named_params, optimizer) -> dict[str, tuple[int, ...]]:
+    """Every key this rank may read, with the full shape it must have in the checkpoint."""
+    shapes = {}
+    for name, p in named_params:  # the weights, and the fp32 master copy they may be read from
+        for key in (model_key(saved_name(name, p.meta)), optim_key(saved_name(name, p.meta), "main")):
+            shapes[key] = tuple(p.meta.full_shape)
+    for shard in optimizer.sharded_state_dict():
+        meta = shard.param.meta
+        for kind in shard.tensors:
+            shapes[optim_key(saved_name(shard.name, meta), kind)] = tuple(meta.full_shape)
     return shapes
 
 
-def load_buffers(named_params, optim_template, mesh, keys: set[str]):
-    """Empty CPU pieces to load into: ``(state, model_targets, optim_targets)``. ``keys`` are the keys present
-    in the checkpoint; optimizer states absent from it are left out (the caller decides what that means).
-    When the checkpoint has an fp32 ``main`` copy of a parameter, the model weight is read from it."""
-    metas = dict(named_params)
-    state, model_targets, optim_targets = {}, {}, {}
+def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool) -> list[Piece]:
+    """Where each piece of the checkpoint goes, in place: every parameter and its fp32 master copy (where
+    separate) from the saved ``main`` if there is one (the most precise copy: an fp32 run resumed from a
+    bf16 one keeps it), else from the model weights; the Adam moments only ``with_optimizer``."""
 
-    def piece(key, meta, dtype):
-        if key not in state:
-            shape = list(meta.full_shape)
-            if meta.split_dim is not None:
-                s = meta.local_slice()[meta.split_dim]
-                shape[meta.split_dim] = s.stop - s.start
-            state[key] = as_piece(torch.empty(shape, dtype=dtype), meta, mesh)
-        return key
-
-    for name, param in named_params:
-        original = saved_name(name, param.meta)
+    def weights(original):
         main = optim_key(original, "main")
-        source = main if main in keys else model_key(original)
-        model_targets[name] = piece(source, param.meta, torch.float32 if source == main else param.dtype)
-    for name, states in optim_template.items():
-        meta = metas[name].meta
-        for kind, tensor in states.items():
-            key = optim_key(saved_name(name, meta), kind)
-            if key in keys:
-                optim_targets.setdefault(name, {})[kind] = piece(key, meta, tensor.dtype)
-    return state, model_targets, optim_targets
+        return main if main in keys else model_key(original)
 
-
-@torch.no_grad()
-def copy_into(local: torch.Tensor, value: torch.Tensor, meta: ParamMeta) -> None:
-    """Copy an unpadded local piece into ``local`` (padding rows are left as they are)."""
-    unpadded(local, meta).copy_(value.to(local.device, local.dtype))
-
-
-def padded_like(template: torch.Tensor, value: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
-    """``value`` placed into a zero tensor shaped like ``template`` (re-adds vocab padding)."""
-    out = torch.zeros_like(template)
-    copy_into(out, value, meta)
-    return out
+    pieces = [param_piece(weights(saved_name(n, p.meta)), p) for n, p in named_params]
+    for shard in optimizer.sharded_state_dict():
+        original = saved_name(shard.name, shard.param.meta)
+        for kind, flat in shard.tensors.items():
+            if kind == "main":
+                key = weights(original)
+            elif with_optimizer:
+                key = optim_key(original, kind)
+            else:
+                continue
+            pieces += flat_pieces(key, shard.param, shard.lo, shard.hi, flat)
+    return pieces

@@ -32,7 +32,7 @@ Per step, the trainer calls: ``zero_grad()`` -> schedule(..., grad_sync=engine) 
 With ``optim.overlap_param_gather`` the all-gathers of updated parameters run while the next forward
 starts: a forward pre-hook on every module waits only for the buckets holding that module's
 parameters. Anything else that reads parameters outside a forward (checkpoint save, export) must call
-:meth:`finish_param_sync` first (``Optimizer.state_dict_per_param`` does).
+:meth:`finish_param_sync` first (the checkpointer does).
 """
 
 from __future__ import annotations

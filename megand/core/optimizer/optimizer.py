@@ -16,8 +16,9 @@ distributed optimizer owns 1/(dp x cp) of the elements. The update itself is tor
 One step: finish the gradient sync (idempotent) -> unscale (fp16) -> global norm and inf/nan check in
 one all-reduce -> skip (loss scaler backs off) or clip, AdamW, write back, all-gather the updated slices.
 
-Checkpoint interface: :meth:`state_dict_per_param` / :meth:`load_state_dict_per_param` (per parameter
-name, tensors of the local tp-shard shape) and :meth:`scalar_state` / :meth:`load_scalar_state`.
+Checkpoint interface: :meth:`sharded_state_dict` (this rank's pieces, as live views: saved as they are
+and loaded into in place, so a checkpoint costs no more than the shard) and :meth:`scalar_state` /
+:meth:`load_scalar_state`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from megand.core.optimizer.config import OptimizerConfig
 from megand.core.optimizer.grad_norm import clip_grads, grad_stats, read_grad_stats
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
-from megand.core.tensor_parallel.mappings import all_gather_flat
 
 try:  # optional: apex's multi-tensor Adam (CUDA only); torch's fused AdamW is used otherwise
     from apex.optimizers import FusedAdam as ApexFusedAdam
@@ -61,6 +61,19 @@ class Piece:
     step: torch.Tensor  # 0-d, as torch's AdamW wants one per tensor
     decay: bool
     counted: bool  # in the global grad norm (each element of the full model once)
+    separate_main: bool  # main is an fp32 copy (non-fp32 parameters), not the parameter itself
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """One parameter's optimizer state on this rank: elements ``[lo, hi)`` of the flattened local
+    (tensor-parallel shard, padded) parameter. ``tensors``: kind (``main``, ``exp_avg``, ``exp_avg_sq``)
+    -> 1-D fp32 view of ``hi - lo`` elements of the optimizer's state."""
+    name: str
+    param: torch.nn.Parameter  # the local parameter (its ``meta`` places it in the full tensor)
+    lo: int
+    hi: int
+    tensors: dict[str, torch.Tensor]
 
 
 class _Holder(torch.nn.Module):
@@ -121,7 +134,7 @@ class Optimizer:
                     grad=buf.grad_data[lo:hi], exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm))
+                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm, separate_main=separate))
 
     def state_tensors(self):
         """The tensors the optimizer itself holds (fp32 main copies, Adam moments), for memory accounting."""
@@ -206,57 +219,16 @@ class Optimizer:
         return opt
 
     # -- checkpoint interface --------------------------------------------------------------------------
-    def _full_flat(self, state, key):
-        """``state[key]`` spread over the whole buffer layout (gathered over dp x cp when sharded)."""
-        buf, flat = state["buffer"], state[key]
-        if not self.ddp.distributed or self.ddp.size == 1:
-            return flat  # the segments tile the buffer in order
-        full = torch.zeros(buf.numel, dtype=flat.dtype, device=flat.device)
-        for bucket in buf.buckets:
-            s = state["segments"][bucket.index]
-            all_gather_flat(full[bucket.start: bucket.end], flat[s: s + bucket.shard_end - bucket.shard_start],
-                            group=self.ddp.group)
-        return full
-
-    def state_dict_per_param(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{name: {"exp_avg", "exp_avg_sq"[, "main"]}}`` for every parameter of this rank, each of the
-        parameter's local (tp-shard) shape, fp32. ``"main"`` is present only when the parameters are not
-        fp32 (for fp32 the parameter is its own master copy). Collective over dp x cp with the
-        distributed optimizer: every rank must call it."""
-        self.ddp.finish_param_sync()
-        name_of = {p: n for n, p in self.named_params}
-        out = {}
-        for state in self.flat:
-            buf = state["buffer"]
-            for key in ("main", "exp_avg", "exp_avg_sq"):
-                if state[key] is None:
-                    continue
-                full = self._full_flat(state, key)
-                for p in buf.params:
-                    off = buf.offset[p]
-                    out.setdefault(name_of[p], {})[key] = full[off: off + p.numel()].view(p.shape).clone()
-        return out
-
-    @torch.no_grad()
-    def load_state_dict_per_param(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """The inverse of :meth:`state_dict_per_param`: each rank keeps its share. Load the model's
-        parameters first: without a ``"main"`` entry the master copy is taken from the parameter;
-        with one, the parameter is set from it (rounded to its dtype)."""
-        self.ddp.finish_param_sync()
-        missing = [n for n, _ in self.named_params if n not in states]
-        if missing:
-            raise KeyError(f"optimizer state missing for {len(missing)} parameters, e.g. {missing[:3]}")
-        for name, p in self.named_params:
-            main = states[name].get("main")
-            if main is not None:
-                p.data.copy_(main.reshape(p.shape))
-        for x in self.pieces:
-            st = states[x.name]
-            main = st.get("main")
-            src = main if main is not None else x.param.data
-            x.main.copy_(src.reshape(-1)[x.lo: x.hi])
-            x.exp_avg.copy_(st["exp_avg"].reshape(-1)[x.lo: x.hi])
-            x.exp_avg_sq.copy_(st["exp_avg_sq"].reshape(-1)[x.lo: x.hi])
+    def sharded_state_dict(self) -> list[StateShard]:
+        """This rank's share of the optimizer state: one :class:`StateShard` per piece (see the module
+        docstring), whose tensors are live views of the optimizer's own state. No copy, no collective:
+        the bytes returned are the bytes the optimizer holds (12/(dp x cp) per parameter element for
+        bf16 with the distributed optimizer). A checkpoint writes the views as they are and loads into
+        them in place; ``"main"`` is present only where the master copy is separate from the parameter
+        (non-fp32 parameters)."""
+        return [StateShard(x.name, x.param, x.lo, x.hi,
+                           {**({"main": x.main} if x.separate_main else {}), "exp_avg": x.exp_avg,
+                            "exp_avg_sq": x.exp_avg_sq}) for x in self.pieces]
 
     def scalar_state(self) -> dict:
         return {"step": self.steps, "loss_scaler": self.scaler.state_dict()}

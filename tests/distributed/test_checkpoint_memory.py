@@ -1,0 +1,112 @@
+"""Distributed-optimizer checkpoints cost what this rank's shard costs: bf16 at dp=4, the peak of tensor
+bytes during a save and during a load stays within 1.2x of the steady-state training peak; and the
+shards saved at dp=4 load into any other layout (tp=2 x dp=2 with vocab padding, one plain process).
+
+What is measured (per rank, CPU): the persistent state the engine and optimizer hold (parameter and
+gradient buffers, fp32 main params and Adam moments: counted from those tensors), plus the peak of
+bytes allocated by torch's CPU allocator and still live, during the phase, as the profiler's memory
+tracking reports them (``profile_memory=True``: every allocation and free made inside the window,
+whoever makes it: autograd, the optimizer, torch.distributed.checkpoint, ``torch.load``).
+steady peak = persistent + peak of one training step; save/load peak = persistent + peak of the phase.
+"""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megand.core.checkpointing.offline import load_full_tensors
+from megand.tools.spawn import run_distributed
+from tests.distributed.dp_helpers import build_trainer, step
+
+# state dominates the activations, as in a real model: ~3.1M parameters, one sample per rank
+MODEL = ["model.hidden_size=256", "model.ffn_hidden_size=704", "model.seq_length=32", "train.global_batch_size=4",
+         "train.micro_batch_size=1", "train.precision=bf16", "optim.distributed=true", "optim.bucket_size=200000"]
+
+
+def peak_allocated_bytes(fn) -> int:
+    """The peak of CPU bytes allocated inside ``fn`` and live at that moment."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
+
+
+def _worker(save_dir):
+    t = build_trainer([*MODEL, f"checkpoint.save={save_dir}"])
+    for _ in range(2):  # warm up: allocations of the first steps are not steady state
+        step(t)
+    persistent = sum(t.nbytes for buf in t.ddp.buffers for t in (buf.param_data, buf.grad_data))
+    persistent += sum(x.nbytes for x in t.optimizer.state_tensors())
+    train = peak_allocated_bytes(lambda: step(t))
+    save = peak_allocated_bytes(t.save_checkpoint)
+    before = [v.clone() for s in t.optimizer.sharded_state_dict() for v in s.tensors.values()]
+    params = [p.detach().clone() for p in t.params]
+    with torch.no_grad():  # so the load has something to restore
+        for s in t.optimizer.sharded_state_dict():
+            for v in s.tensors.values():
+                v.zero_()
+        for p in t.params:
+            p.zero_()
+    load = peak_allocated_bytes(lambda: t.checkpointer.load(save_dir))
+    restored = all(torch.equal(a, b) for a, b in zip(
+        before, [v for s in t.optimizer.sharded_state_dict() for v in s.tensors.values()])) and all(
+        torch.equal(a, b) for a, b in zip(params, t.params))
+    n = sum(p.numel() for p in t.params)
+    shard_bytes = sum(v.nbytes for s in t.optimizer.sharded_state_dict() for v in s.tensors.values())
+    return persistent, train, save, load, restored, shard_bytes / n
+
+
+@pytest.fixture(scope="module")
+def saved_at_dp4(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("dp4"))
+    return save_dir, run_distributed(_worker, 4, save_dir)
+
+
+def test_save_and_load_peaks_stay_near_the_training_peak_at_dp4(saved_at_dp4):
+    _, results = saved_at_dp4
+    for rank, (persistent, train, save, load, restored, bytes_per_param) in enumerate(results):
+        steady = persistent + train
+        report = (f"rank {rank}: persistent {persistent / 2**20:.1f} MiB, step +{train / 2**20:.1f}, "
+                  f"save +{save / 2**20:.1f}, load +{load / 2**20:.1f} MiB; state dict {bytes_per_param:.2f} B/param")
+        print(report)
+        assert restored, report
+        assert abs(bytes_per_param - 3.0) <= 0.3, report  # 12 / dp: this rank's shard, not the full state
+        assert persistent + save <= 1.2 * steady, report
+        assert persistent + load <= 1.2 * steady, report
+        # nor a copy of the rank's share: a synchronous save writes views, a load reads in place
+        assert max(save, load) < 0.1 * persistent, report
+
+
+def _load_worker(save_dir, overrides):
+    """This rank's shards and parameters after loading ``save_dir`` into the layout of ``overrides``."""
+    t = build_trainer([*MODEL, *overrides, f"checkpoint.load={save_dir}"])
+    # as numpy arrays: tensors would travel back through shared memory of a process that has exited
+    shards = [(s.name, s.lo, s.hi, {k: v.numpy().copy() for k, v in s.tensors.items()})
+              for s in t.optimizer.sharded_state_dict()]
+    params = {n: (p.detach().float().numpy(), str(p.dtype), p.meta) for n, p in t.named_params}
+    return shards, params
+
+
+@pytest.mark.parametrize("overrides, nproc", [(["parallel.tp=2"], 4), (["optim.distributed=false"], 1)],
+                         ids=["tp2_dp2", "one_plain_process"])
+def test_shards_saved_at_dp4_load_into_another_layout(saved_at_dp4, overrides, nproc):
+    save_dir, _ = saved_at_dp4
+    full = {k: v for k, v in load_full_tensors(save_dir, prefix="").items()}  # the reference, read in one process
+    for shards, params in run_distributed(_load_worker, nproc, save_dir, overrides):
+        for name, lo, hi, tensors in shards:
+            local, _, meta = params[name]
+            assert set(tensors) == {"main", "exp_avg", "exp_avg_sq"}
+            for kind, got in tensors.items():
+                want = torch.zeros(local.shape)  # padding rows (vocab over tp) stay zero
+                piece = full[f"optim.{name}.{kind}"][meta.local_slice()]
+                want[tuple(slice(0, n) for n in piece.shape)] = piece
+                assert torch.equal(torch.from_numpy(got), want.reshape(-1)[lo:hi]), (name, kind, lo, hi)
+        for name, (local, dtype, meta) in params.items():  # the bf16 weights: the saved master weights, rounded
+            assert dtype == "torch.bfloat16"
+            piece = full[f"optim.{name}.main"][meta.local_slice()].bfloat16().float()
+            assert torch.equal(torch.from_numpy(local)[tuple(slice(0, n) for n in piece.shape)], piece), name
