@@ -82,7 +82,7 @@ def main():
     last = f"{args.dir}/async"
     dist.barrier()
     t = time.perf_counter()
-    trainer.checkpointer.load(last)
+    ckpt.load(last)
     dist.barrier()
     results["load_s"] = round(time.perf_counter() - t, 3)
     if rank0:

@@ -182,7 +182,6 @@ def rehearse(cfg, world: int, rank: int) -> dict:
             print(f"rehearse: {name} done in {phases[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
             return result
 
-        mesh = sharded.tp_mesh(topo)  # real: the mesh computes its coordinates from values
         data = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.global_batch_size)
         with FakeTensorMode(allow_non_fake_inputs=True), tracker, ScalarReadsAsOne():
             def build():  # model, engine buffers, initialisation, optimizer states
@@ -217,7 +216,7 @@ def rehearse(cfg, world: int, rank: int) -> dict:
                 ddp.finish_param_sync()
 
             phase("optimizer_step", optimizer_step)
-            state = phase("checkpoint_state_dict", lambda: sharded.save_state(named, optimizer, mesh, copy=False))
+            state = phase("checkpoint_state_dict", lambda: sharded.save_pieces(named, optimizer, copy=False))
             del state
         return {"phases": phases, "local_params": sum(p.numel() for _, p in named),
                 "microbatches": len(microbatches)}
