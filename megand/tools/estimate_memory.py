@@ -89,7 +89,7 @@ class Layout:
         gbs = train.get("global_batch_size")
         return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
                    sequence_parallel=bool(parallel.get("sequence_parallel", False)),
-                   distributed_optimizer=bool(optim.get("distributed", False)),
+                   distributed_optimizer=(optim.get("sharding") or "none") != "none",
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None)

@@ -18,7 +18,7 @@ from megand.tools.spawn import run_distributed
 LAYOUTS = {
     "tp1_dp4": ["parallel.tp=1"],
     "tp2_sp_dp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "tp2_dp2_distopt": ["parallel.tp=2", "optim.distributed=true"],
+    "tp2_dp2_distopt": ["parallel.tp=2", "optim.sharding=optim"],
 }
 BASE = ["+experiment=tiny_llama", "train.global_batch_size=8", "train.micro_batch_size=2", "train.iters=2"]
 WORLD = 4
@@ -125,6 +125,6 @@ def test_estimate_matches_measured_tensors(measured, name):
         assert abs(errors[key]) < 0.10, report
     assert abs(errors["activations"]) < 0.5, report  # reported; only a loose sanity bound
     if layout.distributed_optimizer and abs(m["optimizer"] - 2 * m["params"]) < 0.01 * m["params"]:
-        pytest.skip("optim.distributed=true did not shard the Adam states on this branch (distributed optimizer "
+        pytest.skip("optim.sharding=optim did not shard the Adam states on this branch (distributed optimizer "
                     "not merged yet); params/grads/activations checked: " + report)
     assert abs(errors["optimizer"]) < 0.10, report

@@ -104,7 +104,7 @@ def test_full_recompute_working_set():
 def test_layout_from_config():
     layout = Layout.from_config({"tp": 2, "pp": 2, "vpp": None, "cp": 1, "dp": None, "sequence_parallel": True},
                                 {"micro_batch_size": 2, "global_batch_size": 32, "precision": "bf16",
-                                 "recompute": "selective"}, {"distributed": True}, world_size=16)
+                                 "recompute": "selective"}, {"sharding": "optim"}, world_size=16)
     assert layout.dp == 4 and layout.num_microbatches == 4 and layout.sp and layout.distributed_optimizer
 
 

@@ -118,11 +118,13 @@ class Checkpointer:
             with open(os.path.join(tmp, "config.yaml"), "w") as f:
                 f.write(self.config_yaml)
         asynchronous = self.executor is not None
-        state = sharded.save_state(self.named_params, self.optimizer, self.mesh, copy=asynchronous)
+        # ZeRO-3: the parameters are gathered while they are staged (and written, unless copied)
+        with self.optimizer.ddp.gathered_params():
+            state = sharded.save_state(self.named_params, self.optimizer, self.mesh, copy=asynchronous)
+            if not asynchronous:
+                self._write(state, tmp, iteration)
         if asynchronous:
             self.pending = self.executor.submit(self._write, state, tmp, iteration)
-        else:
-            self._write(state, tmp, iteration)
         self.last_saved = iteration
         self.last_stall_s = time.perf_counter() - start
 
@@ -199,14 +201,16 @@ class Checkpointer:
             dcp.load(state, storage_reader=FileSystemReader(iter_dir), process_group=self.group)
         except Exception as e:  # noqa: BLE001 - name the checkpoint in whatever DCP raised
             raise CheckpointError(f"{iter_dir}: reading the checkpoint failed: {type(e).__name__}: {e}") from e
-        for name, param in self.named_params:
-            sharded.copy_into(param.data, state[model_targets[name]].to_local(), param.meta)
-        if has_optimizer:
-            metas = dict(self.named_params)
-            states = {name: {kind: sharded.padded_like(template[name][kind], state[key].to_local(), metas[name].meta)
-                             for kind, key in optim_targets.get(name, {}).items()} for name in template}
-            self.optimizer.load_scalar_state(common["optimizer"])
-            self.optimizer.load_state_dict_per_param(states)
+        with self.optimizer.ddp.gathered_params(write_back=True):  # ZeRO-3: each rank keeps its slices
+            for name, param in self.named_params:
+                sharded.copy_into(param.data, state[model_targets[name]].to_local(), param.meta)
+            if has_optimizer:
+                metas = dict(self.named_params)
+                states = {name: {kind: sharded.padded_like(template[name][kind], state[key].to_local(),
+                                                           metas[name].meta)
+                                 for kind, key in optim_targets.get(name, {}).items()} for name in template}
+                self.optimizer.load_scalar_state(common["optimizer"])
+                self.optimizer.load_state_dict_per_param(states)
         rng_restored = False
         rng_file = os.path.join(iter_dir, "rng", f"rank_{self.rank:05d}.pt")
         if common.get("layout") == layout_of(self.topo) and os.path.isfile(rng_file):

@@ -9,6 +9,14 @@ dp x cp size and data-parallel rank ``r`` owns the ``r``-th contiguous slice of 
 
 Which bucket a parameter goes to is a pure function of sizes (:func:`bucket_layout`), so every
 replica, and every tensor-parallel peer, lays its buffers out identically.
+
+Sharded gradients (ZeRO-2) keep only the rank's slices of the gradient buffer, packed one bucket
+after the other (``grad_data`` is then ``1/shards`` of the layout); a bucket's full gradient exists only
+while it is being accumulated and reduce-scattered (:meth:`Bucket.grad_scratch`). Sharded parameters
+(ZeRO-3) do the same with the parameter buffer: ``param_data`` packs the rank's slices and every bucket
+has its own full-size storage (``Bucket.full``) that the parameters view; the data-parallel engine fills
+it by all-gather before the bucket's modules run and frees it afterwards (its storage resized to 0: the
+parameters keep their shapes, so autograd's saved references stay valid once it is gathered again).
 """
 
 from __future__ import annotations
@@ -27,34 +35,66 @@ class Bucket:
     shard_start: int = 0  # this rank's slice [shard_start, shard_end) in the buffer
     shard_end: int = 0
     buffer: "ParamAndGradBuffer | None" = None
+    packed: int = 0  # where this bucket's slice starts in a packed (sharded) buffer
+    full: torch.Tensor | None = None  # sharded params: the bucket's own full-size parameter storage
+    scratch: torch.Tensor | None = None  # sharded grads: the full gradient while it is accumulated
+
+    def _packed(self, data, lo, hi, sharded):
+        """Buffer offsets ``[lo, hi)`` (inside this rank's slice) of ``data``, packed or not."""
+        if not sharded:
+            return data[lo: hi]
+        return data[self.packed + lo - self.shard_start: self.packed + hi - self.shard_start]
 
     @property
     def grads(self) -> torch.Tensor:
+        """The full gradient of the bucket (sharded gradients: the scratch accumulator, allocated here)."""
+        if self.buffer.shard_grads:
+            if self.scratch is None:
+                self.scratch = torch.zeros(self.numel, dtype=torch.float32, device=self.buffer.grad_data.device)
+            return self.scratch
         return self.buffer.grad_data[self.start: self.end]
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        return self.buffer.grad_data[self.shard_start: self.shard_end]
+        return self.grad_piece(self.shard_start, self.shard_end)
+
+    def grad_piece(self, lo: int, hi: int) -> torch.Tensor:
+        return self._packed(self.buffer.grad_data, lo, hi, self.buffer.shard_grads)
 
     @property
     def data(self) -> torch.Tensor:
-        return self.buffer.param_data[self.start: self.end]
+        """The full parameters of the bucket (sharded parameters: only valid while gathered)."""
+        return self.full if self.buffer.shard_params else self.buffer.param_data[self.start: self.end]
 
     @property
     def data_shard(self) -> torch.Tensor:
-        return self.buffer.param_data[self.shard_start: self.shard_end]
+        return self.param_piece(self.shard_start, self.shard_end)
+
+    def param_piece(self, lo: int, hi: int) -> torch.Tensor:
+        return self._packed(self.buffer.param_data, lo, hi, self.buffer.shard_params)
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is None or self.full.untyped_storage().size() > 0
+
+    def alloc_full(self) -> None:
+        self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
 
-def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=()):
+def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), starts=()):
     """Offsets and bucket boundaries for parameters of ``numels`` (in buffer order).
 
     Returns ``(offsets, buckets)`` with ``buckets`` a list of ``(start, end, [param indices])``; each
     bucket's length is a multiple of ``pad_to``. Indices in ``own_bucket`` get a bucket to themselves
-    (the tied embedding copies, so both pipeline stages shard them identically).
+    (the tied embedding copies, so both pipeline stages shard them identically); indices in ``starts``
+    open a new bucket (model chunk boundaries, so a bucket's parameters are used by one chunk).
     """
     offsets, buckets = [], []
     start, members = 0, []
@@ -69,7 +109,7 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=()):
 
     cursor = 0
     for i, n in enumerate(numels):
-        if i in own_bucket:
+        if i in own_bucket or i in starts:
             cursor = close(cursor)
         offsets.append(cursor)
         members.append(i)
@@ -83,26 +123,35 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=()):
 class ParamAndGradBuffer:
     """The flat buffers of all parameters of one dtype; owns the memory the parameters view."""
 
-    def __init__(self, params, dtype, bucket_size: int, shard_rank: int, shard_count: int, device):
+    def __init__(self, params, dtype, bucket_size: int, shard_rank: int, shard_count: int, device,
+                 shard_grads: bool = False, shard_params: bool = False, starts=()):
         self.dtype, self.params = dtype, list(params)
+        self.shard_grads, self.shard_params = shard_grads, shard_params
         own = {i for i, p in enumerate(self.params) if getattr(p.meta, "embedding_group_grad", False)} if shard_count > 1 else ()
-        offsets, layout = bucket_layout([p.numel() for p in self.params], bucket_size, shard_count, own)
+        offsets, layout = bucket_layout([p.numel() for p in self.params], bucket_size, shard_count, own, starts)
         self.numel = layout[-1][1] if layout else 0
-        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.offset = {}
-        with torch.no_grad():
-            for p, off in zip(self.params, offsets):
-                view = self.param_data[off: off + p.numel()].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-                p.main_grad = self.grad_data[off: off + p.numel()].view(p.shape)
-                self.offset[p] = off
+        packed = self.numel // shard_count
+        self.param_data = torch.zeros(packed if shard_params else self.numel, dtype=dtype, device=device)
+        self.grad_data = torch.zeros(packed if shard_grads else self.numel, dtype=torch.float32, device=device)
+        self.offset = dict(zip(self.params, offsets))
         self.buckets = []
         for k, (start, end, members) in enumerate(layout):
             shard = (end - start) // shard_count
             self.buckets.append(Bucket(k, start, end, [(self.params[i], offsets[i]) for i in members],
-                                       start + shard_rank * shard, start + (shard_rank + 1) * shard, self))
+                                       start + shard_rank * shard, start + (shard_rank + 1) * shard, self,
+                                       packed=start // shard_count))
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if shard_params:  # one bucket at a time: full storage, keep the slice, free the rest
+                    bucket.full = torch.zeros(bucket.numel, dtype=dtype, device=device)
+                for p, off in bucket.params:
+                    view = bucket.data[off - bucket.start: off - bucket.start + p.numel()].view(p.shape)
+                    view.copy_(p.data)
+                    p.data = view
+                    p.main_grad = None if shard_grads else self.grad_data[off: off + p.numel()].view(p.shape)
+                if shard_params:
+                    bucket.data_shard.copy_(bucket.full[bucket.shard_start - bucket.start: bucket.shard_end - bucket.start])
+                    bucket.free_full()
 
     def pieces(self):
         """This rank's share of every parameter: ``(param, bucket, lo, hi)`` with ``[lo, hi)`` buffer

@@ -32,13 +32,35 @@ Per step, the trainer calls: ``zero_grad()`` -> schedule(..., grad_sync=engine) 
 With ``optim.overlap_param_gather`` the all-gathers of updated parameters run while the next forward
 starts: a forward pre-hook on every module waits only for the buckets holding that module's
 parameters. Anything else that reads parameters outside a forward (checkpoint save, export) must call
-:meth:`finish_param_sync` first (``Optimizer.state_dict_per_param`` does).
+:meth:`finish_param_sync` first (``Optimizer.state_dict_per_param`` does), or, to read or write every
+parameter whatever the sharding, run inside :meth:`gathered_params`.
+
+Sharding levels (``DataParallelConfig.sharding``), over the shard group (dp x cp, or ``dp_shard`` of it)
+------------------------------------------------------------------------------------------------------
+- ``optim`` (ZeRO-1): the optimizer owns one slice of every bucket; reduce-scatter, then all-gather of
+  the updated parameters.
+- ``optim_grads`` (ZeRO-2): the fp32 gradient buffer holds only the rank's slices. Each backward adds
+  its gradients into a scratch copy of the bucket; once every parameter of the bucket has contributed,
+  the scratch is reduce-scattered into the rank's slice and freed (every micro-batch: that is the price
+  of not keeping the full gradient).
+- ``optim_grads_params`` (ZeRO-3): the parameter buffer holds only the rank's slices too. A forward
+  pre-hook all-gathers the buckets of a module before it runs (and starts gathering the next bucket);
+  when every module using a bucket has run forward the bucket is freed again (``reshard_after_forward``;
+  otherwise it stays until its backward). A hook on each module's output gathers the module's buckets
+  again when backward reaches it; once all of a bucket's gradients have arrived it is freed. Activation
+  recomputation re-runs forwards inside backward: a bucket held for backward is never freed by them.
+- hybrid (HSDP, ``dp_shard`` smaller than dp x cp): all of the above inside the shard group; the
+  reduced gradient slices are then summed over the replicas (the same slice of the other shard groups).
+
+A module whose forward reads parameters of another module (the output layer tied to the word embedding
+on one stage) lists them in a ``borrowed_parameters()`` method, so ZeRO-3 gathers them for it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from megand.core.distributed.buffers import ParamAndGradBuffer
@@ -52,22 +74,43 @@ def last_backward(grad_sync):
     return grad_sync.last_backward() if grad_sync is not None else contextlib.nullcontext()
 
 
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
+
+
 class DataParallel:
     """Gradient buffers and their reduction for this rank's model chunks (built after initialisation)."""
 
     def __init__(self, chunks, topo, config: DataParallelConfig):
         self.topo, self.config = topo, config
-        self.group, self.size = topo.dp_cp_group, topo.dp_cp_size
-        self.distributed = config.distributed
+        self.distributed = config.shards_optim  # the optimizer owns one slice of every bucket
+        self.shard_grads, self.shard_params = config.shards_grads, config.shards_params
+        if self.distributed:
+            self.group, self.size, rank = topo.dp_shard_group, topo.dp_shard_size, topo.dp_shard_rank
+            self.replica_group, self.replicas, self.replica_rank = (topo.dp_replica_group, topo.dp_replica_size,
+                                                                    topo.dp_replica_rank)
+        else:
+            self.group, self.size, rank = topo.dp_cp_group, topo.dp_cp_size, 0
+            self.replica_group, self.replicas, self.replica_rank = None, 1, 0
         self.overlap_grad_reduce = config.overlap_grad_reduce
-        self.overlap_param_gather = config.overlap_param_gather and self.distributed
+        self.overlap_param_gather = config.overlap_param_gather and self.distributed and not self.shard_params
+        self.reshard_after_forward = config.reshard_after_forward
+        chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         by_dtype = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
             by_dtype.setdefault(p.dtype, []).append(p)
-        shards = (topo.dp_cp_rank, self.size) if self.distributed else (0, 1)
-        self.buffers = [ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device)
-                        for dtype, ps in by_dtype.items()]
+        shards = (rank, self.size) if self.distributed else (0, 1)
+        self.buffers = []
+        for dtype, ps in by_dtype.items():
+            # ZeRO-3: a bucket never spans two model chunks, so one chunk's forward frees what it gathered
+            starts = {i for i in range(1, len(ps)) if chunk_of[ps[i]] != chunk_of[ps[i - 1]]} if self.shard_params else ()
+            self.buffers.append(ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
+                                                   self.shard_grads, self.shard_params, starts))
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         for i, bucket in enumerate(self.buckets):
             bucket.index = i
@@ -76,6 +119,7 @@ class DataParallel:
         self._final = False  # inside last_backward()
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
+        self._gathered_depth = 0
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         if self.overlap_param_gather:
@@ -85,6 +129,8 @@ class DataParallel:
                     if own:
                         indices = sorted({self.bucket_of[p].index for p in own})
                         module.register_forward_pre_hook(lambda m, args, ix=indices: self._wait_params(ix))
+        if self.shard_params:
+            self._install_gather_hooks(chunks, chunk_of)
         self.zero_grad()
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -96,6 +142,10 @@ class DataParallel:
         for p in self.params:
             p.grad = None
         self._pending = {b.index: {p for p, _ in b.params} for b in self.buckets}
+        self._unflushed = {b.index: {p for p, _ in b.params} for b in self.buckets}  # sharded grads
+        self._flushes = []  # sharded grads: (work, slice sum, bucket) in flight
+        for bucket in self.buckets:
+            bucket.scratch = None
         self._launched = set()
         self._synced = False
 
@@ -110,6 +160,9 @@ class DataParallel:
 
     def _on_grad(self, p):
         bucket = self.bucket_of[p]
+        if self.shard_grads:
+            self._on_grad_sharded(p, bucket)
+            return
         if bucket.index in self._launched:
             raise RuntimeError("a gradient arrived after its bucket was reduced: the schedule ran more than one "
                                "backward per chunk inside last_backward()")
@@ -120,6 +173,41 @@ class DataParallel:
             pending.discard(p)
             if not pending and self.overlap_grad_reduce:
                 self._reduce(bucket)
+
+    def _on_grad_sharded(self, p, bucket):
+        """ZeRO-2/3: accumulate into the bucket's scratch; reduce-scatter it once every parameter of the
+        bucket has contributed (sums are linear: flushing early or late changes only the traffic)."""
+        off = bucket.buffer.offset[p]
+        bucket.grads[off - bucket.start: off - bucket.start + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        unflushed = self._unflushed[bucket.index]
+        unflushed.discard(p)
+        if not unflushed:
+            self._flush(bucket)
+        if self.shard_params:
+            self._after_bucket_grad(p, bucket)
+
+    def _flush(self, bucket):
+        """Reduce-scatter the bucket's scratch into this rank's gradient slice (added to it) and free it."""
+        self._unflushed[bucket.index] = {q for q, _ in bucket.params}
+        scratch, bucket.scratch = bucket.scratch, None
+        if scratch is None:
+            return
+        if self.size == 1:
+            bucket.grad_shard.add_(scratch)
+            return
+        out = torch.empty_like(bucket.grad_shard)
+        work = reduce_scatter_flat(out, scratch, group=self.group, async_op=self.overlap_grad_reduce)
+        self._flushes.append((work, out, bucket, scratch))
+        if not self.overlap_grad_reduce or len(self._flushes) > 2:  # at most two scratches in flight
+            self._wait_flushes(keep=0 if not self.overlap_grad_reduce else 2)
+
+    def _wait_flushes(self, keep=0):
+        while len(self._flushes) > keep:
+            work, out, bucket, _ = self._flushes.pop(0)
+            if work is not None:
+                work.wait()
+            bucket.grad_shard.add_(out)
 
     def _reduce(self, bucket):
         """Launch the bucket's sum over dp x cp (asynchronous; waited for in finish_grad_sync)."""
@@ -132,6 +220,13 @@ class DataParallel:
             work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
         self._grad_handles[bucket.index] = work
 
+    def grad_pieces(self):
+        """``(param, gradient tensor)`` of every parameter's part this rank reduces: the whole
+        ``main_grad`` unless gradients are sharded, else the parameter's part of the rank's slices."""
+        if not self.shard_grads:
+            return [(p, p.main_grad) for p in self.params]
+        return [(p, bucket.grad_piece(lo, hi)) for buf in self.buffers for p, bucket, lo, hi in buf.pieces()]
+
     def finish_grad_sync(self):
         """Launch the reductions not yet started, wait for all, then run the layout's reductions
         (grads.py: sequence-parallel tp sum, tied-embedding sum). Afterwards every ``main_grad`` (with
@@ -139,20 +234,35 @@ class DataParallel:
         Idempotent within a step."""
         if self._synced:
             return
-        for bucket in self.buckets:
-            if bucket.index not in self._launched:
-                self._reduce(bucket)
-        for work in self._grad_handles.values():
-            work.wait()
-        self._grad_handles.clear()
-        all_reduce_layout_grads(self.params, self.topo)
+        if self.shard_grads:
+            for bucket in self.buckets:
+                if bucket.scratch is not None:
+                    self._flush(bucket)
+            self._wait_flushes()
+        else:
+            for bucket in self.buckets:
+                if bucket.index not in self._launched:
+                    self._reduce(bucket)
+            for work in self._grad_handles.values():
+                work.wait()
+            self._grad_handles.clear()
+        if self.replicas > 1:  # hybrid sharding: sum each reduced slice over the replicas of the shard
+            if self.shard_grads:
+                for buf in self.buffers:
+                    dist.all_reduce(buf.grad_data, group=self.replica_group)
+            else:
+                for bucket in self.buckets:
+                    dist.all_reduce(bucket.grad_shard, group=self.replica_group)
+        all_reduce_layout_grads(self.grad_pieces(), self.topo)
+        if self.shard_params:
+            self._release_all()
         self._synced = True
 
     # -- parameters (distributed optimizer) ---------------------------------------------------------
     def start_param_sync(self):
         """All-gather every bucket's updated slices into the parameter buffers (asynchronously when
-        ``overlap_param_gather``: the next forward waits per module)."""
-        if not self.distributed or self.size == 1:
+        ``overlap_param_gather``: the next forward waits per module). ZeRO-3 gathers in the forward."""
+        if not self.distributed or self.size == 1 or self.shard_params:
             return
         for bucket in self.buckets:
             work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
@@ -168,3 +278,117 @@ class DataParallel:
     def finish_param_sync(self):
         """Wait for every parameter all-gather still in flight."""
         self._wait_params(list(self._param_handles))
+
+    @contextlib.contextmanager
+    def gathered_params(self, write_back: bool = False):
+        """Every parameter readable (and writable) inside, whatever the sharding. ZeRO-3 gathers all
+        buckets for the duration (the full model on this rank); with ``write_back`` the rank's slices are
+        then taken from what was written into the full parameters."""
+        self.finish_param_sync()
+        if not self.shard_params or self._gathered_depth:  # nested: the outermost gathers and writes back
+            yield
+            return
+        for bucket in self.buckets:
+            self._gather(bucket.index)
+        self._gathered_depth += 1
+        try:
+            yield
+            if write_back:
+                with torch.no_grad():
+                    for bucket in self.buckets:
+                        bucket.data_shard.copy_(bucket.full[bucket.shard_start - bucket.start:
+                                                            bucket.shard_end - bucket.start])
+        finally:
+            self._gathered_depth -= 1
+            self._release_all()
+
+    # -- ZeRO-3: gather before use, free after -------------------------------------------------------
+    def _install_gather_hooks(self, chunks, chunk_of):
+        self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
+        self._module_buckets = {}
+        for chunk in chunks:
+            for module in chunk.modules():
+                borrowed = getattr(module, "borrowed_parameters", None)
+                used = list(module.parameters(recurse=False)) + (list(borrowed()) if callable(borrowed) else [])
+                indices = sorted({self.bucket_of[p].index for p in used if p in self.bucket_of})
+                if not indices:
+                    continue
+                self._module_buckets[module] = indices
+                for i in indices:
+                    self._users[i].add(module)
+                module.register_forward_pre_hook(self._before_forward)
+                module.register_forward_hook(self._after_forward)
+        # the bucket to prefetch after each: the next one in forward order (lower index, same chunk)
+        self._next_forward, self._next_backward = {}, {}
+        for a, b in zip(self.buckets, self.buckets[1:]):
+            if a.buffer is b.buffer and chunk_of[a.params[0][0]] == chunk_of[b.params[0][0]]:
+                self._next_forward[b.index], self._next_backward[a.index] = a.index, b.index
+        self._gathers = {}  # bucket index -> all-gather in flight
+        self._done = {b.index: set() for b in self.buckets}  # users whose forward ran since the gather
+        self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
+        self._awaiting = {}  # held bucket -> parameters whose gradient has not arrived in this backward
+        self.max_gathered = 0  # the most buckets gathered at once (reported by tests and benchmarks)
+
+    def _gather(self, i, wait=True):
+        bucket = self.buckets[i]
+        if not bucket.gathered:
+            bucket.alloc_full()
+            self._done[i] = set()
+            if self.size == 1:
+                bucket.full.copy_(bucket.data_shard)
+            else:
+                self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=self.group, async_op=not wait)
+            self.max_gathered = max(self.max_gathered, sum(b.gathered for b in self.buckets))
+        if wait:
+            work = self._gathers.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def _release(self, i):
+        work = self._gathers.pop(i, None)
+        if work is not None:
+            work.wait()
+        self.buckets[i].free_full()
+        self._held.discard(i)
+        self._awaiting.pop(i, None)
+
+    def _release_all(self):
+        for bucket in self.buckets:
+            if bucket.gathered:
+                self._release(bucket.index)
+
+    def _before_forward(self, module, args):
+        for i in self._module_buckets[module]:
+            self._gather(i)
+            nxt = self._next_forward.get(i)
+            if nxt is not None:
+                self._gather(nxt, wait=False)  # prefetch: overlaps this bucket's compute
+
+    def _after_forward(self, module, args, output):
+        backward_follows = torch.is_grad_enabled()
+        for i in self._module_buckets[module]:
+            self._done[i].add(module)
+            if (i not in self._held and self._done[i] >= self._users[i]
+                    and (self.reshard_after_forward or not backward_follows)):
+                self._release(i)
+        if backward_follows:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, m=module: self._before_backward(m))
+
+    def _before_backward(self, module):
+        for i in self._module_buckets[module]:
+            if i not in self._held:
+                self._gather(i)
+                self._held.add(i)
+                self._awaiting[i] = {p for p, _ in self.buckets[i].params}
+            nxt = self._next_backward.get(i)
+            if nxt is not None and nxt not in self._held:
+                self._gather(nxt, wait=False)
+
+    def _after_bucket_grad(self, p, bucket):
+        awaiting = self._awaiting.get(bucket.index)
+        if awaiting is not None:
+            awaiting.discard(p)
+            if not awaiting:
+                self._release(bucket.index)

@@ -117,11 +117,12 @@ class Optimizer:
                 s = segments[bucket.index] + lo - bucket.shard_start
                 self.pieces.append(Piece(
                     name=name_of.get(p, f"<unnamed {tuple(p.shape)}>"), param=p, lo=lo - off, hi=hi - off,
-                    main=main[s: s + hi - lo] if separate else buf.param_data[lo:hi],
-                    grad=buf.grad_data[lo:hi], exp_avg=state["exp_avg"][s: s + hi - lo],
+                    main=main[s: s + hi - lo] if separate else bucket.param_piece(lo, hi),
+                    grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm))
+                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
+                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0))
 
     def state_tensors(self):
         """The tensors the optimizer itself holds (fp32 main copies, Adam moments), for memory accounting."""
@@ -232,8 +233,12 @@ class Optimizer:
     def load_state_dict_per_param(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """The inverse of :meth:`state_dict_per_param`: each rank keeps its share. Load the model's
         parameters first: without a ``"main"`` entry the master copy is taken from the parameter;
-        with one, the parameter is set from it (rounded to its dtype)."""
-        self.ddp.finish_param_sync()
+        with one, the parameter is set from it (rounded to its dtype). Under ZeRO-3 the parameters are
+        gathered for it and each rank's slices are taken back from them."""
+        with self.ddp.gathered_params(write_back=True):
+            self._load_state_dict_per_param(states)
+
+    def _load_state_dict_per_param(self, states):
         missing = [n for n, _ in self.named_params if n not in states]
         if missing:
             raise KeyError(f"optimizer state missing for {len(missing)} parameters, e.g. {missing[:3]}")
