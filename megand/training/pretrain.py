@@ -244,8 +244,10 @@ class Trainer:
         t = self.cfg.train
         if self.iteration % t.log_interval and self.iteration != t.iters:
             return
-        mem_peak = torch.tensor(float(peak_memory_bytes(self.topo.device)), device=self.topo.device)
-        dist.all_reduce(mem_peak, op=dist.ReduceOp.MAX)  # the most loaded rank
+        mem = torch.tensor([float(peak_memory_bytes(self.topo.device)), float(self.optimizer.state_bytes())],
+                           dtype=torch.float64, device=self.topo.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the most loaded rank
+        mem_peak, state_bytes = mem[0], mem[1]
         flops_per_s = self.flops["model_flops"] / iter_time / self.topo.world_size  # per rank
         record = {
             "iter": self.iteration, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
@@ -253,6 +255,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
+            "state_bytes": int(state_bytes.item()),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.iteration * t.global_batch_size,
             "global_batch_size": t.global_batch_size, "batch_checksum": self.last_batch_checksum,
         }

@@ -302,6 +302,18 @@ class DataParallel:
             self._gathered_depth -= 1
             self._release_all()
 
+    def resident_bytes(self) -> int:
+        """Bytes of parameters and gradients this engine holds now: its buffers (packed slices when
+        sharded), plus any gathered ZeRO-3 bucket and any gradient scratch."""
+        total = sum(buf.param_data.numel() * buf.param_data.element_size() + buf.grad_data.numel() * 4
+                    for buf in self.buffers)
+        for bucket in self.buckets:
+            if bucket.full is not None:
+                total += bucket.full.untyped_storage().size()
+            if bucket.scratch is not None:
+                total += bucket.scratch.numel() * 4
+        return total
+
     # -- ZeRO-3: gather before use, free after -------------------------------------------------------
     def _install_gather_hooks(self, chunks, chunk_of):
         self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket

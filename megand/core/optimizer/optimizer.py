@@ -131,6 +131,10 @@ class Optimizer:
                 if state[key] is not None:
                     yield state[key]
 
+    def state_bytes(self) -> int:
+        """Resident bytes of parameters, gradients and optimizer state on this rank."""
+        return self.ddp.resident_bytes() + sum(t.numel() * t.element_size() for t in self.state_tensors())
+
     # -- the step ------------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
