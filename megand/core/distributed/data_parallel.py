@@ -120,6 +120,8 @@ class DataParallel:
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
         self._gathered_depth = 0
+        # bytes this rank sent per collective kind (ring volume: (n-1)/n of the full buffer; all-reduce twice)
+        self.traffic = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         if self.overlap_param_gather:
@@ -197,6 +199,7 @@ class DataParallel:
             bucket.grad_shard.add_(scratch)
             return
         out = torch.empty_like(bucket.grad_shard)
+        self._count("reduce_scatter", scratch, self.size)
         work = reduce_scatter_flat(out, scratch, group=self.group, async_op=self.overlap_grad_reduce)
         self._flushes.append((work, out, bucket, scratch))
         if not self.overlap_grad_reduce or len(self._flushes) > 2:  # at most two scratches in flight
@@ -215,8 +218,10 @@ class DataParallel:
         if self.size == 1:
             return
         if self.distributed:
+            self._count("reduce_scatter", bucket.grads, self.size)
             work = reduce_scatter_flat(bucket.grad_shard, bucket.grads, group=self.group, async_op=True)
         else:
+            self._count("all_reduce", bucket.grads, self.size)
             work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
         self._grad_handles[bucket.index] = work
 
@@ -247,12 +252,10 @@ class DataParallel:
                 work.wait()
             self._grad_handles.clear()
         if self.replicas > 1:  # hybrid sharding: sum each reduced slice over the replicas of the shard
-            if self.shard_grads:
-                for buf in self.buffers:
-                    dist.all_reduce(buf.grad_data, group=self.replica_group)
-            else:
-                for bucket in self.buckets:
-                    dist.all_reduce(bucket.grad_shard, group=self.replica_group)
+            shards = [buf.grad_data for buf in self.buffers] if self.shard_grads else [b.grad_shard for b in self.buckets]
+            for shard in shards:
+                self._count("all_reduce", shard, self.replicas)
+                dist.all_reduce(shard, group=self.replica_group)
         all_reduce_layout_grads(self.grad_pieces(), self.topo)
         if self.shard_params:
             self._release_all()
@@ -265,6 +268,7 @@ class DataParallel:
         if not self.distributed or self.size == 1 or self.shard_params:
             return
         for bucket in self.buckets:
+            self._count("all_gather", bucket.data, self.size)
             work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_handles[bucket.index] = work
@@ -301,6 +305,11 @@ class DataParallel:
         finally:
             self._gathered_depth -= 1
             self._release_all()
+
+    def _count(self, kind, full, ranks):
+        """Account a collective over ``ranks`` whose full (unsharded) buffer is ``full``."""
+        volume = full.numel() * full.element_size() * (ranks - 1) // ranks
+        self.traffic[kind] += 2 * volume if kind == "all_reduce" else volume
 
     def resident_bytes(self) -> int:
         """Bytes of parameters and gradients this engine holds now: its buffers (packed slices when
@@ -340,6 +349,7 @@ class DataParallel:
         self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
         self._awaiting = {}  # held bucket -> parameters whose gradient has not arrived in this backward
         self.max_gathered = 0  # the most buckets gathered at once (reported by tests and benchmarks)
+        self._n_gathered = 0
 
     def _gather(self, i, wait=True):
         bucket = self.buckets[i]
@@ -349,8 +359,10 @@ class DataParallel:
             if self.size == 1:
                 bucket.full.copy_(bucket.data_shard)
             else:
+                self._count("all_gather", bucket.full, self.size)
                 self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=self.group, async_op=not wait)
-            self.max_gathered = max(self.max_gathered, sum(b.gathered for b in self.buckets))
+            self._n_gathered += 1
+            self.max_gathered = max(self.max_gathered, self._n_gathered)
         if wait:
             work = self._gathers.pop(i, None)
             if work is not None:
@@ -360,7 +372,9 @@ class DataParallel:
         work = self._gathers.pop(i, None)
         if work is not None:
             work.wait()
-        self.buckets[i].free_full()
+        if self.buckets[i].gathered:
+            self.buckets[i].free_full()
+            self._n_gathered -= 1
         self._held.discard(i)
         self._awaiting.pop(i, None)
 
