@@ -26,13 +26,14 @@ def _worker():
 
 def _traffic_worker():
     out = {}
-    for keep in (False, True):  # one micro-batch per rank per step (global batch 8 = 4 ranks x 2)
+    for case in ("reshard", "keep", "recompute"):  # one micro-batch per rank per step (global batch 8 = 4 ranks x 2)
         t = build_trainer(["train.precision=bf16", "optim.sharding=optim_grads_params", "optim.bucket_size=4000",
-                           f"optim.reshard_after_forward={str(not keep).lower()}"])
+                           f"optim.reshard_after_forward={str(case != 'keep').lower()}",
+                           f"train.recompute={'full' if case == 'recompute' else 'none'}"])
         step(t)
         before = dict(t.ddp.traffic)
         step(t)
-        out[keep] = ({k: t.ddp.traffic[k] - before[k] for k in before}, sum(p.numel() for p in t.params))
+        out[case] = ({k: t.ddp.traffic[k] - before[k] for k in before}, sum(p.numel() for p in t.params))
     return out
 
 
@@ -48,11 +49,12 @@ def test_state_bytes_per_param_at_each_level_dp4():
 
 def test_zero3_traffic_per_step_against_theory_dp4():
     """ZeRO-3 all-gathers the bf16 parameters in forward and again in backward (once when kept after
-    forward) and reduce-scatters the fp32 gradients once: ring volume (d-1)/d of each (bucket padding aside)."""
+    forward) and reduce-scatters the fp32 gradients once: ring volume (d-1)/d of each (bucket padding aside).
+    Full recompute re-runs each layer's forward inside backward: that reuses the backward's gather."""
     ring = (D - 1) / D
     for rank, out in enumerate(run_distributed(_traffic_worker, D)):
-        for keep, gathers in ((False, 2), (True, 1)):
-            traffic, n = out[keep]
-            assert abs(traffic["all_gather"] / (gathers * ring * 2 * n) - 1) <= 0.05, (rank, keep, traffic, n)
-            assert abs(traffic["reduce_scatter"] / (ring * 4 * n) - 1) <= 0.05, (rank, keep, traffic, n)
+        for case, gathers in (("reshard", 2), ("keep", 1), ("recompute", 2)):
+            traffic, n = out[case]
+            assert abs(traffic["all_gather"] / (gathers * ring * 2 * n) - 1) <= 0.05, (rank, case, traffic, n)
+            assert abs(traffic["reduce_scatter"] / (ring * 4 * n) - 1) <= 0.05, (rank, case, traffic, n)
             assert traffic["all_reduce"] == 0

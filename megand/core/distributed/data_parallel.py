@@ -47,8 +47,10 @@ Sharding levels (``DataParallelConfig.sharding``), over the shard group (dp x cp
   pre-hook all-gathers the buckets of a module before it runs (and starts gathering the next bucket);
   when every module using a bucket has run forward the bucket is freed again (``reshard_after_forward``;
   otherwise it stays until its backward). A hook on each module's output gathers the module's buckets
-  again when backward reaches it; once all of a bucket's gradients have arrived it is freed. Activation
-  recomputation re-runs forwards inside backward: a bucket held for backward is never freed by them.
+  again when backward reaches it (and prefetches the next bucket of backward); once all of a bucket's
+  gradients have arrived it is freed. Activation recomputation re-runs forwards inside backward (while
+  some bucket is held for backward): those gather their buckets as held for the backward that follows,
+  never prefetch the buckets of layers whose backward is over, and free nothing.
 - hybrid (HSDP, ``dp_shard`` smaller than dp x cp): all of the above inside the shard group; the
   reduced gradient slices are then summed over the replicas (the same slice of the other shard groups).
 
@@ -384,6 +386,9 @@ class DataParallel:
                 self._release(bucket.index)
 
     def _before_forward(self, module, args):
+        if self._held:  # inside a backward: activation recomputation, whose backward comes next
+            self._hold(self._module_buckets[module])
+            return
         for i in self._module_buckets[module]:
             self._gather(i)
             nxt = self._next_forward.get(i)
@@ -402,12 +407,17 @@ class DataParallel:
                 if t.requires_grad:
                     t.register_hook(lambda grad, m=module: self._before_backward(m))
 
-    def _before_backward(self, module):
-        for i in self._module_buckets[module]:
+    def _hold(self, indices):
+        """Gather ``indices`` for a backward: kept until all their gradients of this backward arrived."""
+        for i in indices:
             if i not in self._held:
                 self._gather(i)
                 self._held.add(i)
                 self._awaiting[i] = {p for p, _ in self.buckets[i].params}
+
+    def _before_backward(self, module):
+        self._hold(self._module_buckets[module])
+        for i in self._module_buckets[module]:
             nxt = self._next_backward.get(i)
             if nxt is not None and nxt not in self._held:
                 self._gather(nxt, wait=False)
