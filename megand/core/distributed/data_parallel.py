@@ -68,20 +68,13 @@ import torch.distributed as dist
 from megand.core.distributed.buffers import ParamAndGradBuffer
 from megand.core.distributed.config import DataParallelConfig
 from megand.core.distributed.grads import all_reduce_layout_grads
+from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
 
 def last_backward(grad_sync):
     """``grad_sync.last_backward()``, or nothing when the schedule was given no engine."""
     return grad_sync.last_backward() if grad_sync is not None else contextlib.nullcontext()
-
-
-def _tensors(output):
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
-    return []
 
 
 class DataParallel:
@@ -133,8 +126,7 @@ class DataParallel:
                     if own:
                         indices = sorted({self.bucket_of[p].index for p in own})
                         module.register_forward_pre_hook(lambda m, args, ix=indices: self._wait_params(ix))
-        if self.shard_params:
-            self._install_gather_hooks(chunks, chunk_of)
+        self.gatherer = ParamGatherer(self, chunks, chunk_of) if self.shard_params else None
         self.zero_grad()
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -189,7 +181,7 @@ class DataParallel:
         if not unflushed:
             self._flush(bucket)
         if self.shard_params:
-            self._after_bucket_grad(p, bucket)
+            self.gatherer.after_grad(p, bucket)
 
     def _flush(self, bucket):
         """Reduce-scatter the bucket's scratch into this rank's gradient slice (added to it) and free it."""
@@ -201,7 +193,7 @@ class DataParallel:
             bucket.grad_shard.add_(scratch)
             return
         out = torch.empty_like(bucket.grad_shard)
-        self._count("reduce_scatter", scratch, self.size)
+        self.count("reduce_scatter", scratch, self.size)
         work = reduce_scatter_flat(out, scratch, group=self.group, async_op=self.overlap_grad_reduce)
         self._flushes.append((work, out, bucket, scratch))
         if not self.overlap_grad_reduce or len(self._flushes) > 2:  # at most two scratches in flight
@@ -220,10 +212,10 @@ class DataParallel:
         if self.size == 1:
             return
         if self.distributed:
-            self._count("reduce_scatter", bucket.grads, self.size)
+            self.count("reduce_scatter", bucket.grads, self.size)
             work = reduce_scatter_flat(bucket.grad_shard, bucket.grads, group=self.group, async_op=True)
         else:
-            self._count("all_reduce", bucket.grads, self.size)
+            self.count("all_reduce", bucket.grads, self.size)
             work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
         self._grad_handles[bucket.index] = work
 
@@ -256,11 +248,11 @@ class DataParallel:
         if self.replicas > 1:  # hybrid sharding: sum each reduced slice over the replicas of the shard
             shards = [buf.grad_data for buf in self.buffers] if self.shard_grads else [b.grad_shard for b in self.buckets]
             for shard in shards:
-                self._count("all_reduce", shard, self.replicas)
+                self.count("all_reduce", shard, self.replicas)
                 dist.all_reduce(shard, group=self.replica_group)
         all_reduce_layout_grads(self.grad_pieces(), self.topo)
         if self.shard_params:
-            self._release_all()
+            self.gatherer.release_all()
         self._synced = True
 
     # -- parameters (distributed optimizer) ---------------------------------------------------------
@@ -270,7 +262,7 @@ class DataParallel:
         if not self.distributed or self.size == 1 or self.shard_params:
             return
         for bucket in self.buckets:
-            self._count("all_gather", bucket.data, self.size)
+            self.count("all_gather", bucket.data, self.size)
             work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_handles[bucket.index] = work
@@ -295,7 +287,7 @@ class DataParallel:
             yield
             return
         for bucket in self.buckets:
-            self._gather(bucket.index)
+            self.gatherer.gather(bucket.index)
         self._gathered_depth += 1
         try:
             yield
@@ -306,12 +298,17 @@ class DataParallel:
                                                             bucket.shard_end - bucket.start])
         finally:
             self._gathered_depth -= 1
-            self._release_all()
+            self.gatherer.release_all()
 
-    def _count(self, kind, full, ranks):
+    def count(self, kind, full, ranks):
         """Account a collective over ``ranks`` whose full (unsharded) buffer is ``full``."""
         volume = full.numel() * full.element_size() * (ranks - 1) // ranks
         self.traffic[kind] += 2 * volume if kind == "all_reduce" else volume
+
+    @property
+    def max_gathered(self) -> int:
+        """The most ZeRO-3 buckets gathered at once so far (0 without ZeRO-3)."""
+        return self.gatherer.max_gathered if self.gatherer else 0
 
     def resident_bytes(self) -> int:
         """Bytes of parameters and gradients this engine holds now: its buffers (packed slices when
@@ -324,107 +321,3 @@ class DataParallel:
             if bucket.scratch is not None:
                 total += bucket.scratch.numel() * 4
         return total
-
-    # -- ZeRO-3: gather before use, free after -------------------------------------------------------
-    def _install_gather_hooks(self, chunks, chunk_of):
-        self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
-        self._module_buckets = {}
-        for chunk in chunks:
-            for module in chunk.modules():
-                borrowed = getattr(module, "borrowed_parameters", None)
-                used = list(module.parameters(recurse=False)) + (list(borrowed()) if callable(borrowed) else [])
-                indices = sorted({self.bucket_of[p].index for p in used if p in self.bucket_of})
-                if not indices:
-                    continue
-                self._module_buckets[module] = indices
-                for i in indices:
-                    self._users[i].add(module)
-                module.register_forward_pre_hook(self._before_forward)
-                module.register_forward_hook(self._after_forward)
-        # the bucket to prefetch after each: the next one in forward order (lower index, same chunk)
-        self._next_forward, self._next_backward = {}, {}
-        for a, b in zip(self.buckets, self.buckets[1:]):
-            if a.buffer is b.buffer and chunk_of[a.params[0][0]] == chunk_of[b.params[0][0]]:
-                self._next_forward[b.index], self._next_backward[a.index] = a.index, b.index
-        self._gathers = {}  # bucket index -> all-gather in flight
-        self._done = {b.index: set() for b in self.buckets}  # users whose forward ran since the gather
-        self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
-        self._awaiting = {}  # held bucket -> parameters whose gradient has not arrived in this backward
-        self.max_gathered = 0  # the most buckets gathered at once (reported by tests and benchmarks)
-        self._n_gathered = 0
-
-    def _gather(self, i, wait=True):
-        bucket = self.buckets[i]
-        if not bucket.gathered:
-            bucket.alloc_full()
-            self._done[i] = set()
-            if self.size == 1:
-                bucket.full.copy_(bucket.data_shard)
-            else:
-                self._count("all_gather", bucket.full, self.size)
-                self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=self.group, async_op=not wait)
-            self._n_gathered += 1
-            self.max_gathered = max(self.max_gathered, self._n_gathered)
-        if wait:
-            work = self._gathers.pop(i, None)
-            if work is not None:
-                work.wait()
-
-    def _release(self, i):
-        work = self._gathers.pop(i, None)
-        if work is not None:
-            work.wait()
-        if self.buckets[i].gathered:
-            self.buckets[i].free_full()
-            self._n_gathered -= 1
-        self._held.discard(i)
-        self._awaiting.pop(i, None)
-
-    def _release_all(self):
-        for bucket in self.buckets:
-            if bucket.gathered:
-                self._release(bucket.index)
-
-    def _before_forward(self, module, args):
-        if self._held:  # inside a backward: activation recomputation, whose backward comes next
-            self._hold(self._module_buckets[module])
-            return
-        for i in self._module_buckets[module]:
-            self._gather(i)
-            nxt = self._next_forward.get(i)
-            if nxt is not None:
-                self._gather(nxt, wait=False)  # prefetch: overlaps this bucket's compute
-
-    def _after_forward(self, module, args, output):
-        backward_follows = torch.is_grad_enabled()
-        for i in self._module_buckets[module]:
-            self._done[i].add(module)
-            if (i not in self._held and self._done[i] >= self._users[i]
-                    and (self.reshard_after_forward or not backward_follows)):
-                self._release(i)
-        if backward_follows:
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, m=module: self._before_backward(m))
-
-    def _hold(self, indices):
-        """Gather ``indices`` for a backward: kept until all their gradients of this backward arrived."""
-        for i in indices:
-            if i not in self._held:
-                self._gather(i)
-                self._held.add(i)
-                self._awaiting[i] = {p for p, _ in self.buckets[i].params}
-
-    def _before_backward(self, module):
-        self._hold(self._module_buckets[module])
-        for i in self._module_buckets[module]:
-            nxt = self._next_backward.get(i)
-            if nxt is not None and nxt not in self._held:
-                self._gather(nxt, wait=False)
-
-    def _after_bucket_grad(self, p, bucket):
-        awaiting = self._awaiting.get(bucket.index)
-        if awaiting is not None:
-            awaiting.discard(p)
-            if not awaiting:
-                self._release(bucket.index)
