@@ -17,7 +17,7 @@ from megand.core.optimizer import Optimizer
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
-from megand.core.sharding import init_parameters
+from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
 from megand.data.builder import build_datasets as build_data_splits
@@ -41,7 +41,7 @@ from megand.training.wandb_logger import WandbLogger
 def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Topology(sizes, order=p.order, vpp=p.vpp, device=device)
+    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard)
 
 
 def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
@@ -65,11 +65,17 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
 
 def build_model_and_engine(cfg, topo) -> tuple[TransformerConfig, list[GPTModel], DataParallel]:
     """The model chunks built on the meta device, placed in the data-parallel engine's flat buffers and
-    initialised there: per rank, only the local shard is ever allocated and drawn."""
+    initialised there: per rank, only the local shard is ever allocated and drawn (under ZeRO-3, only
+    this rank's slices of it: the full local parameters exist only while gathered for a forward)."""
     model_cfg, chunks = build_model(cfg, topo, device=torch.device("meta"))
     ddp = DataParallel(chunks, topo, data_parallel_config(cfg))
-    for chunk in chunks:
-        init_parameters(chunk, cfg.train.seed)
+    if ddp.shard_params:  # ZeRO-3: the rank holds only flat ranges of its parameters; draw just those
+        name_of = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+        for p, lo, hi, data in ddp.param_shards():
+            init_flat_range(p, name_of[p], cfg.train.seed, lo, hi, data)
+    else:
+        for chunk in chunks:
+            init_parameters(chunk, cfg.train.seed)
     return model_cfg, chunks, ddp
 
 
@@ -270,8 +276,10 @@ class Trainer:
         t = self.cfg.train
         if self.iteration % t.log_interval and self.iteration != t.iters:
             return
-        mem_peak = torch.tensor(float(peak_memory_bytes(self.topo.device)), device=self.topo.device)
-        dist.all_reduce(mem_peak, op=dist.ReduceOp.MAX)  # the most loaded rank
+        mem = torch.tensor([float(peak_memory_bytes(self.topo.device)), float(self.optimizer.state_bytes())],
+                           dtype=torch.float64, device=self.topo.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the most loaded rank
+        mem_peak, state_bytes = mem[0], mem[1]
         flops_per_s = self.flops["model_flops"] / iter_time / self.topo.world_size  # per rank
         record = {
             "iter": self.iteration, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
@@ -279,6 +287,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
+            "state_bytes": int(state_bytes.item()),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.iteration * t.global_batch_size,
             "global_batch_size": t.global_batch_size, "batch_checksum": self.last_batch_checksum,
         }
