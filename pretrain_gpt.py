@@ -11,7 +11,8 @@ register_schema()
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
-    from megand.core.checkpointing import CheckpointError
+    from megand.core.checkpointing import CheckpointError, CheckpointWriteError
+    from megand.training.guards import EXIT_NON_FINITE, NonFiniteStop
     from megand.training.pretrain import pretrain
 
     try:
@@ -22,6 +23,12 @@ def main(cfg) -> None:
     except CheckpointError as e:  # raised by every rank alike, before training
         print(f"megand: cannot load checkpoint: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except CheckpointWriteError as e:  # raised by every rank alike; the previous checkpoint is intact
+        print(f"megand: cannot save checkpoint: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except NonFiniteStop as e:  # raised by every rank alike
+        print(f"megand: training stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NON_FINITE)
 
 
 if __name__ == "__main__":
