@@ -124,7 +124,7 @@ class Trainer:
         self.schedule = get_schedule(self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
-        self.loaded_iteration = None
+        self.loaded_iteration = self.last_save_attempt = None
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
@@ -205,6 +205,7 @@ class Trainer:
         from megand.core.checkpointing import CheckpointWriteError
 
         t = self.cfg.train
+        self.last_save_attempt = self.iteration
         self._progress("checkpoint save")
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
         if not all_finite([*self.params, *self.optimizer.state_tensors()], self.topo.device):
@@ -478,7 +479,7 @@ class Trainer:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
             if self.checkpoint_step():
                 break
-        if self.cfg.checkpoint.save and self.checkpointer.last_saved != self.iteration:
+        if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt):
             self.save_checkpoint()
         if self.checkpointer is not None:
             self.close_checkpointer()

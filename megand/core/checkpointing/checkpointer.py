@@ -187,7 +187,7 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - DCP raises a BaseException subclass
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            problem = f"rank {self.rank}: {describe_write_error(e)}"
+            problem = f"rank {self.rank}: {describe_write_error(e, self.cfg.save)}"
         problems = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(problems, problem, group=self.group)
         problems = [p for p in problems if p]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import resource
 
 
 class CheckpointError(RuntimeError):
@@ -40,8 +42,25 @@ def _causes(exc: BaseException):
         todo.extend([e.__cause__, e.__context__])
 
 
-def describe_write_error(exc: BaseException) -> str:
-    """One line for a failed write: the OS error and its meaning when one can be found."""
+def _short_write_cause(directory: str | None) -> str:
+    """Why a write was cut short when the writer did not keep the OS error: the file-size limit of this
+    process, or the free space left where it wrote."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"file too large: the file-size limit of this process is {soft} bytes (ulimit -f)"
+    if directory:
+        try:
+            st = os.statvfs(directory)
+            free = st.f_bavail * st.f_frsize
+            if free < 64 << 20:
+                return f"disk full: {free} bytes free on {directory}"
+        except OSError:
+            pass
+    return "file too large / disk full"
+
+
+def describe_write_error(exc: BaseException, directory: str | None = None) -> str:
+    """One line for a failed write into ``directory``: the OS error and its meaning when one can be found."""
     for e in _causes(exc):
         if isinstance(e, OSError) and e.errno is not None:
             where = f" on {e.filename}" if e.filename else ""
@@ -50,5 +69,5 @@ def describe_write_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     # torch.save's zip writer reports a short write only as a position mismatch
     if "unexpected pos" in text or "file write failed" in text:
-        return f"a write was cut short: file too large / disk full ({type(exc).__name__}: {text})"
+        return f"{_short_write_cause(directory)} (a write was cut short: {text})"
     return f"{type(exc).__name__}: {text}"
