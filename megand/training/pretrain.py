@@ -479,7 +479,8 @@ class Trainer:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
             if self.checkpoint_step():
                 break
-        if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt):
+        if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt,
+                                                               self.loaded_iteration):
             self.save_checkpoint()
         if self.checkpointer is not None:
             self.close_checkpointer()
