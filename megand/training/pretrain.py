@@ -334,8 +334,8 @@ class Trainer:
         return loss, result, spike
 
     def step(self):
-        """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances.
-        Raises NonFiniteStop after ``train.max_skipped_steps`` consecutive non-finite skips."""
+        """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances and
+        skipped steps are counted (``self.skips.exhausted`` after too many in a row)."""
         loss, result, spike = self.train_step()
         self.iteration += 1
         self.last_spike = spike
@@ -356,8 +356,6 @@ class Trainer:
             return reason, rank, found[rank] if rank is not None else None
 
         self.skips.record(self.iteration, result.skipped, counts, where)
-        if self.skips.exhausted:
-            raise NonFiniteStop(self.skips.message())
 
     def can_roll_back(self) -> bool:
         """A rollback is allowed and there is a checkpoint of this run to go back to (same on every rank)."""
@@ -465,6 +463,8 @@ class Trainer:
             step_start = time.perf_counter()
             loss, result = self.step()
             self.log(loss, result, time.perf_counter() - step_start)
+            if self.skips.exhausted:  # every rank alike; nothing is saved from this state
+                raise NonFiniteStop(self.skips.message())
             if self.last_spike and self.can_roll_back():
                 self.roll_back(self.iteration)
                 continue
