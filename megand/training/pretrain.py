@@ -399,6 +399,7 @@ class Trainer:
             chunk.eval()
         total = 0.0
         for k in range(t.eval_iters):
+            self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
                                              **self.batch_needs)
             total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
