@@ -1,4 +1,4 @@
-"""Faults (issue 6): a stop signal saves and exits 0; a job killed mid-save leaves the previous checkpoint
+"""Faults: a stop signal saves and exits 0; a job killed mid-save leaves the previous checkpoint
 as `latest`, and it loads; a checkpoint of another model shape fails before training."""
 
 import os
@@ -84,29 +84,55 @@ def test_sigterm_saves_and_exits_0_then_other_shape_fails_before_training(tmp_pa
     assert not os.path.exists(os.path.join(str(tmp_path / "bad"), "metrics.jsonl"))  # failed before training
 
 
+def freeze_during_a_save(save, proc, first=4, timeout=300):
+    """Stop (SIGSTOP) every worker while a save of iteration >= ``first`` is still ``iter_N.tmp``; returns N.
+    A save that completes between the look and the stop is let go (SIGCONT) and the next one is tried."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended before a save could be caught:\n{proc.stdout.read()[-4000:]}")
+        names = os.listdir(save) if os.path.isdir(save) else []
+        pending = [n for n in names if n.startswith("iter_") and n.endswith(".tmp") and int(n[5:12]) >= first]
+        if pending:
+            workers = children(proc.pid)
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            name = pending[0]
+            if os.path.isdir(os.path.join(save, name)) and not os.path.exists(os.path.join(save, name[:-4])):
+                return int(name[5:12])
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        time.sleep(0.001)
+    kill_job(proc)
+    raise AssertionError("no save caught in progress")
+
+
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    save, marker = str(tmp_path / "ckpt"), str(tmp_path / "hanging")
-    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=6", f"checkpoint.save={save}", "checkpoint.interval=2"]
+    save = str(tmp_path / "ckpt")
+    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=40", "train.eval_iters=0",
+              f"checkpoint.save={save}", "checkpoint.interval=2"]
     killed_dir = str(tmp_path / "killed")
-    proc = launch(killed_dir, common, 4, extra_env={"MEGAND_TEST_HANG_SAVE": f"4:{marker}"})
-    wait_for(lambda: os.path.exists(marker), proc)  # rank 0 has written its files of iteration 4, not renamed
+    proc = launch(killed_dir, common, 4)
+    caught = freeze_during_a_save(save, proc)  # every rank frozen mid-save of iteration `caught`
     kill_job(proc)
     proc.communicate(timeout=60)
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "2"
-    assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))
-    assert any(n.endswith(".distcp") for n in os.listdir(os.path.join(save, "iter_0000004.tmp")))
-    assert not os.path.exists(os.path.join(save, "iter_0000004"))
+        assert int(f.read()) == caught - 2
+    assert os.path.isdir(os.path.join(save, f"iter_{caught:07d}.tmp"))
+    assert not os.path.exists(os.path.join(save, f"iter_{caught:07d}"))
     killed = read_metrics(killed_dir)
-    assert [r["iter"] for r in killed] == [1, 2, 3, 4]
+    assert killed[-1]["iter"] == caught
 
-    # resume from `latest` (step 2) into the same directory, now saving asynchronously
+    # resume from `latest` into the same directory, now saving asynchronously, until two steps further
     resumed_dir = str(tmp_path / "resumed")
-    proc = run_pretrain(resumed_dir, [*common, f"checkpoint.load={save}", "checkpoint.async_save=true"], nproc=4)
-    assert "loaded checkpoint" in proc.stdout and "iteration 2" in proc.stdout
+    proc = run_pretrain(resumed_dir, [*common, f"checkpoint.load={save}", "checkpoint.async_save=true",
+                                      f"train.exit_interval={caught + 2}"], nproc=4)
+    assert "loaded checkpoint" in proc.stdout and f"at iteration {caught - 2}" in proc.stdout
     resumed = read_metrics(resumed_dir)
-    assert [r["iter"] for r in resumed] == [3, 4, 5, 6]
-    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[2:4]]  # bit-identical
+    assert [r["iter"] for r in resumed] == [caught - 1, caught, caught + 1, caught + 2]
+    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[-2:]]  # bit-identical
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "6"
-    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+        assert int(f.read()) == caught + 2
+    names = os.listdir(save)
+    assert not [n for n in names if n.endswith(".tmp")], names  # the crashed save's leftovers were replaced
+    assert {f"iter_{caught:07d}", f"iter_{caught + 2:07d}"} <= set(names)
