@@ -19,8 +19,9 @@ def report(e: BaseException, what: str) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
-    from megand.core.checkpointing import CheckpointError
+    from megand.core.checkpointing import CheckpointError, CheckpointWriteError
     from megand.data.errors import DataError
+    from megand.training.guards import EXIT_NON_FINITE, NonFiniteStop
     from megand.training.pretrain import pretrain
 
     # every user-facing failure is one line and exit code 2; anything else is a bug, with its traceback
@@ -38,6 +39,12 @@ def main(cfg) -> None:
     except OSError as e:
         report(e, "file system error")
         sys.exit(2)
+    except CheckpointWriteError as e:  # raised by every rank alike; the previous checkpoint is intact
+        report(e, "cannot save checkpoint")
+        sys.exit(1)
+    except NonFiniteStop as e:  # raised by every rank alike
+        report(e, "training stopped")
+        sys.exit(EXIT_NON_FINITE)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS = ("imports", "create", "export", "import")  # imports: the interpreter, torch and transformers alone
 

@@ -16,13 +16,14 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, extra_env=None, check=True,
-                 torchrun: bool = False):
+                 torchrun: bool = False, preexec_fn=None):
     """Run ``pretrain_gpt.py`` on ``nproc`` local ranks (gloo on CPU); return a CompletedProcess whose
     stdout/stderr hold every rank's output. The run's files go to ``run_dir``.
 
     By default the ranks are started directly with torchrun's environment variables (the env://
     rendezvous a one-node torchrun sets up), which saves the launcher's own torch import per run;
-    ``torchrun=True`` goes through ``torch.distributed.run`` exactly as a user does.
+    ``torchrun=True`` goes through ``torch.distributed.run`` exactly as a user does. ``preexec_fn`` runs in
+    each rank's process before it starts (e.g. to set a resource limit from outside megand).
     """
     import subprocess
     import sys
@@ -33,14 +34,15 @@ def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, ex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root,
+                              preexec_fn=preexec_fn)
     else:
         cmd = [sys.executable, *script]
         port = free_port()
         with tempfile.TemporaryDirectory() as logs:
             outs = [open(os.path.join(logs, f"{r}.out"), "w+") for r in range(nproc)]
             errs = [open(os.path.join(logs, f"{r}.err"), "w+") for r in range(nproc)]
-            ranks = [subprocess.Popen(cmd, cwd=root, stdout=outs[r], stderr=errs[r], env={
+            ranks = [subprocess.Popen(cmd, cwd=root, stdout=outs[r], stderr=errs[r], preexec_fn=preexec_fn, env={
                 **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}) for r in range(nproc)]
             try:

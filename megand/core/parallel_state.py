@@ -138,6 +138,8 @@ def init_distributed() -> torch.device:
         kwargs = {"device_id": device} if backend == "nccl" else {}
         if "RANK" not in os.environ:  # not launched by torchrun: a one-process world, no rendezvous needed
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+            kwargs.update(restart_store())
         dist.init_process_group(backend, **kwargs)
     return device
 
@@ -155,6 +157,18 @@ def init_fake_distributed(rank: int, world_size: int) -> torch.device:
         raise LayoutError(f"rank {rank} is not in a world of {world_size} ranks")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     return torch.device("cpu")
+
+
+def restart_store() -> dict:
+    """The rendezvous of workers restarted by torchrun (``--max-restarts``): the agent's store outlives
+    its workers, so the previous attempt's keys (the addresses of dead ranks) are still there and a
+    plain env:// init would read them and hang or fail to connect. Each attempt uses keys of its own."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, multi_tenant=not agent_store)
+    return dict(store=dist.PrefixStore(f"megand/attempt_{attempt}", store), rank=rank, world_size=world)
 
 
 @dataclass

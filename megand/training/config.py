@@ -63,6 +63,15 @@ class TrainConfig:
     log_interval: int = 1  # console line and metrics.jsonl every N steps
     eval_interval: int = 0  # 0: evaluate only at the end
     eval_iters: int = 2  # validation batches per evaluation (0: no evaluation)
+    max_skipped_steps: int = 10  # stop (exit code 3) after this many consecutive steps skipped for a non-finite loss or grad norm
+    spike_factor: float = 3.0  # a loss above this times the running median of recent steps is a spike
+    spike_window: int = 20  # recent steps in the running median; the spike guard starts once it is full
+    spike_rollback: bool = False  # on a spike reload the last checkpoint and skip the data up to the spike
+    max_rollbacks: int = 3  # spike rollbacks allowed in one run; later spikes are only logged
+    collective_timeout_s: Optional[float] = None  # hang watchdog: no step progress for this long dumps stacks and exits; null: 600 on GPU, 1800 on CPU
+    straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
+    exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
+    exit_interval: Optional[int] = None  # save and exit 0 after this iteration
 
 
 @dataclass
@@ -104,6 +113,8 @@ class CheckpointConfig:
     load: Optional[str] = None  # checkpoint directory (or iter dir) to resume from
     interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
     async_save: bool = False  # write checkpoints in the background after a copy to CPU
+    keep_last: Optional[int] = None  # keep only the newest N iter_* directories after each save; null: keep all
+    continue_on_error: bool = False  # a failed save only warns (default: the run stops, exit code 1)
 
 
 @dataclass
@@ -251,6 +262,29 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+    validate_fault_keys(cfg)
+
+
+def validate_fault_keys(cfg) -> None:
+    """The guards, watchdog, exits and retention of long runs."""
+    t, c = cfg.train, cfg.checkpoint
+    positive = [("train.max_skipped_steps", t.max_skipped_steps), ("train.spike_window", t.spike_window)]
+    positive += [(k, v) for k, v in (("train.collective_timeout_s", t.collective_timeout_s),
+                                      ("train.exit_duration_mins", t.exit_duration_mins),
+                                      ("train.exit_interval", t.exit_interval),
+                                      ("checkpoint.keep_last", c.keep_last)) if v is not None]
+    for key, value in positive:
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    if t.spike_factor <= 1.0:
+        raise ConfigError(f"train.spike_factor={t.spike_factor} must be greater than 1")
+    if t.straggler_ratio < 1.0:
+        raise ConfigError(f"train.straggler_ratio={t.straggler_ratio} must be at least 1")
+    if t.max_rollbacks < 0:
+        raise ConfigError(f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
+    if t.spike_rollback and not (c.save and c.interval > 0):
+        raise ConfigError(f"train.spike_rollback=true needs checkpoints to roll back to: checkpoint.save={c.save} "
+                          f"and checkpoint.interval={c.interval} (must be > 0)")
 
 
 # (key, smallest allowed value): counts that would otherwise fail late (a ZeroDivisionError after step

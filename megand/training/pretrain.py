@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
+import statistics
 import time
 
 import torch
@@ -14,6 +16,7 @@ from omegaconf import OmegaConf
 from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
+from megand.core.optimizer.optimizer import StepResult
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
@@ -32,6 +35,7 @@ from megand.training.config import (
     transformer_config,
     validate,
 )
+from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.output_dirs import check_output_dirs
 from megand.training.peak import device_peak_flops, mfu
@@ -79,14 +83,14 @@ def build_model_and_engine(cfg, topo) -> tuple[TransformerConfig, list[GPTModel]
     return model_cfg, chunks, ddp
 
 
-def build_datasets(cfg, topo):
+def build_datasets(cfg, topo, extra_train_samples: int = 0):
     """Train and validation datasets. Index files are cached in ``data.cache_dir``: global rank 0 builds
     them first; then the first rank of every other node (which loads rank 0's files when the filesystem
     is shared, or builds its own on a node-local disk); then every other rank, which loads its node's.
     Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done.
     A bad input found in any phase stops every rank at the end of that phase, with the same message."""
     t, m = cfg.train, cfg.model
-    num_samples = (t.iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
+    num_samples = (t.iters * t.global_batch_size + extra_train_samples, t.eval_iters * t.global_batch_size, 0)
     turn = 0 if topo.rank == 0 else 1 if topo.local_rank == 0 else 2
     for phase in range(3):
         error = None
@@ -103,6 +107,19 @@ def peak_memory_bytes(device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (for wall-clock timings of device work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def collective_timeout_s(cfg, device) -> float:
+    """The hang watchdog's timeout: ``train.collective_timeout_s``, or 600 s on GPU, 1800 s on CPU."""
+    if cfg.train.collective_timeout_s is not None:
+        return float(cfg.train.collective_timeout_s)
+    return 600.0 if device.type == "cuda" else 1800.0
 
 
 def new_wandb_run_id() -> str:
@@ -130,8 +147,8 @@ class Trainer:
         on_every_rank(lambda: check_output_dirs(cfg))
         self.topo = build_topology(cfg, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
-        # own: the order changes no random stream)
-        self.train_data, self.valid_data = build_datasets(cfg, self.topo)
+        # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
+        self.train_data, self.valid_data = build_datasets(cfg, self.topo, self.rollback_sample_budget())
         # params live in the engine's buffers, allocated and initialised there (no full copy)
         self.model_cfg, self.chunks, self.ddp = build_model_and_engine(cfg, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
@@ -140,13 +157,37 @@ class Trainer:
         self.schedule = get_schedule(self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
+        self.loaded_iteration = self.last_save_attempt = None
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
         self.stop = StopOnSignal()
         if cfg.checkpoint.load:
-            self.load_checkpoint(cfg.checkpoint.load)
+            from megand.training.resume import load_path
+
+            path, notice = load_path(cfg.checkpoint)
+            if notice and self.topo.is_logging_rank:
+                print(notice, flush=True)
+            if path:
+                self.load_checkpoint(path)
+        if self.sample_offset > 0:  # a smaller global batch size resumes further into the data: a longer split
+            self.train_data, self.valid_data = build_datasets(cfg, self.topo,
+                                                              self.sample_offset + self.rollback_sample_budget())
+        self.skips = SkipGuard(cfg.train.max_skipped_steps)
+        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
+        self.rollbacks = 0
+        self.busy_s = 0.0  # this rank's time in forward/backward since the last log line
         self._open_logs()
+
+    def rollback_sample_budget(self) -> int:
+        """Samples a run may skip by spike rollbacks: each skips at most one checkpoint interval of batches."""
+        t, c = self.cfg.train, self.cfg.checkpoint
+        return t.max_rollbacks * c.interval * t.global_batch_size if t.spike_rollback else 0
+
+    @property
+    def consumed_samples(self) -> int:
+        """True samples consumed so far (also after a global batch size change or a rollback)."""
+        return self.sample_offset + self.iteration * self.cfg.train.global_batch_size
 
     def _plan_batches(self):
         """What each step reads and computes: tokens per global batch, FLOPs, whether this rank reads tokens."""
@@ -170,6 +211,9 @@ class Trainer:
         """metrics.jsonl (appended to after a resume), the MFU denominator and the run's config file."""
         cfg, logging_rank = self.cfg, self.topo.is_logging_rank
         self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
+        self.started = time.monotonic()  # train.exit_duration_mins counts from here
+        self.watchdog = None  # started by run()
+        self.last_spike = False
         self.peak_flops = device_peak_flops(self.topo.device, cfg.train.precision, cfg.run_dir) if logging_rank else None
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
@@ -177,6 +221,7 @@ class Trainer:
 
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
+        self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
         # the data position: samples consumed so far (a changed global batch size continues from there)
@@ -186,24 +231,62 @@ class Trainer:
                   f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
                   f"{'yes' if loaded.rng_restored else 'no, layout changed'})", flush=True)
 
-    def save_checkpoint(self):
+    def save_checkpoint(self) -> bool:
+        """Save (collective); False when nothing was saved: non-finite state, or a failed write under
+        ``checkpoint.continue_on_error`` (otherwise a failed write raises CheckpointWriteError)."""
+        from megand.core.checkpointing import CheckpointWriteError
+
         t = self.cfg.train
+        self.last_save_attempt = self.iteration
+        self._progress("checkpoint save")
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
-        self.checkpointer.save(self.iteration, self.sample_offset + self.iteration * t.global_batch_size,
-                               self.wandb_run_id, t.global_batch_size)
+        if not all_finite([*self.params, *self.optimizer.state_tensors()], self.topo.device):
+            if self.topo.is_logging_rank:
+                print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
+                      f"state are not finite", flush=True)
+            return False
+        try:
+            self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size)
+        except CheckpointWriteError as e:
+            if not self.cfg.checkpoint.continue_on_error:
+                raise
+            if self.topo.is_logging_rank:
+                print(f" WARNING: checkpoint save failed, training continues (checkpoint.continue_on_error=true): {e}",
+                      flush=True)
+            return False
         if self.topo.is_logging_rank:
             print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
                   f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
+        return True
+
+    def close_checkpointer(self) -> None:
+        """Wait for an asynchronous save to be complete and published (its failure handled as a save's)."""
+        from megand.core.checkpointing import CheckpointWriteError
+
+        try:
+            self.checkpointer.close()
+        except CheckpointWriteError as e:
+            if not self.cfg.checkpoint.continue_on_error:
+                raise
+            if self.topo.is_logging_rank:
+                print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
 
     def checkpoint_step(self) -> bool:
-        """After each step: save when due or when a stop signal reached any rank; True: stop now."""
-        c = self.cfg.checkpoint
-        stop = self.stop.agreed()
+        """After each step: save when due, or when a stop signal reached any rank, or a time or iteration
+        limit is reached (all ranks agree: the max of their clocks); True: stop now."""
+        c, t = self.cfg.checkpoint, self.cfg.train
+        minutes = (time.monotonic() - self.started) / 60
+        over_time = t.exit_duration_mins is not None and minutes >= t.exit_duration_mins
+        over_iters = t.exit_interval is not None and self.iteration >= t.exit_interval
+        stop = self.stop.agreed(limit_reached=over_time or over_iters)
         if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
             self.save_checkpoint()
         if stop and self.topo.is_logging_rank:
-            print(f" stop signal received: stopping at iteration {self.iteration}", flush=True)
-        return stop
+            why = ("stop signal received" if stop == StopOnSignal.SIGNAL else
+                   f"iteration limit reached (train.exit_interval={t.exit_interval})" if over_iters else
+                   f"time limit reached (train.exit_duration_mins={t.exit_duration_mins})")
+            print(f" {why}: stopping at iteration {self.iteration}", flush=True)
+        return bool(stop)
 
     @property
     def wandb(self) -> WandbLogger:
@@ -231,25 +314,106 @@ class Trainer:
             dist.all_reduce(local_loss_sum, group=self.topo.dp_cp_group)
         return local_loss_sum.item()
 
+    def agreed_loss(self, loss: float) -> float:
+        """Collective over all ranks: the global batch's loss (known on the last stage), so every rank
+        takes the same guard decisions; NaN when it is not finite."""
+        has_loss = any(chunk.post_process for chunk in self.chunks)
+        finite = math.isfinite(loss)
+        box = torch.tensor([0.0 if finite or not has_loss else 1.0, loss if has_loss and finite else -math.inf],
+                           dtype=torch.float64, device=self.topo.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float("nan") if box[0].item() else box[1].item()
+
+    def _progress(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(self.iteration + 1, phase)
+
     def train_step(self):
+        """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
+        is skipped on every rank together when the loss or the gradient is not finite, or on a spike that
+        will be rolled back."""
         t = self.cfg.train
+        self._progress("data")
         microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
                                          self.topo, offset=self.sample_offset, **self.batch_needs)
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
+        self._progress("forward-backward (pipeline schedule)")
+        busy_start = time.perf_counter()
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
+        if self.iteration % t.log_interval == t.log_interval - 1:
+            synchronize(self.topo.device)  # device work counts in the busy time of the steps logged
+        self.busy_s += time.perf_counter() - busy_start  # before the waits for other ranks' gradients
+        self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
-        result = self.optimizer.step()
+        self._progress("loss agreement")
+        loss = self.agreed_loss(self.global_loss(None if loss_sum is None else loss_sum / loss_scale))
+        spike = self.spikes.is_spike(loss)
+        self._progress("optimizer step")
+        if not math.isfinite(loss) or (spike and self.can_roll_back()):
+            if not math.isfinite(loss):
+                self.optimizer.scaler.update(True)  # fp16: back off as for an overflow
+            result = StepResult(float("nan"), True, self.optimizer.schedule(self.optimizer.steps + 1),
+                                self.optimizer.loss_scale)
+        else:
+            result = self.optimizer.step()
+        if not result.skipped and not spike:
+            self.spikes.accept(loss)
+        self._progress("batch checksum")
         self.last_batch_checksum = self.batch_checksum(microbatches)
-        return self.global_loss(None if loss_sum is None else loss_sum / loss_scale), result
+        return loss, result, spike
 
     def step(self):
-        """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances."""
-        loss, result = self.train_step()
+        """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances and
+        skipped steps are counted (``self.skips.exhausted`` after too many in a row)."""
+        loss, result, spike = self.train_step()
         self.iteration += 1
+        self.last_spike = spike
+        self.guard_skips(loss, result)
         return loss, result
+
+    def guard_skips(self, loss, result) -> None:
+        fp16_backing_off = self.optimizer.loss_scale > getattr(self.optimizer.scaler, "min_scale", math.inf)
+        # an fp16 overflow is routine while the loss scale can still back off; a non-finite loss never is
+        counts = result.skipped and not self.last_spike and (not math.isfinite(loss) or not fp16_backing_off)
+
+        def where():
+            name = first_nonfinite_grad(self.optimizer)
+            found = [None] * self.topo.world_size
+            dist.all_gather_object(found, name)
+            rank = next((r for r, n in enumerate(found) if n), None)
+            reason = "non-finite loss" if not math.isfinite(loss) else f"non-finite grad norm ({result.grad_norm})"
+            return reason, rank, found[rank] if rank is not None else None
+
+        self.skips.record(self.iteration, result.skipped, counts, where)
+
+    def can_roll_back(self) -> bool:
+        """A rollback is allowed and there is a checkpoint of this run to go back to (same on every rank)."""
+        t = self.cfg.train
+        has_checkpoint = self.checkpointer is not None and (self.checkpointer.last_saved is not None
+                                                            or self.loaded_iteration is not None)
+        return t.spike_rollback and self.rollbacks < t.max_rollbacks and has_checkpoint
+
+    def roll_back(self, spike_iteration: int) -> None:
+        """Reload the last checkpoint and skip the data from it up to and including the spike's batch."""
+        t = self.cfg.train
+        self._progress("spike rollback: loading the last checkpoint")
+        self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
+        position = self.sample_offset + spike_iteration * t.global_batch_size  # after the spike's batch
+        loaded = self.checkpointer.load(self.cfg.checkpoint.save)
+        skipped = (position - loaded.consumed_samples)
+        self.iteration = loaded.iteration
+        self.sample_offset = position - loaded.iteration * t.global_batch_size
+        self.rollbacks += 1
+        record = {"iter": spike_iteration, "rollback_to": loaded.iteration,
+                  "skipped_samples": [loaded.consumed_samples, position], "rollbacks": self.rollbacks}
+        self.writer.write(record)
+        if self.topo.is_logging_rank:
+            print(f" loss spike at iteration {spike_iteration}: rolled back to iteration {loaded.iteration} "
+                  f"({loaded.path}) and skipped samples [{loaded.consumed_samples}, {position}) "
+                  f"({skipped} samples; rollback {self.rollbacks} of train.max_rollbacks={t.max_rollbacks})", flush=True)
 
     def batch_checksum(self, microbatches) -> int:
         """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
@@ -267,6 +431,7 @@ class Trainer:
             chunk.eval()
         total = 0.0
         for k in range(t.eval_iters):
+            self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
                                              **self.batch_needs)
             total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
@@ -274,12 +439,22 @@ class Trainer:
 
     def log(self, loss, result, iter_time):
         t = self.cfg.train
-        if self.iteration % t.log_interval and self.iteration != t.iters:
+        if self.iteration % t.log_interval and self.iteration != t.iters and not self.last_spike:
             return
-        mem = torch.tensor([float(peak_memory_bytes(self.topo.device)), float(self.optimizer.state_bytes())],
-                           dtype=torch.float64, device=self.topo.device)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the most loaded rank
-        mem_peak, state_bytes = mem[0], mem[1]
+        self._progress("logging")
+        # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
+        # ranks' gradients)
+        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
+                             float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
+        every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
+        dist.all_gather(every, mine)
+        self.busy_s = 0.0
+        mem_peak = max(x[0] for x in every)  # the most loaded rank
+        state_bytes = max(x[2] for x in every)
+        busy = [float(x[1]) for x in every]
+        slowest = max(range(len(busy)), key=busy.__getitem__)
+        median = statistics.median(busy)
+        slowest_ratio = busy[slowest] / median if median > 0 else 1.0
         flops_per_s = self.flops["model_flops"] / iter_time / self.topo.world_size  # per rank
         record = {
             "iter": self.iteration, "loss": loss, "grad_norm": result.grad_norm, "lr": result.lr,
@@ -288,22 +463,48 @@ class Trainer:
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
             "state_bytes": int(state_bytes.item()),
-            "iter_time_ms": iter_time * 1e3, "consumed_samples": self.iteration * t.global_batch_size,
+            "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
             "global_batch_size": t.global_batch_size, "batch_checksum": self.last_batch_checksum,
+            "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
+            "skipped_total": self.skips.total,
         }
         self.writer.write(record)
         self.wandb.log(record, step=self.iteration)
         if self.topo.is_logging_rank:
             print(console_line(record, t.iters), flush=True)
+            if slowest_ratio > t.straggler_ratio:
+                print(f" WARNING: straggler: rank {slowest} was busy {slowest_ratio:.2f}x the median rank "
+                      f"(train.straggler_ratio={t.straggler_ratio}) over the last {t.log_interval} steps", flush=True)
+            if self.last_spike:
+                print(f" WARNING: loss spike at iteration {self.iteration}: {loss:.4E} > train.spike_factor="
+                      f"{t.spike_factor} x median {self.spikes.median():.4E}", flush=True)
 
     def run(self):
-        t = self.cfg.train
+        from megand.training.watchdog import HangWatchdog
+
         start, best_val = time.perf_counter(), float("inf")
+        self.watchdog = HangWatchdog(collective_timeout_s(self.cfg, self.topo.device), self.topo.rank)
+        try:
+            best_val = self._loop(start, best_val)
+        finally:
+            self.watchdog.close()
+            self.watchdog = None
+        if self.topo.is_logging_rank:
+            print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
+
+    def _loop(self, start, best_val):
+        t = self.cfg.train
         while self.iteration < t.iters:
             step_start = time.perf_counter()
             loss, result = self.step()
             self.log(loss, result, time.perf_counter() - step_start)
+            if self.skips.exhausted:  # every rank alike; nothing is saved from this state
+                raise NonFiniteStop(self.skips.message())
+            if self.last_spike and self.can_roll_back():
+                self.roll_back(self.iteration)
+                continue
             if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
+                self._progress("evaluation")
                 if t.eval_iters > 0:
                     val_loss = self.evaluate()
                     best_val = min(best_val, val_loss)
@@ -313,16 +514,16 @@ class Trainer:
                         print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
             if self.checkpoint_step():
                 break
-        if self.cfg.checkpoint.save and self.checkpointer.last_saved != self.iteration:
+        if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt,
+                                                               self.loaded_iteration):
             self.save_checkpoint()
         if self.checkpointer is not None:
-            self.checkpointer.close()  # waits for an asynchronous save to be complete and published
+            self.close_checkpointer()
         self.stop.restore()
         self.ddp.finish_param_sync()
         self.writer.close()
         self.wandb.finish()
-        if self.topo.is_logging_rank:
-            print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
+        return best_val
 
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:

@@ -84,69 +84,55 @@ def test_sigterm_saves_and_exits_0_then_other_shape_fails_before_training(tmp_pa
     assert not os.path.exists(os.path.join(str(tmp_path / "bad"), "metrics.jsonl"))  # failed before training
 
 
-def rank_of(pid) -> int:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    return int(env[b"RANK"])
-
-
-def freeze_publisher_mid_save(proc, save, publisher):
-    """Stop the publishing rank (SIGSTOP) while a save after the first published one is in progress:
-    ``iter_N.tmp`` exists and ``iter_N`` does not. Returns N. A save caught too late (already renamed)
-    is let go (SIGCONT) and the next one is tried."""
-    published = None
-    deadline = time.time() + 300
+def freeze_during_a_save(save, proc, first=4, timeout=300):
+    """Stop (SIGSTOP) every worker while a save of iteration >= ``first`` is still ``iter_N.tmp``; returns N.
+    A save that completes between the look and the stop is let go (SIGCONT) and the next one is tried."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"job ended before a save could be interrupted ({proc.returncode})")
-        try:
-            names = os.listdir(save)
-        except FileNotFoundError:
-            names = []
-        if published is None and "latest" in names:
-            with open(os.path.join(save, "latest")) as f:
-                published = int(f.read())
-        in_progress = [int(n[5:12]) for n in names if n.startswith("iter_") and n.endswith(".tmp")]
-        if published is not None and in_progress and max(in_progress) > published:
-            os.kill(publisher, signal.SIGSTOP)
-            iteration = max(in_progress)
-            if not os.path.exists(os.path.join(save, f"iter_{iteration:07d}")):
-                return iteration
-            os.kill(publisher, signal.SIGCONT)  # it had already renamed: wait for the next save
-            published = iteration
+            raise AssertionError(f"job ended before a save could be caught:\n{proc.stdout.read()[-4000:]}")
+        names = os.listdir(save) if os.path.isdir(save) else []
+        pending = [n for n in names if n.startswith("iter_") and n.endswith(".tmp") and int(n[5:12]) >= first]
+        if pending:
+            workers = children(proc.pid)
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            name = pending[0]
+            if os.path.isdir(os.path.join(save, name)) and not os.path.exists(os.path.join(save, name[:-4])):
+                return int(name[5:12])
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
         time.sleep(0.001)
     kill_job(proc)
-    raise AssertionError("timed out waiting for a save to interrupt")
+    raise AssertionError("no save caught in progress")
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    """The job is frozen and killed from outside while a save is being written: `latest` still names the
-    previous checkpoint, which resumes bit-identically."""
     save = str(tmp_path / "ckpt")
-    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=20", f"checkpoint.save={save}",
-              "checkpoint.interval=2"]
+    common = ["+experiment=tiny_llama", "parallel.tp=2", "train.iters=40", "train.eval_iters=0",
+              f"checkpoint.save={save}", "checkpoint.interval=2"]
     killed_dir = str(tmp_path / "killed")
     proc = launch(killed_dir, common, 4)
-    wait_for(lambda: len(children(proc.pid)) == 4, proc)
-    publisher = next(pid for pid in children(proc.pid) if rank_of(pid) == 0)  # rank 0 renames and writes `latest`
-    interrupted = freeze_publisher_mid_save(proc, save, publisher)
+    caught = freeze_during_a_save(save, proc)  # every rank frozen mid-save of iteration `caught`
     kill_job(proc)
     proc.communicate(timeout=60)
     with open(os.path.join(save, "latest")) as f:
-        previous = int(f.read())
-    assert previous == interrupted - 2
-    assert os.path.isdir(os.path.join(save, f"iter_{interrupted:07d}.tmp"))
-    assert not os.path.exists(os.path.join(save, f"iter_{interrupted:07d}"))
+        assert int(f.read()) == caught - 2
+    assert os.path.isdir(os.path.join(save, f"iter_{caught:07d}.tmp"))
+    assert not os.path.exists(os.path.join(save, f"iter_{caught:07d}"))
     killed = read_metrics(killed_dir)
-    assert [r["iter"] for r in killed][:interrupted] == list(range(1, interrupted + 1))
+    assert killed[-1]["iter"] == caught
 
-    # resume from `latest` into the same directory, now saving asynchronously
+    # resume from `latest` into the same directory, now saving asynchronously, until two steps further
     resumed_dir = str(tmp_path / "resumed")
-    proc = run_pretrain(resumed_dir, [*common, f"checkpoint.load={save}", "checkpoint.async_save=true"], nproc=4)
-    assert "loaded checkpoint" in proc.stdout and f"iteration {previous}" in proc.stdout
+    proc = run_pretrain(resumed_dir, [*common, f"checkpoint.load={save}", "checkpoint.async_save=true",
+                                      f"train.exit_interval={caught + 2}"], nproc=4)
+    assert "loaded checkpoint" in proc.stdout and f"at iteration {caught - 2}" in proc.stdout
     resumed = read_metrics(resumed_dir)
-    assert [r["iter"] for r in resumed] == list(range(previous + 1, 21))
-    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[previous: previous + 2]]  # bit-identical
+    assert [r["iter"] for r in resumed] == [caught - 1, caught, caught + 1, caught + 2]
+    assert [r["loss"] for r in resumed[:2]] == [r["loss"] for r in killed[-2:]]  # bit-identical
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "20"
-    assert not any(n.endswith(".tmp") for n in os.listdir(save))  # the interrupted save was cleaned up
+        assert int(f.read()) == caught + 2
+    names = os.listdir(save)
+    assert not [n for n in names if n.endswith(".tmp")], names  # the crashed save's leftovers were replaced
+    assert {f"iter_{caught:07d}", f"iter_{caught + 2:07d}"} <= set(names)

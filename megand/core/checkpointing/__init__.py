@@ -2,7 +2,7 @@
 resume and resharding, stop-on-signal, and one-process access to full weights for tools."""
 
 from megand.core.checkpointing.config import CheckpointConfig
-from megand.core.checkpointing.errors import CheckpointError
+from megand.core.checkpointing.errors import CheckpointError, CheckpointWriteError
 from megand.core.checkpointing.signals import StopOnSignal
 
 

@@ -7,7 +7,12 @@ Save (every rank, collectively):
      with torch.distributed.checkpoint (in a background thread when asynchronous: training goes on);
   4. each rank checksums the files it wrote (every file is in the manifest); rank 0 writes it, renames ``iter_N.tmp`` to
      ``iter_N`` and then atomically replaces ``latest`` - only after every rank has finished writing.
-A crash anywhere before step 4 leaves ``latest`` and the previous checkpoint untouched.
+A crash anywhere before step 4 leaves ``latest`` and the previous checkpoint untouched. A write that fails
+(disk full, file-size limit, quota, read-only directory) is agreed on by every rank after each step:
+the partial ``iter_N.tmp`` is removed and every rank raises :class:`CheckpointWriteError` naming the
+path and the OS error. After a successful publish, ``keep_last`` removes the oldest ``iter_*``
+directories beyond that number (never the one ``latest`` names); this runs inside the save that
+published, so never while another save is being written.
 
 Load: resolve the directory, check metadata, files and every tensor's full shape against this run's
 model (so a bad checkpoint fails before training with a message naming the file or tensor), then read
@@ -16,11 +21,13 @@ each rank's pieces, whatever layout wrote them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import random
 import shutil
+import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from megand.core.checkpointing import files, sharded
 from megand.core.checkpointing.config import CheckpointConfig
+from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
 from megand.core.checkpointing.files import CheckpointError
 from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
 
@@ -73,6 +81,15 @@ def rng_state(rngs, device) -> dict:
     return state
 
 
+def write_torch(obj, path: str) -> None:
+    """torch.save through a plain file write, so a failed write reports the OS error and the path
+    (torch's zip writer reports a short write only as a position mismatch)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
+
+
 def set_rng_state(state, rngs, device) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -97,26 +114,37 @@ class Checkpointer:
         self.pending: Future | None = None
         self.last_saved = None
         self.last_stall_s = 0.0
+        if hasattr(signal, "SIGXFSZ"):  # over a file-size limit a write must fail (EFBIG), not kill the rank
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     # ----------------------------------------------------------------------------------------- save
     def save(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None) -> None:
+        """Collective. Raises CheckpointWriteError (on every rank) when a write fails anywhere; an
+        asynchronous save's failure is raised by the next ``save``/``wait``/``close``."""
         start = time.perf_counter()
         self.wait()
         root = self.cfg.save
         tmp = os.path.join(root, files.iter_dir_name(iteration) + ".tmp")
-        if self.rank == 0:
-            if os.path.exists(tmp):  # left over by a crashed save
-                shutil.rmtree(tmp)
-            os.makedirs(os.path.join(tmp, "rng"))
-        dist.barrier(group=self.group)
-        torch.save(rng_state(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
-        if self.rank == 0:
-            common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-                      "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
-                      "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg}
-            torch.save(common, os.path.join(tmp, files.COMMON))
-            with open(os.path.join(tmp, files.CONFIG), "w") as f:
-                f.write(self.config_yaml)
+
+        def make_dir():
+            if self.rank == 0:
+                if os.path.exists(tmp):  # left over by a crashed save
+                    shutil.rmtree(tmp)
+                os.makedirs(os.path.join(tmp, "rng"))
+
+        self._agree(make_dir, tmp)
+
+        def write_small_files():
+            write_torch(rng_state(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
+            if self.rank == 0:
+                common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                          "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
+                          "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg}
+                write_torch(common, os.path.join(tmp, files.COMMON))
+                with open(os.path.join(tmp, files.CONFIG), "w") as f:
+                    f.write(self.config_yaml)
+
+        self._agree(write_small_files, tmp)
         asynchronous = self.executor is not None
         self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
         state = sharded.save_pieces(self.named_params, self.optimizer, copy=asynchronous)
@@ -128,21 +156,63 @@ class Checkpointer:
         self.last_stall_s = time.perf_counter() - start
 
     def _write(self, state, tmp: str, iteration: int) -> None:
-        dcp.save({}, storage_writer=FileSystemWriter(tmp), planner=PieceSavePlanner(state), process_group=self.group)
-        mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
-        # every file of the checkpoint is checksummed: its own RNG file on each rank, the rest on rank 0
-        mine.append(os.path.join("rng", f"rank_{self.rank:05d}.pt"))
-        if self.rank == 0:
-            mine += [files.COMMON, files.CONFIG, files.METADATA]
-        crcs = {n: files.file_crc(os.path.join(tmp, n)) for n in mine}
+        self._agree(lambda: dcp.save({}, storage_writer=FileSystemWriter(tmp), planner=PieceSavePlanner(state),
+                                     process_group=self.group), tmp)
+        crcs = {}
+
+        def checksum():
+            mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
+            # every file of the checkpoint is checksummed: its own RNG file on each rank, the rest on rank 0
+            mine.append(os.path.join("rng", f"rank_{self.rank:05d}.pt"))
+            if self.rank == 0:
+                mine += [files.COMMON, files.CONFIG, files.METADATA]
+            crcs.update({n: files.file_crc(os.path.join(tmp, n)) for n in mine})
+
+        self._agree(checksum, tmp)
         gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
         dist.gather_object(crcs, gathered, dst=0, group=self.group)  # every rank has finished writing
-        if self.rank == 0:
-            merged = {k: v for d in gathered for k, v in d.items()}
-            with open(os.path.join(tmp, files.MANIFEST), "w") as f:
-                json.dump({"crc32": merged}, f)
-            self._publish(tmp, iteration)
+
+        def publish():
+            if self.rank == 0:
+                merged = {k: v for d in gathered for k, v in d.items()}
+                with open(os.path.join(tmp, files.MANIFEST), "w") as f:
+                    json.dump({"crc32": merged}, f)
+                self._publish(tmp, iteration)
+
+        self._agree(publish, tmp)
+        if self.rank == 0 and self.cfg.keep_last:
+            self._remove_old(self.cfg.keep_last, iteration)
         dist.barrier(group=self.group)
+
+    def _agree(self, local_step, path: str) -> None:
+        """Run this rank's part of a save step, then agree with every rank on whether all succeeded. On
+        a failure anywhere the partial directory is removed and every rank raises the same error."""
+        try:
+            local_step()
+            problem = None
+        except BaseException as e:  # noqa: BLE001 - DCP raises a BaseException subclass
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            problem = f"rank {self.rank}: {describe_write_error(e, self.cfg.save)}"
+        problems = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [p for p in problems if p]
+        if problems:
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            latest = os.path.join(self.cfg.save, files.LATEST)
+            kept = f"{latest} still names the previous checkpoint" if os.path.isfile(latest) else "no checkpoint was published"
+            raise CheckpointWriteError(f"saving {path} failed: {problems[0]}"
+                                       + (f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else "")
+                                       + f"; {kept}")
+
+    def _remove_old(self, keep: int, newest: int) -> None:
+        """Delete the oldest complete ``iter_*`` directories beyond ``keep`` (never ``newest``, the one
+        ``latest`` names now)."""
+        root = self.cfg.save
+        done = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit())
+        for it in [i for i in done if i != newest][:max(0, len(done) - keep)]:
+            shutil.rmtree(os.path.join(root, files.iter_dir_name(it)), ignore_errors=True)
 
     def _publish(self, tmp: str, iteration: int) -> None:
         root = self.cfg.save

@@ -7,3 +7,4 @@ from dataclasses import dataclass
 class CheckpointConfig:
     save: str | None = None  # directory of iter_NNNNNNN/ checkpoints and `latest`
     async_save: bool = False  # write in a background thread after a copy to CPU
+    keep_last: int | None = None  # after each save keep only the newest N iter_* directories (None: all)

@@ -23,11 +23,15 @@ class StopOnSignal:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def agreed(self) -> bool:
-        """Collective: whether any rank has received a stop signal."""
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+    SIGNAL, LIMIT = 2, 1  # why the run stops (a signal wins when both)
+
+    def agreed(self, limit_reached: bool = False) -> int:
+        """Collective: ``SIGNAL`` if any rank has received a stop signal, else ``LIMIT`` if any rank
+        passed ``limit_reached=True`` (e.g. its clock is past a time limit), else 0."""
+        flag = torch.tensor([self.SIGNAL if self.received is not None else self.LIMIT if limit_reached else 0],
+                            dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return int(flag.item())
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -1,0 +1,34 @@
+"""Which checkpoint a run starts from: ``checkpoint.load``, or nothing yet when the job saves there.
+
+``checkpoint.load`` equal to ``checkpoint.save`` is the requeue idiom: one job script serves the first
+launch and every restart. While that directory holds no checkpoint (missing, empty, or only partial
+``.tmp`` saves of a job that died in its first save) the run starts fresh. Any other missing or
+incomplete load path stays an error, raised before any work by the checkpoint loader.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megand.core.checkpointing.files import LATEST, METADATA
+
+
+def holds_no_checkpoint(path: str) -> bool:
+    """True when ``path`` has no ``latest`` file and no complete ``iter_*`` directory."""
+    if not os.path.isdir(path):
+        return True
+    if os.path.exists(os.path.join(path, LATEST)):
+        return False
+    return not any(name.startswith("iter_") and not name.endswith(".tmp")
+                   and os.path.isfile(os.path.join(path, name, METADATA)) for name in os.listdir(path))
+
+
+def load_path(checkpoint_cfg) -> tuple[str | None, str | None]:
+    """``(path to load or None, a one-line notice or None)``."""
+    load, save = checkpoint_cfg.load, checkpoint_cfg.save
+    if not load:
+        return None, None
+    if save and os.path.abspath(load) == os.path.abspath(save) and holds_no_checkpoint(load):
+        return None, (f" checkpoint.load={load} is checkpoint.save and holds no checkpoint yet: "
+                      f"starting from scratch")
+    return load, None
