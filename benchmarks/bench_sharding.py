@@ -17,15 +17,10 @@ in bf16 on 4 ranks, one micro-batch per rank per step:
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D = 4
 LEVELS = {  # name: overrides
     "none": ["optim.sharding=none"],
