@@ -90,7 +90,9 @@ class OptimConfig:
 class DataConfig:
     kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
-    tokenizer: Optional[str] = None  # path to a sentencepiece .model
+    tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
+    tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
+    eod_id: Optional[int] = None  # end-of-document id (null: the tokenizer's own EOS / <|endoftext|>)
     split: str = "969,30,1"  # train,valid,test proportions of documents
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
 
@@ -236,6 +238,19 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+    _validate_tokenizer(cfg.data, m.vocab_size)
+
+
+def _validate_tokenizer(data, vocab_size: int) -> None:
+    from megand.data.tokenizer import TOKENIZER_TYPES
+
+    if data.tokenizer_type is not None and data.tokenizer_type not in TOKENIZER_TYPES:
+        raise ConfigError(f"data.tokenizer_type={data.tokenizer_type!r}: expected one of {', '.join(TOKENIZER_TYPES)} "
+                          f"or null")
+    if data.tokenizer_type is not None and not data.tokenizer:
+        raise ConfigError(f"data.tokenizer_type={data.tokenizer_type} needs data.tokenizer (a tokenizer file)")
+    if data.eod_id is not None and not 0 <= data.eod_id < vocab_size:
+        raise ConfigError(f"data.eod_id={data.eod_id} is outside model.vocab_size={vocab_size}")
 
 
 # (key, smallest allowed value): counts that would otherwise fail late (a ZeroDivisionError after step
