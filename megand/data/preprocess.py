@@ -91,6 +91,7 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(tokenizer_spec: tuple) -> None:
     global _worker_tokenizer
     path, kind, eod_id = tokenizer_spec
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # Hugging Face batches: one thread per worker
     _worker_tokenizer = load_tokenizer(path, kind, eod_id, num_threads=1)  # one core per worker
 
 
