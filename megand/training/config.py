@@ -93,6 +93,9 @@ class DataConfig:
     tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
     tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
     eod_id: Optional[int] = None  # end-of-document id (null: the tokenizer's own EOS / <|endoftext|>)
+    reset_attention_mask: bool = False  # tokens attend only within their document (documents end at the EOD id)
+    reset_position_ids: bool = False  # positions restart at 0 after each EOD
+    eod_mask_loss: bool = False  # no loss where the input token is EOD (the prediction across a document boundary)
     split: str = "969,30,1"  # train,valid,test proportions of documents
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
 
@@ -239,6 +242,9 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
     _validate_tokenizer(cfg.data, m.vocab_size)
+    if cfg.data.reset_attention_mask and m.attention_dropout > 0:
+        raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
+                          f"{m.attention_dropout}: set it to 0")
 
 
 def _validate_tokenizer(data, vocab_size: int) -> None:
@@ -300,6 +306,20 @@ def transformer_config(cfg):
     model = OmegaConf.to_container(cfg.model, resolve=True)
     return TransformerConfig(**_known(TransformerConfig, model), sequence_parallel=bool(cfg.parallel.sequence_parallel),
                              cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision)
+
+
+def document_flags(cfg):
+    """``data.reset_attention_mask`` / ``reset_position_ids`` / ``eod_mask_loss`` with the data's EOD id,
+    or None when all three are off."""
+    from megand.training.batches import DocumentFlags
+
+    d = cfg.data
+    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+        return None
+    from megand.data.builder import eod_token_id
+
+    return DocumentFlags(eod_token_id(OmegaConf.to_container(d, resolve=True), cfg.model.vocab_size),
+                         bool(d.reset_attention_mask), bool(d.reset_position_ids), bool(d.eod_mask_loss))
 
 
 def optimizer_config(cfg):
