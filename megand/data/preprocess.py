@@ -64,7 +64,7 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 # ---- inputs ------------------------------------------------------------------------------------------
 INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
-PARQUET_BATCH_ROWS = 1024  # rows decoded at a time out of a row group
+PARQUET_BATCH_ROWS = 64  # rows converted to Python at a time: a few of them make a chunk
 
 
 def expand_inputs(spec: str) -> list[str]:
@@ -191,7 +191,7 @@ def _read_parquet_chunks(path, keys, throttle):
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path, pre_buffer=False)  # read column chunks as needed, not whole row groups ahead
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a corrupt or non-Parquet file
         raise DataError(f"{path}: cannot read Parquet ({' '.join(str(e).split())})") from e
     names = pf.schema_arrow.names
@@ -200,9 +200,11 @@ def _read_parquet_chunks(path, keys, throttle):
         raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {', '.join(names)})")
     row, columns, size = 1, [[] for _ in keys], 0
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=keys, use_threads=False):
-        for col, key in zip(columns, keys):
-            col.extend(batch.column(key).to_pylist())
-        size += sum(len(v.encode("utf-8")) for k in keys for v in batch.column(k).to_pylist() if isinstance(v, str))
+        values = [batch.column(k).to_pylist() for k in keys]
+        for col, vals in zip(columns, values):
+            col.extend(vals)
+        size += sum(len(v.encode("utf-8")) for vals in values for v in vals if isinstance(v, str))
+        del batch, values
         if size >= CHUNK_BYTES:
             if not throttle.acquire():
                 return

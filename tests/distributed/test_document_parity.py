@@ -37,10 +37,11 @@ def test_flags_change_the_loss(short_docs, reference_with_flags, tmp_path):
     assert abs(plain[0]["loss"] - reference_with_flags[0]["loss"]) > 1e-3
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    ["parallel.pp=2", "train.recompute=full"],
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (2, ["parallel.pp=2", "parallel.vpp=2", "train.recompute=selective"]),
+    (4, ["parallel.pp=4", "train.recompute=full"]),  # two middle stages: they read no tokens otherwise
 ])
-def test_document_flags_parity(short_docs, reference_with_flags, tmp_path, layout):
-    run_pretrain(tmp_path, ["+experiment=tiny_llama", *short_docs, *FLAGS, *layout], nproc=2)
+def test_document_flags_parity(short_docs, reference_with_flags, tmp_path, nproc, layout):
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", *short_docs, *FLAGS, *layout], nproc=nproc)
     assert_parity(reference_with_flags, read_metrics(tmp_path))
