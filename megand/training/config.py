@@ -242,8 +242,6 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
     _validate_tokenizer(cfg.data, m.vocab_size)
-    if cfg.data.reset_attention_mask and p.cp > 1:
-        raise ConfigError(f"data.reset_attention_mask=true is not supported with parallel.cp={p.cp} yet: use cp=1")
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
                           f"{m.attention_dropout}: set it to 0")
