@@ -44,7 +44,8 @@ def test_flags_change_the_loss(short_docs, reference_with_flags, tmp_path):
     (2, ["parallel.cp=2", "parallel.cp_comm=p2p"]),
     (2, ["parallel.cp=2", "parallel.cp_comm=all_gather"]),
     (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
-    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=p2p"]),
+    pytest.param(4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=p2p"],
+                 marks=pytest.mark.slow),
 ])
 def test_document_flags_parity(short_docs, reference_with_flags, tmp_path, nproc, layout):
     run_pretrain(tmp_path, ["+experiment=tiny_llama", *short_docs, *FLAGS, *layout], nproc=nproc)
