@@ -42,7 +42,7 @@ def main():
 
     def step():
         t = time.perf_counter()
-        trainer.train_step()
+        trainer.step()
         trainer.iteration += 1
         step_times.append(time.perf_counter() - t)
         return step_times[-1]
