@@ -43,7 +43,6 @@ def main():
     def step():
         t = time.perf_counter()
         trainer.step()
-        trainer.iteration += 1
         step_times.append(time.perf_counter() - t)
         return step_times[-1]
 

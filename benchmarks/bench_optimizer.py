@@ -61,7 +61,6 @@ def time_worker(model, steps):
             dist.barrier()
             start = time.perf_counter()
             t.step()
-            t.iteration += 1
             times[overlap].append(time.perf_counter() - start)
     return {f"overlap={o}": {"median_step_ms": 1e3 * statistics.median(times[o][1:]), "buckets": len(runs[o].ddp.buckets)}
             for o in runs}

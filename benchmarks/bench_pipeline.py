@@ -51,7 +51,6 @@ def _rank_main(overrides, steps, warmup):
     trainer.schedule = timed_schedule
     for _ in range(warmup + steps):
         trainer.step()
-        trainer.iteration += 1
     kept = records[warmup:]
     mean = {k: sum(r[k] for r in kept) / len(kept) for k in kept[0]}
     return dict(stage=trainer.topo.pp_rank, chunks=len(trainer.chunks), **mean)
