@@ -42,8 +42,7 @@ def main():
 
     def step():
         t = time.perf_counter()
-        trainer.train_step()
-        trainer.iteration += 1
+        trainer.step()
         step_times.append(time.perf_counter() - t)
         return step_times[-1]
 

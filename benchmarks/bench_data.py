@@ -1,14 +1,18 @@
 """Measure the data pipeline: preprocessing throughput and peak memory, index-building time.
 
     python benchmarks/bench_data.py --size-mb 200 --workers 1 2 --num-samples 10000000
+    python benchmarks/bench_data.py --size-mb 50 --tokenizers sentencepiece huggingface tiktoken --skip-indices
+    python benchmarks/bench_data.py --size-mb 1000 --format parquet --tokenizers huggingface --workers 2
 
-Generates a jsonl of about --size-mb MB (paragraphs of the pydoc topics, shuffled into documents of
-a few KB) and a tokenizer in a temporary directory, preprocesses it once per worker count in a fresh
-process (so peak memory is that run's own), times the GPT and blending indices for --num-samples,
-then deletes everything it generated unless --keep.
+Generates a jsonl (or Parquet, --format) of about --size-mb MB of text (paragraphs of the pydoc topics,
+shuffled into documents of a few KB) and tokenizers of each kind (a sentencepiece model; a byte-level BPE
+tokenizer.json; a .tiktoken file of that BPE's ranks) in a temporary directory, preprocesses it once per
+tokenizer and worker count in a fresh process (so peak memory is that run's own), times the GPT and
+blending indices for --num-samples, then deletes everything it generated unless --keep.
 """
 
 import argparse
+import base64
 import json
 import os
 import resource
@@ -38,6 +42,57 @@ def generate_jsonl(path: str, size_mb: float, seed: int = 0) -> None:
             line = json.dumps({"text": "\n\n".join(paragraphs[i] for i in picks)}) + "\n"
             f.write(line)
             written += len(line)
+
+
+def generate_parquet(path: str, size_mb: float, seed: int = 0, rows_per_group: int = 4096) -> None:
+    """The same kind of text as ``generate_jsonl``, written a row group at a time (never all in memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    paragraphs = quickstart_documents()
+    target, written = int(size_mb * 1e6), 0
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as w:
+        while written < target:
+            docs = ["\n\n".join(paragraphs[i] for i in rng.integers(0, len(paragraphs), size=rng.integers(5, 25)))
+                    for _ in range(rows_per_group)]
+            w.write_table(pa.table({"text": docs}), row_group_size=rows_per_group)
+            written += sum(len(d.encode()) for d in docs)
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte, reversed."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def train_tokenizer_files(work: str, vocab_size: int) -> dict:
+    """One tokenizer file per kind, trained on the pydoc topics."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = {"sentencepiece": train_sentencepiece(quickstart_documents(), os.path.join(work, "tok"), vocab_size)}
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(quickstart_documents(), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    files["huggingface"] = os.path.join(work, "tokenizer.json")
+    tok.save(files["huggingface"])
+    # The BPE's tokens as bytes, ranked in merge order (ids after the special token), as a .tiktoken file.
+    decode = _byte_decoder()
+    vocab = sorted((i, t) for t, i in tok.get_vocab(with_added_tokens=False).items() if t != "<|endoftext|>")
+    files["tiktoken"] = os.path.join(work, "bpe.tiktoken")
+    with open(files["tiktoken"], "w") as f:
+        for rank, (_, t) in enumerate(vocab):
+            f.write(f"{base64.b64encode(bytes(decode[c] for c in t)).decode()} {rank}\n")
+    return files
 
 
 def child_preprocess(args) -> None:
@@ -74,6 +129,10 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="where generated files go (default: a new temp dir)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--skip-preprocess", action="store_true")
+    p.add_argument("--skip-indices", action="store_true")
+    p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    p.add_argument("--tokenizers", nargs="+", choices=["sentencepiece", "huggingface", "tiktoken"],
+                   default=["sentencepiece"])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--input", help=argparse.SUPPRESS)
     p.add_argument("--output-prefix", help=argparse.SUPPRESS)
@@ -87,24 +146,29 @@ def main() -> None:
         work = args.workdir or tempfile.mkdtemp(prefix="bench-data-")
         os.makedirs(work, exist_ok=True)
         try:
-            jsonl = os.path.join(work, "corpus.jsonl")
+            corpus = os.path.join(work, f"corpus.{args.format}")
             t = time.perf_counter()
-            generate_jsonl(jsonl, args.size_mb)
-            print(f"generated {os.path.getsize(jsonl) / 1e6:.1f} MB jsonl in {time.perf_counter() - t:.1f} s")
-            model = train_sentencepiece(quickstart_documents(), os.path.join(work, "tok"), args.vocab_size)
-            for w in args.workers:
-                out = subprocess.run([sys.executable, __file__, "--child", "--workers", str(w), "--input", jsonl,
-                                      "--output-prefix", os.path.join(work, f"out{w}"), "--tokenizer-model", model],
-                                     check=True, capture_output=True, text=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
-                print(f"preprocess workers={w}: {r['bytes'] / 1e6 / r['seconds']:.2f} MB/s, "
-                      f"{r['tokens'] / r['seconds']:.0f} tokens/s, {r['documents'] / r['seconds']:.0f} docs/s "
-                      f"({r['seconds']:.1f} s, {r['tokens']} tokens); peak RSS main {r['main_peak_mb']:.0f} MB, "
-                      f"largest worker {r['worker_peak_mb']:.0f} MB")
+            (generate_jsonl if args.format == "jsonl" else generate_parquet)(corpus, args.size_mb)
+            print(f"generated {os.path.getsize(corpus) / 1e6:.1f} MB {args.format} in {time.perf_counter() - t:.1f} s")
+            files = train_tokenizer_files(work, args.vocab_size)
+            for kind in args.tokenizers:
+                for w in args.workers:
+                    out = subprocess.run([sys.executable, __file__, "--child", "--workers", str(w), "--input", corpus,
+                                          "--output-prefix", os.path.join(work, f"out{w}"), "--tokenizer-model",
+                                          files[kind]], capture_output=True, text=True)
+                    if out.returncode:
+                        sys.exit(f"preprocess {kind} workers={w} failed: {out.stderr.strip().splitlines()[-1]}")
+                    out = out.stdout
+                    r = json.loads(out.strip().splitlines()[-1])
+                    print(f"preprocess {args.format} {kind} workers={w}: {r['bytes'] / 1e6 / r['seconds']:.2f} MB/s, "
+                          f"{r['tokens'] / r['seconds']:.0f} tokens/s, {r['documents'] / r['seconds']:.0f} docs/s "
+                          f"({r['seconds']:.1f} s, {r['bytes'] / 1e6:.0f} MB, {r['tokens']} tokens); peak RSS main "
+                          f"{r['main_peak_mb']:.0f} MB, largest worker {r['worker_peak_mb']:.0f} MB", flush=True)
         finally:
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)
-    bench_indices(args.num_samples, args.seq_length, args.num_docs)
+    if not args.skip_indices:
+        bench_indices(args.num_samples, args.seq_length, args.num_docs)
 
 
 if __name__ == "__main__":

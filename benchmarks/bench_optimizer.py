@@ -60,8 +60,7 @@ def time_worker(model, steps):
         for overlap, t in runs.items():
             dist.barrier()
             start = time.perf_counter()
-            t.train_step()
-            t.iteration += 1
+            t.step()
             times[overlap].append(time.perf_counter() - start)
     return {f"overlap={o}": {"median_step_ms": 1e3 * statistics.median(times[o][1:]), "buckets": len(runs[o].ddp.buckets)}
             for o in runs}

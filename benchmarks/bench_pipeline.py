@@ -50,8 +50,7 @@ def _rank_main(overrides, steps, warmup):
 
     trainer.schedule = timed_schedule
     for _ in range(warmup + steps):
-        trainer.train_step()
-        trainer.iteration += 1
+        trainer.step()
     kept = records[warmup:]
     mean = {k: sum(r[k] for r in kept) / len(kept) for k in kept[0]}
     return dict(stage=trainer.topo.pp_rank, chunks=len(trainer.chunks), **mean)

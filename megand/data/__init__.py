@@ -1,7 +1,7 @@
 """Data pipeline: tokenizers, Megatron-format indexed datasets, GPT samples, blending.
 
 Modules, one job each:
-- ``tokenizer``: ``Tokenizer`` interface, ``SentencePieceTokenizer``, ``NullTokenizer``, ``build_tokenizer``.
+- ``tokenizer``: ``Tokenizer`` interface; sentencepiece, Hugging Face and tiktoken kinds (``load_tokenizer``), ``NullTokenizer``, ``build_tokenizer``.
 - ``spm_train``: train a sentencepiece model (tools/train_tokenizer.py, quickstart).
 - ``jsonl``: parse corpus lines, naming ``file:line`` for malformed ones.
 - ``preprocess``: jsonl -> ``.bin``/``.idx`` with worker processes (tools/preprocess_data.py).

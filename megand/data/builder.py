@@ -119,3 +119,22 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int, seed: int,
         parts = [GPTDataset(ds, r, seq_length, seed, k, cache_dir, name) for (_, ds, r), k in zip(live, needed)]
         out.append(BlendedDataset(parts, [w for w, _, _ in live], n, cache_dir, name))
     return tuple(out)
+
+
+def data_tokenizer(data_cfg, vocab_size: int):
+    """The tokenizer the data was made with: ``data.tokenizer`` (the quickstart corpus's own model for
+    ``kind=quickstart``), or a ``NullTokenizer`` of the vocab without one."""
+    if data_cfg.get("kind") == "quickstart":
+        from megand.data.quickstart import prepare_quickstart_corpus
+
+        _, tokenizer = prepare_quickstart_corpus(data_cfg.get("cache_dir"), vocab_size)  # built already: cached
+        data_cfg = {**dict(data_cfg), "tokenizer": tokenizer}
+    return build_tokenizer(data_cfg, vocab_size)
+
+
+def eod_token_id(data_cfg, vocab_size: int) -> int:
+    """The end-of-document id the data uses: ``data.eod_id`` when set, else its tokenizer's (without a
+    tokenizer, the last id of the vocab, as mock data)."""
+    if data_cfg.get("eod_id") is not None:
+        return int(data_cfg.get("eod_id"))
+    return data_tokenizer(data_cfg, vocab_size).eod_id

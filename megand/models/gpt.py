@@ -98,12 +98,15 @@ class GPTModel(torch.nn.Module):
             return None
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None):
+    def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
 
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
         per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``.
-        ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism).
+        ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism),
+        or ``[b, s]`` per-sample positions (restarting at each document).
+        ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` of the micro-batch's
+        full sequence: attention stays within documents.
         ``kv_cache``: a :class:`~megand.core.transformer.kv_cache.KVCache` (generation): ``input_ids`` are
         the tokens after the cached ones, at positions from the cache's length on.
         """
@@ -116,7 +119,7 @@ class GPTModel(torch.nn.Module):
         x = self.embedding(input_ids, positions) if self.pre_process else hidden
         rope = self.rope(positions)
         for name, layer in self.layers.items():
-            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None)
+            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents)
         if not self.post_process:
             return x
         logits = self.logits(self.final_norm(x))

@@ -8,7 +8,7 @@ The config is the training config (Hydra overrides, as for ``pretrain_gpt.py``):
 
 Modes (same keys: tokens_per_s, tflops_per_s per rank, mfu, mem_peak_bytes (max over ranks),
 step_time_median_s and spread, ...):
-- ``megand``: ``megand.training.pretrain.Trainer`` built in-process, timed ``train_step()`` calls; one
+- ``megand``: ``megand.training.pretrain.Trainer`` built in-process, timed ``step()`` calls; one
   micro-batch per data-parallel rank per step unless ``train.global_batch_size`` is given.
 - ``baseline``: the same model shape trained by a plain single-process PyTorch/transformers loop.
 - ``both``: megand, then the baseline in the same process (rank 0); adds ``baseline`` (its result) and

@@ -1,4 +1,4 @@
-"""megand's own benchmark mode: the real ``Trainer`` built in-process, timed over ``train_step()`` calls.
+"""megand's own benchmark mode: the real ``Trainer`` built in-process, timed over ``step()`` calls.
 
 A plain ``python`` launch is a world of one; under ``torchrun`` every rank runs this and rank 0 reports.
 The keys are those of the baseline (``megand/tools/benchmark_baseline.py``), so ``--mode both`` divides one by

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--ids", type=int, nargs="+", help="prompt token ids")
-    p.add_argument("--tokenizer", help="sentencepiece .model (default: the run's data.tokenizer)")
+    p.add_argument("--tokenizer", help="sentencepiece .model, tokenizer.json or .tiktoken file (default: the run's data.tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -126,10 +126,11 @@ def main(argv=None) -> int:
     tokenizer = None
     if tok_path:
         from megand.data.errors import DataError
-        from megand.data.tokenizer import SentencePieceTokenizer
+        from megand.data.tokenizer import load_tokenizer
 
-        try:
-            tokenizer = SentencePieceTokenizer(tok_path)
+        run_data = (run_cfg.get("data", {}) or {}) if not args.tokenizer else {}
+        try:  # any tokenizer kind; the run's data.tokenizer_type when its tokenizer is used
+            tokenizer = load_tokenizer(tok_path, run_data.get("tokenizer_type"))
         except DataError as e:
             print(f"generate: {e}", file=sys.stderr)
             return 2

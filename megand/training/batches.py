@@ -4,22 +4,43 @@ The global batch of iteration ``i`` is samples ``[i*B, (i+1)*B)`` whatever the l
 rank ``r`` takes the ``r``-th contiguous slice and splits it into micro-batches in order. Tensor- and
 pipeline-parallel peers of a data-parallel rank load the same samples identically (reading a few
 memory-mapped samples costs less than broadcasting them over tp), except pipeline stages that hold neither
-the embedding nor the loss: they read no tokens at all, only the positions. Under context parallelism each
-rank keeps its load-balanced sequence chunks and their global positions.
+the embedding nor the loss: they read no tokens at all, only the positions, unless documents matter
+(``DocumentFlags``): then every stage reads the samples to find the document boundaries, which travel
+with the micro-batch (document ids for the attention mask, per-sample positions, the loss mask), and
+drops the tokens. Under context parallelism each rank keeps its load-balanced sequence chunks and their
+global positions; document ids stay whole-sequence (the attention looks up the keys' documents).
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from megand.core.transformer.documents import document_ids, document_positions
+
+
+@dataclass(frozen=True)
+class DocumentFlags:
+    """Megatron's three document options (``data.reset_attention_mask`` etc.) and the EOD id they use."""
+    eod_id: int
+    reset_attention_mask: bool = False  # attend only within the document
+    reset_position_ids: bool = False  # positions restart at each document
+    eod_mask_loss: bool = False  # no loss where the input token is EOD (the prediction across a boundary)
+
+    @property
+    def any(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss
 
 
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor | None  # [b, s_local]; None on stages that need no tokens
     labels: torch.Tensor | None  # [b, s_local]
-    positions: torch.Tensor  # [s_local] global token positions
+    positions: torch.Tensor  # [s_local] global token positions, or [b, s_local] with reset_position_ids
     batch_size: int
+    document_ids: torch.Tensor | None = None  # [b, s] document of every token of the whole sequence
+    loss_mask: torch.Tensor | None = None  # [b, s_local] 1.0 where the token's loss counts
 
 
 def global_batch_range(iteration: int, global_batch_size: int) -> range:
@@ -27,31 +48,58 @@ def global_batch_range(iteration: int, global_batch_size: int) -> range:
 
 
 def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, topo, offset=0, seq_length=None,
-                      needs_tokens=True):
+                      needs_tokens=True, documents: DocumentFlags | None = None):
     """This rank's micro-batches of global batch ``iteration`` (samples from ``offset`` on).
 
-    ``needs_tokens=False`` (a middle pipeline stage): only positions; ``seq_length`` is then required.
+    ``needs_tokens=False`` (a middle pipeline stage): only positions (and document information when
+    ``documents`` asks for it); ``seq_length`` is then required.
     """
     per_dp = global_batch_size // topo.dp_size
     first = offset + iteration * global_batch_size + topo.dp_rank * per_dp
-    input_ids = labels = None
-    if needs_tokens:
+    use_documents = documents is not None and documents.any
+    input_ids = labels = doc_ids = loss_mask = None
+    if needs_tokens or use_documents:
         tokens = torch.from_numpy(np.stack([np.asarray(dataset[first + i], dtype=np.int64) for i in range(per_dp)]))
         seq_length = tokens.shape[1] - 1
         input_ids, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(seq_length)
+    if use_documents:
+        ids = document_ids(input_ids, documents.eod_id)
+        if documents.reset_attention_mask:
+            doc_ids = ids
+        if documents.reset_position_ids:
+            positions = document_positions(ids)
+        if documents.eod_mask_loss:
+            loss_mask = (input_ids != documents.eod_id).float()
+        if not needs_tokens:
+            input_ids = labels = None
     if topo.cp_size > 1:
         from megand.core.context_parallel import cp_positions, split_for_cp
 
-        if needs_tokens:
-            input_ids = split_for_cp(input_ids, 1, topo.cp_rank, topo.cp_size)
-            labels = split_for_cp(labels, 1, topo.cp_rank, topo.cp_size)
-        positions = cp_positions(seq_length, topo.cp_rank, topo.cp_size, positions.device)
+        input_ids, labels, loss_mask = (None if t is None else split_for_cp(t, 1, topo.cp_rank, topo.cp_size)
+                                        for t in (input_ids, labels, loss_mask))
+        if positions.dim() == 2:
+            positions = split_for_cp(positions, 1, topo.cp_rank, topo.cp_size)
+        else:
+            positions = cp_positions(seq_length, topo.cp_rank, topo.cp_size, positions.device)
     device = topo.device
-    positions = positions.to(device)
 
     def part(t, i):
         return None if t is None else t[i: i + micro_batch_size].to(device)
 
-    return [MicroBatch(part(input_ids, i), part(labels, i), positions, micro_batch_size)
+    per_sample = positions.dim() == 2
+    positions = positions.to(device)
+    return [MicroBatch(part(input_ids, i), part(labels, i), part(positions, i) if per_sample else positions,
+                       micro_batch_size, part(doc_ids, i), part(loss_mask, i))
             for i in range(0, per_dp, micro_batch_size)]
+
+
+def loss_token_count(microbatches, topo, default: int) -> torch.Tensor | int:
+    """Tokens whose loss counts in the global batch: ``default`` (all of them) without a loss mask, else
+    the mask's sum over this rank's micro-batches summed over data- and context-parallel ranks."""
+    if not microbatches or microbatches[0].loss_mask is None:
+        return default
+    count = torch.stack([mb.loss_mask.sum() for mb in microbatches]).sum()
+    if topo.dp_cp_size > 1:
+        dist.all_reduce(count, group=topo.dp_cp_group)
+    return count.clamp_min(1.0)  # a batch of EOD tokens only: loss 0, not nan

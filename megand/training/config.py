@@ -102,7 +102,12 @@ class OptimConfig:
 class DataConfig:
     kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
-    tokenizer: Optional[str] = None  # path to a sentencepiece .model
+    tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
+    tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
+    eod_id: Optional[int] = None  # end-of-document id (null: the tokenizer's own EOS / <|endoftext|>)
+    reset_attention_mask: bool = False  # tokens attend only within their document (documents end at the EOD id)
+    reset_position_ids: bool = False  # positions restart at 0 after each EOD
+    eod_mask_loss: bool = False  # no loss where the input token is EOD (the prediction across a document boundary)
     split: str = "969,30,1"  # train,valid,test proportions of documents
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
 
@@ -262,6 +267,10 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+    _validate_tokenizer(cfg.data, m.vocab_size)
+    if cfg.data.reset_attention_mask and m.attention_dropout > 0:
+        raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
+                          f"{m.attention_dropout}: set it to 0")
     validate_fault_keys(cfg)
 
 
@@ -285,6 +294,18 @@ def validate_fault_keys(cfg) -> None:
     if t.spike_rollback and not (c.save and c.interval > 0):
         raise ConfigError(f"train.spike_rollback=true needs checkpoints to roll back to: checkpoint.save={c.save} "
                           f"and checkpoint.interval={c.interval} (must be > 0)")
+
+
+def _validate_tokenizer(data, vocab_size: int) -> None:
+    from megand.data.tokenizer import TOKENIZER_TYPES
+
+    if data.tokenizer_type is not None and data.tokenizer_type not in TOKENIZER_TYPES:
+        raise ConfigError(f"data.tokenizer_type={data.tokenizer_type!r}: expected one of {', '.join(TOKENIZER_TYPES)} "
+                          f"or null")
+    if data.tokenizer_type is not None and not data.tokenizer:
+        raise ConfigError(f"data.tokenizer_type={data.tokenizer_type} needs data.tokenizer (a tokenizer file)")
+    if data.eod_id is not None and not 0 <= data.eod_id < vocab_size:
+        raise ConfigError(f"data.eod_id={data.eod_id} is outside model.vocab_size={vocab_size}")
 
 
 # (key, smallest allowed value): counts that would otherwise fail late (a ZeroDivisionError after step
@@ -334,6 +355,20 @@ def transformer_config(cfg):
     model = OmegaConf.to_container(cfg.model, resolve=True)
     return TransformerConfig(**_known(TransformerConfig, model), sequence_parallel=bool(cfg.parallel.sequence_parallel),
                              cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision)
+
+
+def document_flags(cfg):
+    """``data.reset_attention_mask`` / ``reset_position_ids`` / ``eod_mask_loss`` with the data's EOD id,
+    or None when all three are off."""
+    from megand.training.batches import DocumentFlags
+
+    d = cfg.data
+    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+        return None
+    from megand.data.builder import eod_token_id
+
+    return DocumentFlags(eod_token_id(OmegaConf.to_container(d, resolve=True), cfg.model.vocab_size),
+                         bool(d.reset_attention_mask), bool(d.reset_position_ids), bool(d.eod_mask_loss))
 
 
 def optimizer_config(cfg):

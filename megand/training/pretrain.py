@@ -23,14 +23,16 @@ from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
+from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import rank_microbatches
+from megand.training.batches import loss_token_count, rank_microbatches
 from megand.training.config import (
     checkpoint_config,
     data_parallel_config,
+    document_flags,
     optimizer_config,
     transformer_config,
     validate,
@@ -195,7 +197,10 @@ class Trainer:
         self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
         # stages with neither the embedding nor the loss read no tokens
         needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
-        self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens)
+        self.has_loss = any(chunk.post_process for chunk in self.chunks)
+        self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens,
+                                documents=document_flags(cfg))
+        self.loss_tokens = self.tokens_per_batch  # per global batch: fewer with data.eod_mask_loss
         self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
 
     def _build_checkpointer(self):
@@ -298,11 +303,17 @@ class Trainer:
                                       enabled_on_this_rank=self.topo.is_logging_rank and w.enabled)
         return self._wandb
 
+    def _count_loss_tokens(self, microbatches):
+        if self.has_loss:
+            self.loss_tokens = loss_token_count(microbatches, self.topo, self.tokens_per_batch)
+
     def forward_step(self, model, microbatch, hidden):
+        documents = None if microbatch.document_ids is None else DocumentMask(microbatch.document_ids)
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
-                    labels=microbatch.labels if model.post_process else None, hidden=hidden)
+                    labels=microbatch.labels if model.post_process else None, hidden=hidden, documents=documents)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
-            loss = out.float().sum() / self.tokens_per_batch
+            out = out.float() if microbatch.loss_mask is None else out.float() * microbatch.loss_mask
+            loss = out.sum() / self.loss_tokens
             return self.optimizer.scale_loss(loss) if model.training else loss  # fp16: scaled for backward
         return out
 
@@ -336,6 +347,7 @@ class Trainer:
         self._progress("data")
         microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
                                          self.topo, offset=self.sample_offset, **self.batch_needs)
+        self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -434,6 +446,7 @@ class Trainer:
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
                                              **self.batch_needs)
+            self._count_loss_tokens(microbatches)
             total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
         return total / max(1, t.eval_iters)
 

@@ -17,9 +17,7 @@ def build_trainer(overrides, experiment="tiny_llama"):
 
 
 def step(trainer):
-    loss, result = trainer.train_step()
-    trainer.iteration += 1
-    return loss, result
+    return trainer.step()
 
 
 def snapshot_params(trainer):

@@ -67,7 +67,7 @@ def _measure(run_dir):
     for name, overrides in LAYOUTS.items():
         cfg = compose(BASE + overrides + [f"run_dir={os.path.join(run_dir, name)}"])
         trainer = Trainer(cfg)
-        trainer.train_step()  # grads and optimizer states exist after one step
+        trainer.step()  # grads and optimizer states exist after one step
         params = _storages(trainer.params)
         grads = _storages([g for p in trainer.params for g in (p.grad, getattr(p, "main_grad", None))
                            if g is not None])

@@ -32,3 +32,34 @@ def unique_token_docs(lengths):
     """Documents whose tokens are their global positions: every token identifies where it came from."""
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def train_small_hf_tokenizer(directory, vocab_size=400) -> str:
+    """A byte-level BPE ``tokenizer.json`` (GPT-2 style, ``<|endoftext|>`` special) trained on the quickstart text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(quickstart_documents()[:600], trainer)
+    path = str(directory / "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def write_small_tiktoken_file(directory, vocab_size=400) -> str:
+    """A ``.tiktoken`` file (base64 token, rank) with tiktoken's own BPE training on the quickstart text."""
+    import base64
+
+    from tiktoken._educational import bpe_train
+
+    from megand.data.tokenizer import TIKTOKEN_PATTERN
+
+    ranks = bpe_train("\n".join(quickstart_documents()[:80]), vocab_size, TIKTOKEN_PATTERN, visualise=None)
+    path = directory / "small.tiktoken"
+    with open(path, "w") as f:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    return str(path)

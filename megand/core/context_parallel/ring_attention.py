@@ -8,17 +8,22 @@ are communicated; locally the query heads of one group are folded into the row d
 Block attention is explicit math in fp32: one block's score matrix (at most s_local x s_local) is the
 only quadratic temporary. Backward recomputes it from the saved q, k, v, output and log-sum-exp (as
 flash attention does), so what is saved for backward is O(s_local).
+
+Documents (``document_ids [b, s]`` of the whole sequence): a query sees a key of its own document that
+is not later. A block with no such pair is skipped (neither computed nor communicated for backward work);
+a partial block is masked; rows of a block that see nothing contribute nothing (lse -inf). The
+all-gather variant also cuts each query chunk's keys to start at the earliest document it touches.
 """
 
 import torch
 import torch.distributed as dist
 
-from megand.core.context_parallel.sequence import merge_cp_shards, split_for_cp
+from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 
 # ---------------------------------------------------------------- block attention (no communication)
 
 
-def _scores(q, k, scale, causal):
+def _scores(q, k, scale, causal, allowed=None):
     """Scaled scores of q [b, nh, sq, d] against k [b, ng, sk, d] as [b, ng, nh/ng*sq, sk].
 
     ``causal`` masks with the diagonal aligned to the bottom-right corner: query i sees key j iff
@@ -30,26 +35,31 @@ def _scores(q, k, scale, causal):
     if causal:
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
         scores.view(b, ng, nh // ng, sq, sk).masked_fill_(future, float("-inf"))
+    if allowed is not None:  # [b, sq, sk] document mask
+        scores.view(b, ng, nh // ng, sq, sk).masked_fill_(~allowed[:, None, None], float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, scale, causal):
-    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq]). Every query must see a key."""
+def _block_forward(q, k, v, scale, causal, allowed=None):
+    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq]). Without ``allowed`` every
+    query must see a key; with it, a row that sees none gives out 0 and lse -inf."""
     b, nh, sq, d = q.shape
-    scores = _scores(q, k, scale, causal)
+    scores = _scores(q, k, scale, causal, allowed)
     row_max = scores.amax(dim=-1, keepdim=True)
+    if allowed is not None:
+        row_max.masked_fill_(row_max == float("-inf"), 0.0)
     unnormalised = scores.sub_(row_max).exp_()  # in place: one score-sized buffer, one exp pass
     row_sum = unnormalised.sum(dim=-1, keepdim=True)
-    out = torch.matmul(unnormalised, v).div_(row_sum)
+    out = torch.matmul(unnormalised, v).div_(row_sum if allowed is None else row_sum.clamp_min(1e-30))
     lse = row_max.add_(row_sum.log_()).squeeze(-1)
     return out.view(b, nh, sq, d), lse.view(b, nh, sq)
 
 
-def _block_backward(dout, q, k, v, lse, delta, scale, causal):
+def _block_backward(dout, q, k, v, lse, delta, scale, causal, allowed=None):
     """(dq, dk, dv) of one block, from the *final* lse and delta = rowsum(dout * out) of the whole attention."""
     b, nh, sq, d = q.shape
     ng = k.shape[1]
-    probs = _scores(q, k, scale, causal).sub_(lse.reshape(b, ng, -1, 1)).exp_()
+    probs = _scores(q, k, scale, causal, allowed).sub_(lse.reshape(b, ng, -1, 1)).exp_()
     dout = dout.reshape(b, ng, -1, d)
     dv = torch.matmul(probs.transpose(-1, -2), dout)  # the matmul also sums over the nh/ng heads of a group
     dscores = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.reshape(b, ng, -1, 1)).mul_(probs).mul_(scale)
@@ -71,6 +81,20 @@ def _check(q, k, v):
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"the local sequence ({q.shape[2]}) must be two equal chunks (load-balanced layout)")
+
+
+def _document_pieces(pieces, ids, q_pos, k_pos):
+    """``(q slice, kv slice, causal, allowed)`` of the pieces that do any work. Without documents
+    (``ids`` None) the pieces as they are; with them the [b, sq, sk] mask of each piece (same document,
+    key not after the query), fully masked pieces left out."""
+    for qs, ks, causal in pieces:
+        if ids is None:
+            yield qs, ks, causal, None
+            continue
+        qp, kp = q_pos[qs], k_pos[ks]
+        allowed = (ids[:, qp][:, :, None] == ids[:, kp][:, None, :]) & (qp[:, None] >= kp[None, :])
+        if bool(allowed.any()):
+            yield qs, ks, False, allowed
 
 
 # ---------------------------------------------------------------- ring attention
@@ -104,9 +128,10 @@ def _ring_pieces(step, src, cp_rank, half):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale):
+    def forward(ctx, q, k, v, cp_group, scale, ids):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
+        q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
         q32 = q.float()
         out = torch.zeros_like(q32)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -115,24 +140,27 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp_size:  # start moving the next block before computing on this one
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
             block_k, block_v = kv.float().unbind(0)
-            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+            src = (cp_rank - step) % cp_size
+            k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
                 _merge(out[:, :, qs], lse[:, :, qs],
-                       *_block_forward(q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal))
+                       *_block_forward(q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal, allowed))
             if step + 1 < cp_size:
                 for req in kv_reqs:
                     req.wait()
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale = cp_group, scale
+        ctx.cp_group, ctx.scale, ctx.ids = cp_group, scale, ids
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale = ctx.cp_group, ctx.scale
+        cp_group, scale, ids = ctx.cp_group, ctx.scale, ctx.ids
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
+        q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(-1)
         dq = torch.zeros_like(q32)
@@ -144,10 +172,12 @@ class _RingAttention(torch.autograd.Function):
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
             block_k, block_v = kv.float().unbind(0)
             block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for qs, ks, causal in _ring_pieces(step, (cp_rank - step) % cp_size, cp_rank, half):
+            src = (cp_rank - step) % cp_size
+            k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
                 block_dq, block_dk, block_dv = _block_backward(
                     dout32[:, :, qs], q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], lse[:, :, qs],
-                    delta[:, :, qs], scale, causal)
+                    delta[:, :, qs], scale, causal, allowed)
                 dq[:, :, qs] += block_dq
                 block_dkv[0, :, :, ks] += block_dk
                 block_dkv[1, :, :, ks] += block_dv
@@ -167,18 +197,19 @@ class _RingAttention(torch.autograd.Function):
                 req.wait()
         else:
             dkv = block_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, cp_group, softmax_scale=None):
+def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
+    ``documents`` (anything with ``ids [b, s]``, the whole sequence's document ids): attention within documents.
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _RingAttention.apply(q, k, v, cp_group, scale)
+    return _RingAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -196,52 +227,69 @@ def _all_gather_kv(kv, cp_group):
     return merge_cp_shards(list(gathered.view(cp_size, *kv.shape).unbind(0)), dim=3)
 
 
-def _all_gather_pieces(cp_rank, cp_size, half):
-    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end."""
-    return [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
-            (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
+def _all_gather_pieces(cp_rank, cp_size, half, ids=None, q_pos=None):
+    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end.
+    With documents (``ids``) the keys start at the first token of the earliest document of the chunk."""
+    pieces = [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
+              (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
+    if ids is None:
+        return pieces
+    trimmed = []
+    for qs, ks, causal in pieces:
+        first = q_pos[qs][0]  # document ids never decrease along the sequence
+        start = int(torch.searchsorted(ids, ids[:, first: first + 1]).min())
+        trimmed.append((qs, slice(start, ks.stop), causal))
+    return trimmed
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale):
+    def forward(ctx, q, k, v, cp_group, scale, ids):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
         q32 = q.float()
         out = torch.empty_like(q32)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
-            out[:, :, qs], lse[:, :, qs] = _block_forward(q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale, causal)
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
+            out[:, :, qs], lse[:, :, qs] = _block_forward(q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
+                                                          causal, allowed)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale = cp_group, scale
+        ctx.cp_group, ctx.scale, ctx.ids = cp_group, scale, ids
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale = ctx.cp_group, ctx.scale
+        cp_group, scale, ids = ctx.cp_group, ctx.scale, ctx.ids
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(-1)
         dq = torch.empty_like(q32)
         dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
-        for qs, ks, causal in _all_gather_pieces(cp_rank, cp_size, q.shape[2] // 2):
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
             dq[:, :, qs], dk, dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
-                                                   lse[:, :, qs], delta[:, :, qs], scale, causal)
+                                                   lse[:, :, qs], delta[:, :, qs], scale, causal, allowed)
             dkv_all[0, :, :, ks] += dk
             dkv_all[1, :, :, ks] += dv
         # sum the contributions of all ranks and hand each rank the gradient of its own tokens
         dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
         local_dkv = torch.empty_like(dkv_by_rank[:2])
         _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
-        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None
 
 
-def all_gather_attention(q, k, v, cp_group, softmax_scale=None):
+def _all_gather_work(q, cp_rank, cp_size, ids):
+    half = q.shape[2] // 2
+    q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
+    k_pos = torch.arange(2 * half * cp_size, device=q.device)
+    return _document_pieces(_all_gather_pieces(cp_rank, cp_size, half, ids, q_pos), ids, q_pos, k_pos)
+
+
+def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
     """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _AllGatherAttention.apply(q, k, v, cp_group, scale)
+    return _AllGatherAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids)

@@ -73,10 +73,12 @@ def check_ulysses_heads(num_heads: int, tp: int, cp: int) -> None:
                          f"to be divisible by parallel.cp={cp}")
 
 
-def ulysses_attention(q, k, v, cp_group, softmax_scale=None):
+def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
+    ``documents`` (a ``DocumentMask`` of the whole sequence): attention within documents, on the whole
+    sequence each rank holds after the all-to-all.
     """
     cp = dist.get_world_size(cp_group)
     nh, ng = q.shape[1], k.shape[1]
@@ -88,6 +90,9 @@ def ulysses_attention(q, k, v, cp_group, softmax_scale=None):
     order = torch.cat([cp_positions(seq, r, cp, device=q.device) for r in range(cp)])
     natural = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, cp_group).index_select(2, natural) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    if documents is not None:
+        out = documents.attend(q, k, v, scale=softmax_scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return _HeadsToSeq.apply(out.index_select(2, order), cp_group)

@@ -27,7 +27,7 @@ FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
     """The shape of what crosses a pipeline link for ``microbatch``: ``[s_local(/tp), b, h]``."""
-    batch, seq = microbatch.batch_size, len(microbatch.positions)  # seq: this rank's context-parallel share
+    batch, seq = microbatch.batch_size, microbatch.positions.shape[-1]  # this rank's context-parallel share; positions may be per sample [b, s]
     if cfg.sequence_parallel:
         seq //= topo.tp_size
     return seq, batch, cfg.hidden_size

@@ -54,17 +54,22 @@ class Attention(torch.nn.Module):
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 
-    def core(self, q, k, v):
-        """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads."""
+    def core(self, q, k, v, documents=None):
+        """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
+        ``documents``: a :class:`DocumentMask`; tokens then attend only within their document."""
         if self.cp_group is not None:  # the other tokens of the sequence live on the other cp ranks
             attend = CP_ATTENTION[self.cfg.cp_comm]
+            if documents is not None:
+                return attend(q, k, v, self.cp_group, documents=documents)
             return attend(q, k, v, self.cp_group)
+        if documents is not None:  # attention dropout with document masks is refused by the config
+            return documents.attend(q, k, v)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
-    def forward(self, x, rope=None, cache: LayerKVCache | None = None):
+    def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
         qkv = self.qkv(x)
         s = qkv.shape[0]
@@ -77,8 +82,8 @@ class Attention(torch.nn.Module):
         if cache is not None:
             out = cached_attention(q, *cache.append(k, v))
         elif self.cfg.recompute == "selective":
-            out = checkpoint(self.core, q, k, v, rng=self.rng)
+            out = checkpoint(self.core, q, k, v, documents, rng=self.rng)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.proj(out)

@@ -30,14 +30,15 @@ class TransformerLayer(torch.nn.Module):
                 return F.dropout(x, self.cfg.hidden_dropout)
         return F.dropout(x, self.cfg.hidden_dropout)
 
-    def _forward(self, x, rope, cache=None):
-        x = x + self.dropout(self.attention(self.input_norm(x), rope, cache))
+    def _forward(self, x, rope, cache=None, documents=None):
+        x = x + self.dropout(self.attention(self.input_norm(x), rope, cache, documents))
         return x + self.dropout(self.mlp(self.post_attention_norm(x)))
 
-    def forward(self, x, rope=None, cache=None):
-        """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation)."""
+    def forward(self, x, rope=None, cache=None, documents=None):
+        """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation);
+        ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents)."""
         if cache is not None:
             return self._forward(x, rope, cache)
         if self.cfg.recompute == "full":
-            return checkpoint(self._forward, x, rope, rng=self.rng)
-        return self._forward(x, rope)
+            return checkpoint(self._forward, x, rope, None, documents, rng=self.rng)
+        return self._forward(x, rope, None, documents)

@@ -4,10 +4,12 @@ import torch
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos and sin ``[s, 1, 1, head_dim]`` for global token positions ``[s]``."""
+    """cos and sin ``[s, 1, 1, head_dim]`` for global token positions ``[s]``, or ``[s, b, 1, head_dim]`` for
+    per-sample positions ``[b, s]`` (positions restarting at each document)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    angles = angles[:, None, None, :] if positions.dim() == 1 else angles.transpose(0, 1)[:, :, None, :]
     return angles.cos(), angles.sin()
 
 
