@@ -245,7 +245,9 @@ class Trainer:
         self.last_save_attempt = self.iteration
         self._progress("checkpoint save")
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
-        if not all_finite([*self.params, *self.optimizer.state_tensors()], self.topo.device):
+        # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
+        weights = [data for _, _, _, data in self.ddp.param_shards()]
+        if not all_finite([*weights, *self.optimizer.state_tensors()], self.topo.device):
             if self.topo.is_logging_rank:
                 print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
                       f"state are not finite", flush=True)
