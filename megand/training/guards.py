@@ -28,9 +28,16 @@ def first_nonfinite_grad(optimizer) -> str | None:
     return None
 
 
+FINITE_CHECK_CHUNK = 1 << 16  # elements (a shard of 1e9 elements: ~15k chunks)
+
+
 def all_finite(tensors, device) -> bool:
     """Collective: whether every tensor on every rank is finite (each rank reads only its own shards)."""
-    ok = all(bool(torch.isfinite(t).all()) for t in tensors if t is not None and t.is_floating_point())
+    # in chunks: isfinite's temporaries (a copy of its input, a mask) then cost a chunk, not the largest tensor
+    # (one flag per chunk, read once)
+    flags = [torch.isfinite(chunk).all() for t in tensors if t is not None and t.is_floating_point()
+             for chunk in t.reshape(-1).split(FINITE_CHECK_CHUNK)]
+    ok = bool(torch.stack(flags).all()) if flags else True
     flag = torch.tensor([0.0 if ok else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0
