@@ -558,7 +558,15 @@ def final_summary(trainer, seconds: float, best_val: float) -> str:
 
 
 def pretrain(cfg) -> None:
-    trainer = Trainer(cfg)
-    trainer.run()
-    dist.barrier()
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+        dist.barrier()
+    except USER_ERRORS:
+        # raised on every rank alike: tear the process groups down now, not during interpreter exit, where
+        # a gloo group's threads may be destroyed still running (abort: "terminate called without an
+        # active exception", after the one-line message)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     dist.destroy_process_group()
