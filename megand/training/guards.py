@@ -28,9 +28,14 @@ def first_nonfinite_grad(optimizer) -> str | None:
     return None
 
 
+FINITE_CHECK_SLICE = 1 << 18  # elements per isfinite mask
+
+
 def all_finite(tensors, device) -> bool:
     """Collective: whether every tensor on every rank is finite (each rank reads only its own shards)."""
-    ok = all(bool(torch.isfinite(t).all()) for t in tensors if t is not None and t.is_floating_point())
+    # in slices: a mask of a whole flat buffer would cost a checkpoint save its size in memory
+    ok = all(bool(torch.isfinite(piece).all()) for t in tensors if t is not None and t.is_floating_point()
+             for piece in t.detach().reshape(-1).split(FINITE_CHECK_SLICE))
     flag = torch.tensor([0.0 if ok else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0
