@@ -28,6 +28,7 @@ from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import rank_microbatches
+from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
     data_parallel_config,
@@ -148,6 +149,7 @@ class Trainer:
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
+        self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
         self.schedule = get_schedule(self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
@@ -390,6 +392,10 @@ class Trainer:
         """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances and
         skipped steps are counted (``self.skips.exhausted`` after too many in a row)."""
         loss, result, spike = self.train_step()
+        if self.compile_timer is not None and not self.compile_timer.reported and self.topo.is_logging_rank:
+            self.compile_timer.reported = True
+            print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
+                  f"forward calls on this rank; backward graphs compile during the first backward)", flush=True)
         self.iteration += 1
         self.last_spike = spike
         self.guard_skips(loss, result)

@@ -71,6 +71,7 @@ def seed_random_streams(seed: int, topo) -> TensorParallelRNG:
     return TensorParallelRNG(rank_seed, topo.tp_rank, topo.device)
 
 
+@torch._dynamo.disable  # runs eagerly inside a compiled layer: torch.compile cannot trace a context_fn
 def checkpoint(fn, *args, rng: TensorParallelRNG | None = None):
     """Activation recompute that also replays the tensor-parallel stream, so recomputed dropout masks
     equal the original ones (torch's checkpoint only replays the default generator)."""
