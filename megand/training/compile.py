@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from megand.core.tensor_parallel.random import run_recompute_eagerly_under_compile
+
 
 class CompileTimer:
     """Wall time of each compiled layer's first forward call (which compiles it)."""
@@ -40,6 +42,7 @@ def compile_layers(chunks) -> CompileTimer:
     first-call (compilation) time. The module hooks stay outside the compiled code. Activation
     recomputation runs eagerly (its checkpoint replays the tensor-parallel RNG, which torch.compile
     cannot trace): under full recomputation the recomputed body of the layer is what is compiled."""
+    run_recompute_eagerly_under_compile()
     timer = CompileTimer()
     for chunk in chunks:
         for layer in chunk.layers.values():
