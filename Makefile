@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 NPROC ?= 4
 
-.PHONY: install quickstart test test-all
+.PHONY: install quickstart test test-all gpu-check
 
 install: $(VENV)/.installed
 
@@ -26,3 +26,9 @@ test: install
 # Everything, including the slow multi-process matrices.
 test-all: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m ""
+
+# On a CUDA machine (one GPU is enough, under 8 minutes): unit tests, bf16 throughput of llama_1b (seq 4096)
+# and gpt2_125m next to transformers, the context-parallel attention against SDPA, fused AdamW, memory
+# statistics, async checkpointing and torch.compile. Writes gpu_check.json and prints a table.
+gpu-check: install
+	OMP_NUM_THREADS=8 $(VENV)/bin/python tools/gpu_check.py --out gpu_check.json

@@ -1,4 +1,5 @@
-"""Forward+backward time of context-parallel causal attention at cp=1,2,4 (gloo, CPU, one thread per rank).
+"""Forward+backward time of context-parallel causal attention at cp=1,2,4 (gloo, CPU, one thread per rank):
+ring (p2p), all_gather and a2a (Ulysses: heads re-sharded over cp; --heads must divide by every cp).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cp_attention.py [--seq 4096 --heads 8 --groups 8 --head-dim 64]
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.context_parallel import all_gather_attention, ring_attention, split_for_cp
+from megand.core.context_parallel.ulysses import ulysses_attention
 from megand.tools.spawn import run_distributed
 
 
@@ -56,7 +58,8 @@ def _bench(seq, heads, groups, head_dim, iters):
                     req.wait()
                 buf = recv
 
-    variants = {"ring": lambda: fwd_bwd(ring_attention), "all_gather": lambda: fwd_bwd(all_gather_attention)}
+    variants = {"ring": lambda: fwd_bwd(ring_attention), "all_gather": lambda: fwd_bwd(all_gather_attention),
+                "a2a": lambda: fwd_bwd(ulysses_attention)}
     if cp > 1:
         variants.update(comm=ring_messages)
     # the variants take turns within each iteration so that load from other processes hits them alike
@@ -88,7 +91,8 @@ def main():
     for cp in args.cp:
         r = run_distributed(_bench, cp, args.seq, args.heads, args.groups, args.head_dim, args.iters)[0]
         line = (f"cp={cp}: ring fwd+bwd {r['ring'][0]:.3f} s ({r['ring'][1]:.3f}) cpu {r['ring'][2]:.3f} s | "
-                f"all_gather {r['all_gather'][0]:.3f} s ({r['all_gather'][1]:.3f}) cpu {r['all_gather'][2]:.3f} s")
+                f"all_gather {r['all_gather'][0]:.3f} s ({r['all_gather'][1]:.3f}) cpu {r['all_gather'][2]:.3f} s | "
+                f"a2a {r['a2a'][0]:.3f} s ({r['a2a'][1]:.3f}) cpu {r['a2a'][2]:.3f} s")
         if cp > 1:
             line += f" | ring messages alone {r['comm'][0]:.3f} s ({r['comm'][1]:.3f})"
         print(line + f" | max_rss {r['max_rss_gib']:.2f} GiB", flush=True)

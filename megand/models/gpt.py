@@ -7,6 +7,7 @@ Activations between layers are ``[seq, batch, hidden]``, sequence-sharded under 
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, retag, tag
@@ -15,7 +16,7 @@ from megand.core.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_tp,
     reduce_from_tp,
-    scatter_to_sp,
+    reduce_scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
 from megand.core.tensor_parallel.layers import column_parallel_linear, padded_vocab_size
@@ -35,16 +36,24 @@ class Embedding(torch.nn.Module):
         self.position = None
         if cfg.position_embedding == "learned":
             shape = (cfg.seq_length, cfg.hidden_size)
-            meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std)
+            # under sequence parallelism each tp rank adds the rows of its sequence shard: partial gradients
+            meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
+                             sequence_parallel_grad=cfg.sequence_parallel)
             self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
 
     def forward(self, input_ids, positions):
-        x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
-        if self.position is not None:
-            x = x + self.position[positions]
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.cfg.sequence_parallel:
-            x = scatter_to_sp(x, self.tp_group)
+            # each tp rank's lookup is partial (its vocab rows): reduce-scatter the sum over the sequence
+            # (no all-reduce of the full sequence then a split)
+            x = reduce_scatter_to_sp(self.word(input_ids).transpose(0, 1).contiguous(), self.tp_group)  # [s/tp, b, h]
+            if self.position is not None:
+                local = positions.chunk(dist.get_world_size(self.tp_group))[dist.get_rank(self.tp_group)]
+                x = x + self.position[local].unsqueeze(1)
+        else:
+            x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
+            if self.position is not None:
+                x = x + self.position[positions]
+            x = x.transpose(0, 1).contiguous()  # [s, b, h]
         if self.training and self.cfg.hidden_dropout > 0:
             if self.cfg.sequence_parallel:  # each tp rank holds other tokens: draw other masks
                 with self.rng.fork():

@@ -12,7 +12,9 @@ step_time_median_s and spread, ...):
   micro-batch per data-parallel rank per step unless ``train.global_batch_size`` is given.
 - ``baseline``: the same model shape trained by a plain single-process PyTorch/transformers loop.
 - ``both``: megand, then the baseline in the same process (rank 0); adds ``baseline`` (its result) and
-  ``overhead_ratio`` = baseline tokens/s / megand tokens/s (1.0: no framework overhead).
+  ``overhead_ratio`` = baseline tokens/s / megand tokens/s (1.0: no framework overhead) and its inverse
+  ``speed_ratio``. ``--rounds N`` alternates the two N times in the same process and keeps each one's best
+  round (the machine's load drifts: alternating exposes both to it alike).
 On CUDA the default precision is bf16 (``train.precision``) and MFU is against the GPU's peak; on CPU,
 fp32 against a measured matmul peak.
 """
@@ -38,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="megand")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--mode both: alternate megand and the baseline this many times; report each one's best")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS)")
     p.add_argument("--peak-cache-dir", default=None,
                    help="directory that caches the measured CPU peak FLOP/s (default: the run directory)")
@@ -51,7 +55,15 @@ def fail(message) -> None:
     sys.exit(2)
 
 
-def main(argv=None) -> dict:
+def best(a, b):
+    """The faster of two results (None: none yet)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a if a["tokens_per_s"] >= b["tokens_per_s"] else b
+
+
+def one_round(args, cuda):
+    """megand (every rank), then the baseline (rank 0): ``(megand result, baseline result)`` on rank 0."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -59,30 +71,41 @@ def main(argv=None) -> dict:
     from megand.data.errors import DataError
     from megand.training.config import ConfigError
 
-    args = parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        fail(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
-    result = None
+    mine = theirs = None
     try:
         cfg = benchmark_config(args.overrides, args.steps, args.warmup, cuda)
         if args.mode in ("megand", "both"):
-            result = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
+            mine = run_megand(cfg, args.steps, args.warmup, peak_cache_dir=args.peak_cache_dir)
     except (HydraException, OmegaConfBaseException, ConfigError, DataError, CheckpointError, OSError) as e:
         fail(e)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.mode in ("baseline", "both") and rank == 0:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        baseline = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size,
-                                args.steps, args.warmup, device, cfg.train.precision, seed=cfg.train.seed,
-                                peak_cache_dir=args.peak_cache_dir or cfg.run_dir)
-        if result is None:
-            result = baseline
-        else:
-            result.update(mode="both", baseline=baseline,
-                          overhead_ratio=baseline["tokens_per_s"] / result["tokens_per_s"])
+        theirs = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size,
+                              args.steps, args.warmup, device, cfg.train.precision, seed=cfg.train.seed,
+                              peak_cache_dir=args.peak_cache_dir or cfg.run_dir)
+    return mine, theirs
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        fail(f"--steps {args.steps} must be >= 1, --warmup {args.warmup} >= 0 and --rounds {args.rounds} >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    result = baseline = None
+    for _ in range(args.rounds if args.mode == "both" else 1):
+        mine, theirs = one_round(args, cuda)
+        result = best(result, mine)
+        baseline = best(baseline, theirs)
+    if args.mode == "baseline":
+        result = baseline
+    elif args.mode == "both" and result is not None:
+        result.update(mode="both", baseline=baseline, rounds=args.rounds,
+                      overhead_ratio=baseline["tokens_per_s"] / result["tokens_per_s"],
+                      speed_ratio=result["tokens_per_s"] / baseline["tokens_per_s"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

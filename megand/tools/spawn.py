@@ -15,7 +15,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, received):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # the ranks share two cores
@@ -27,6 +27,9 @@ def _worker(rank, world_size, port, fn, args, results):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # a returned tensor travels as a handle to this process's shared memory: stay alive until the
+    # parent has unpickled every result, or it would find the handle gone
+    received.wait(timeout=600)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 600):
@@ -35,9 +38,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
     ``fn`` must be importable (a module-level function) because the ranks are spawned, not forked.
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, received = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, received))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     out, errors = {}, []
@@ -50,6 +54,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600):
                 errors.append(f"rank {rank} failed:\n{value}")
                 break  # the other ranks are likely stuck in a collective
     finally:
+        received.set()
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():

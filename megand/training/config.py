@@ -60,7 +60,9 @@ class TrainConfig:
     seed: int = 1234  # seeds init (per parameter name), data order and dropout
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
+    compile: bool = False  # torch.compile each transformer layer (regional compilation); the compile time is printed after the first step
     log_interval: int = 1  # console line and metrics.jsonl every N steps
+    batch_checksum: bool = False  # log a checksum of each global batch's tokens (batch_checksum in metrics.jsonl; a test aid)
     eval_interval: int = 0  # 0: evaluate only at the end
     eval_iters: int = 2  # validation batches per evaluation (0: no evaluation)
     max_skipped_steps: int = 10  # stop (exit code 3) after this many consecutive steps skipped for a non-finite loss or grad norm

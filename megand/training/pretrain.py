@@ -29,6 +29,7 @@ from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import loss_token_count, rank_microbatches
+from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
     data_parallel_config,
@@ -156,6 +157,7 @@ class Trainer:
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
+        self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
         self.schedule = get_schedule(self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
@@ -219,6 +221,7 @@ class Trainer:
         self.started = time.monotonic()  # train.exit_duration_mins counts from here
         self.watchdog = None  # started by run()
         self.last_spike = False
+        self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
         self.peak_flops = device_peak_flops(self.topo.device, cfg.train.precision, cfg.run_dir) if logging_rank else None
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
@@ -320,22 +323,36 @@ class Trainer:
         return out
 
     def global_loss(self, local_loss_sum):
-        """The mean loss over every token of the global batch (meaningful on the last stage)."""
+        """The mean loss over every token of the global batch, a device tensor (meaningful on the last
+        stage; None elsewhere). Nothing is read to the host."""
         if local_loss_sum is None:
-            return float("nan")
+            return None
         if self.topo.dp_cp_size > 1:
             dist.all_reduce(local_loss_sum, group=self.topo.dp_cp_group)
-        return local_loss_sum.item()
+        return local_loss_sum
 
-    def agreed_loss(self, loss: float) -> float:
-        """Collective over all ranks: the global batch's loss (known on the last stage), so every rank
-        takes the same guard decisions; NaN when it is not finite."""
-        has_loss = any(chunk.post_process for chunk in self.chunks)
-        finite = math.isfinite(loss)
-        box = torch.tensor([0.0 if finite or not has_loss else 1.0, loss if has_loss and finite else -math.inf],
-                           dtype=torch.float64, device=self.topo.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return float("nan") if box[0].item() else box[1].item()
+    def agreed_step_values(self, loss, grad_stats) -> tuple[float, float, bool]:
+        """Collective over all ranks, and the step's one read of device values: ``(loss, grad_norm,
+        found_inf)``, identical on every rank, so every rank takes the same guard decisions.
+
+        ``loss``: :meth:`global_loss` (known on the last stage, None elsewhere); NaN when not finite on
+        any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``."""
+        device = self.topo.device
+        if loss is None:  # a stage without the loss: neutral under MAX
+            loss_bad = torch.zeros((), dtype=torch.float64, device=device)
+            loss_value = torch.full((), -math.inf, dtype=torch.float64, device=device)
+        else:
+            loss = loss.double()
+            finite = torch.isfinite(loss)
+            loss_bad = (~finite).double()
+            loss_value = torch.where(finite, loss, torch.full_like(loss, -math.inf))
+        sum_sq = grad_stats[0]
+        grad_bad = ((grad_stats[1] > 0) | ~torch.isfinite(sum_sq)).double()
+        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double()])
+        if self.topo.world_size > 1:
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        loss_bad, loss_value, grad_bad, grad_norm = box.tolist()  # the one device-to-host sync of the step
+        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad)
 
     def _progress(self, phase: str) -> None:
         if self.watchdog is not None:
@@ -363,26 +380,42 @@ class Trainer:
         self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
         self._progress("loss agreement")
-        loss = self.agreed_loss(self.global_loss(None if loss_sum is None else loss_sum / loss_scale))
+        grad_stats = self.optimizer.prepare_grads()  # unscaled (fp16), all-reduced on device; nothing read
+        loss, grad_norm, found_inf = self.agreed_step_values(
+            self.global_loss(None if loss_sum is None else loss_sum / loss_scale), grad_stats)
         spike = self.spikes.is_spike(loss)
         self._progress("optimizer step")
-        if not math.isfinite(loss) or (spike and self.can_roll_back()):
-            if not math.isfinite(loss):
-                self.optimizer.scaler.update(True)  # fp16: back off as for an overflow
-            result = StepResult(float("nan"), True, self.optimizer.schedule(self.optimizer.steps + 1),
-                                self.optimizer.loss_scale)
-        else:
-            result = self.optimizer.step()
+        result = self.optimizer_step(loss, grad_norm, found_inf, skip=spike and self.can_roll_back())
         if not result.skipped and not spike:
             self.spikes.accept(loss)
-        self._progress("batch checksum")
-        self.last_batch_checksum = self.batch_checksum(microbatches)
+        if t.batch_checksum:
+            self._progress("batch checksum")
+            self.last_batch_checksum = self.batch_checksum(microbatches)
         return loss, result, spike
+
+    def optimizer_step(self, loss: float, grad_norm: float, found_inf: bool, skip: bool) -> StepResult:
+        """The update from the agreed values (no further read of device values); skipped on every rank
+        together when the loss or the gradient is not finite, or when ``skip`` (a spike to roll back)."""
+        opt = self.optimizer
+        lr = opt.schedule(opt.steps + 1)
+        if not math.isfinite(loss) or skip:
+            if not math.isfinite(loss):
+                opt.scaler.update(True)  # fp16: back off as for an overflow
+            return StepResult(float("nan"), True, lr, opt.loss_scale)
+        opt.scaler.update(found_inf)
+        if found_inf:
+            return StepResult(grad_norm, True, lr, opt.loss_scale)
+        opt.update(grad_norm, lr)
+        return StepResult(grad_norm, False, lr, opt.loss_scale)
 
     def step(self):
         """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances and
         skipped steps are counted (``self.skips.exhausted`` after too many in a row)."""
         loss, result, spike = self.train_step()
+        if self.compile_timer is not None and not self.compile_timer.reported and self.topo.is_logging_rank:
+            self.compile_timer.reported = True
+            print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
+                  f"forward calls on this rank; backward graphs compile during the first backward)", flush=True)
         self.iteration += 1
         self.last_spike = spike
         self.guard_skips(loss, result)
@@ -429,28 +462,32 @@ class Trainer:
                   f"({loaded.path}) and skipped samples [{loaded.consumed_samples}, {position}) "
                   f"({skipped} samples; rollback {self.rollbacks} of train.max_rollbacks={t.max_rollbacks})", flush=True)
 
-    def batch_checksum(self, microbatches) -> int:
-        """A checksum of the global batch's tokens, equal for every layout that sees the same data."""
-        local = sum(int(((mb.input_ids + 1) * (mb.positions + 1)).sum()) for mb in microbatches
-                    if mb.input_ids is not None)  # a middle pipeline stage holds no tokens
-        total = torch.tensor([local], dtype=torch.int64, device=self.topo.device)
+    def batch_checksum(self, microbatches) -> torch.Tensor:
+        """A checksum of the global batch's tokens, equal for every layout that sees the same data: a
+        device tensor (``train.batch_checksum``; read at the next log line)."""
+        total = torch.zeros(1, dtype=torch.int64, device=self.topo.device)
+        for mb in microbatches:
+            if mb.input_ids is not None:  # a middle pipeline stage holds no tokens
+                total += ((mb.input_ids + 1) * (mb.positions + 1)).sum()
         if self.topo.dp_cp_size > 1:
             dist.all_reduce(total, group=self.topo.dp_cp_group)
-        return int(total.item())
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
         t = self.cfg.train
         for chunk in self.chunks:
             chunk.eval()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for k in range(t.eval_iters):
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
                                              **self.batch_needs)
             self._count_loss_tokens(microbatches)
-            total += self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True))
-        return total / max(1, t.eval_iters)
+            loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
+                                                  forward_only=True))
+            total += float("nan") if loss is None else loss.double()
+        return total.item() / max(1, t.eval_iters)  # one read per evaluation
 
     def log(self, loss, result, iter_time):
         t = self.cfg.train
@@ -479,7 +516,8 @@ class Trainer:
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
             "state_bytes": int(state_bytes.item()),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
-            "global_batch_size": t.global_batch_size, "batch_checksum": self.last_batch_checksum,
+            "global_batch_size": t.global_batch_size, "batch_checksum": (None if self.last_batch_checksum is None
+                                                                     else int(self.last_batch_checksum.item())),
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
             "skipped_total": self.skips.total,
         }

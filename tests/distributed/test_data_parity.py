@@ -3,7 +3,7 @@ identical global batches (token checksums per step) and match losses within the 
 
 from tests.harness import assert_parity
 
-DATA = ["data=quickstart", "model.vocab_size=2048", "model.seq_length=64"]
+DATA = ["data=quickstart", "model.vocab_size=2048", "model.seq_length=64", "train.batch_checksum=true"]
 
 
 def test_indexed_data_identical_batches_across_layouts(reference, launch):

@@ -55,6 +55,7 @@ def test_spike_rolls_back_and_skips_the_samples_up_to_it(tmp_path):
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
     proc = run_pretrain(run_dir, ["+experiment=tiny_gpt", "data=indexed", f"data.paths=[[1.0,{prefix}]]",
                                   "data.split='1000,0,0'", f"data.cache_dir={tmp_path}/cache", "train.eval_iters=0",
+                                  "train.batch_checksum=true",
                                   f"train.iters={ITERS}", "optim.lr=3e-3", "train.spike_window=5",
                                   "train.spike_rollback=true", "train.max_rollbacks=1", f"checkpoint.save={save}",
                                   f"checkpoint.interval={INTERVAL}"], nproc=2)

@@ -12,7 +12,7 @@ from megand.tools.spawn import free_port
 from tests.harness import read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OVERRIDES = ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=4"]
+OVERRIDES = ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=4", "train.batch_checksum=true"]
 
 
 def _two_agents(run_dir, timeout=600):

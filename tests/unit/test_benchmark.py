@@ -69,8 +69,8 @@ def test_megand_and_baseline_in_one_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)
     for name in DIST_ENV:  # init_distributed sets these for a one-process world: restore them afterwards
         monkeypatch.delenv(name, raising=False)
-    _load_tool().main(TINY + ["--mode", "both", "--steps", "2", "--warmup", "1", "train.micro_batch_size=2",
-                              f"run_dir={tmp_path}"])
+    _load_tool().main(TINY + ["--mode", "both", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                              "train.micro_batch_size=2", f"run_dir={tmp_path}"])
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert MEGAND_KEYS | {"baseline", "overhead_ratio"} <= set(result), sorted(MEGAND_KEYS - set(result))
@@ -80,5 +80,6 @@ def test_megand_and_baseline_in_one_run(tmp_path, monkeypatch, capsys):
     assert result["tokens_per_step"] == result["baseline"]["tokens_per_step"] == 2 * 32
     assert result["params"] == result["baseline"]["params"]  # the same model shape
     assert result["overhead_ratio"] == pytest.approx(result["baseline"]["tokens_per_s"] / result["tokens_per_s"])
+    assert result["speed_ratio"] == pytest.approx(1 / result["overhead_ratio"]) and result["rounds"] == 2
     assert result["mfu"] == pytest.approx(result["tflops_per_s"] * 1e12 / 50e9)
     assert result["loss_first"] == pytest.approx(5.545, abs=0.1)  # ln(256): an untrained model

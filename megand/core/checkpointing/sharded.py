@@ -88,7 +88,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     DCP's file writer copies every tensor whose storage is larger than the tensor (any view into our
     flat buffers) and keeps the copies until the rank's file is written: a second copy of everything the
     rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
-    if type(t) is not torch.Tensor:  # a tensor subclass (the fake tensors of a rehearsal) has no numpy view
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. the fake tensors of a rehearsal: no numpy view
         return t
     if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
         return t

@@ -4,7 +4,7 @@ Activations travel to the next stage, their gradients back to the previous one. 
 two stages has the same shape, known before the step starts: ``[s, b, h]`` with ``s`` the local
 sequence (divided by tp under sequence parallelism: the sequence-sharded tensor is what crosses the
 link, bsh/tp per link), so there is no shape handshake per micro-batch. All sends and receives of one
-call are posted together with ``batch_isend_irecv`` and waited on together, so a stage that sends
+call are posted together with ``batch_isend_irecv`` (its receives then waited on), so a stage that sends
 forward and receives backward at once (the steady state of 1F1B) cannot deadlock against its
 neighbour doing the mirror call.
 
@@ -13,6 +13,12 @@ last rank's chunk ``c`` output to the first rank's chunk ``c+1``. With pp=2 both
 same rank, so one link carries activations and gradients in both directions; the two kinds are told
 apart by tag (gloo), and every call posts forward-direction messages before backward-direction ones,
 so the two ends of a link post them in the same order (what NCCL, which ignores tags, matches on).
+
+Sends overlap compute: a call waits for its receives only; its sends stay in flight while the stage
+computes, and are waited on at the start of the next call (or by :meth:`PipelineP2P.finish`). Once an
+activation's send is complete its storage is released (it is needed again only as the root of its
+backward, for which its shape suffices), so a stage does not hold the activations it sent until their
+backward.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class PipelineP2P:
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
         self.comm_seconds = 0.0
         self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
+        self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
 
     def _op(self, op, tensor, peer, tag):
         return dist.P2POp(op, tensor, peer, self.group, tag if self.tagged else 0)
@@ -52,25 +59,57 @@ class PipelineP2P:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Post every given send and receive at once; return ``(from_prev, from_next)`` received tensors."""
-        ops, from_prev, from_next = [], None, None
+        """Post every given send and receive at once; wait for the receives; return ``(from_prev,
+        from_next)``. The sends complete while the caller computes (waited on by the next call)."""
+        ops, releases, from_prev, from_next = [], [], None, None
         # forward direction (activations) first, then backward direction (gradients)
         if send_next is not None:
-            ops.append(self._op(dist.isend, self._checked(send_next), self.next, FORWARD_TAG))
+            sent = self._checked(send_next)
+            ops.append(self._op(dist.isend, sent, self.next, FORWARD_TAG))
+            releases.append(send_next if sent.data_ptr() == send_next.data_ptr() else None)
         if recv_prev:
             from_prev = self._empty()
             ops.append(self._op(dist.irecv, from_prev, self.prev, FORWARD_TAG))
+            releases.append(None)
         if send_prev is not None:
             ops.append(self._op(dist.isend, self._checked(send_prev), self.prev, BACKWARD_TAG))
+            releases.append(None)
         if recv_next:
             from_next = self._empty()
             ops.append(self._op(dist.irecv, from_next, self.next, BACKWARD_TAG))
+            releases.append(None)
+        start = time.perf_counter()
+        self.wait_sends()  # the previous call's sends ran while this stage computed
         if ops:
-            start = time.perf_counter()
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-            self.comm_seconds += time.perf_counter() - start
+            requests = dist.batch_isend_irecv(ops)
+            if len(requests) == len(ops):
+                for op, request, release in zip(ops, requests, releases):
+                    if op.op is dist.isend:
+                        self._in_flight.append((request, op.tensor, release))
+                    else:
+                        request.wait()
+            else:  # coalesced into one request (NCCL): wait for all of it
+                for request in requests:
+                    request.wait()
+                for release in releases:
+                    if release is not None:
+                        release_storage(release)
+        self.comm_seconds += time.perf_counter() - start
         return from_prev, from_next
+
+    def wait_sends(self) -> None:
+        """Wait for the sends still in flight; release the storage of the activations they carried."""
+        in_flight, self._in_flight = self._in_flight, []
+        for request, _, release in in_flight:
+            request.wait()
+            if release is not None:
+                release_storage(release)
+
+    def finish(self) -> None:
+        """At the end of a schedule: nothing may stay in flight."""
+        start = time.perf_counter()
+        self.wait_sends()
+        self.comm_seconds += time.perf_counter() - start
 
     def _checked(self, tensor):
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
@@ -105,3 +144,19 @@ class PipelineP2P:
 
     def send_forward_backward_recv_forward_backward(self, output, input_grad, recv_prev, recv_next):
         return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
+
+
+# Ops whose backward saves neither their inputs nor their result: the storage of their output is never
+# read again once sent. A stage's output is the residual add of its last layer. (The saved tensors of
+# other ops are not inspected: under activation recomputation reading them would recompute the layer.)
+_SAVES_NOTHING = frozenset({"AddBackward0"})
+
+
+def release_storage(activation: torch.Tensor) -> None:
+    """Free an activation's memory after its send, keeping its shape and autograd history: it is the
+    root of its backward (``torch.autograd.backward(activation, grad)``), which reads only its shape.
+    Only for an activation that owns its memory (not a view, whose memory other tensors share) produced
+    by an op whose backward saves nothing; any other activation is kept whole."""
+    fn = activation.grad_fn
+    if activation._base is None and fn is not None and type(fn).__name__ in _SAVES_NOTHING:
+        activation.untyped_storage().resize_(0)

@@ -94,6 +94,7 @@ def _p2p(chunks, microbatches, topo):
 
 
 def _finish(p2p, steps, topo, stats):
+    p2p.finish()  # the last sends complete before the step goes on
     if stats is not None:
         stats.comm_seconds += p2p.comm_seconds
     return steps.total if topo.is_last_stage else None

@@ -1,0 +1,226 @@
+"""One-command GPU readiness check (``make gpu-check``): every check in turn, one JSON report, a table.
+
+    python tools/gpu_check.py [--out gpu_check.json] [--sizes full|tiny] [--only NAME ...]
+
+Checks (each records ok / failed / skipped, its seconds and its figures; a failure does not stop the rest):
+- ``tests``: the default test suite's single-process tests (``tests/unit``), run by pytest in a subprocess;
+- ``throughput_llama_1b`` / ``throughput_gpt2_125m``: bf16 training (CUDA; fp32 on CPU) of ``llama_1b`` at
+  seq 4096 and ``gpt2_125m``: tokens/s, TFLOP/s, MFU, next to transformers on the same shape and batch in
+  this process (``speed_ratio`` = megand / transformers tokens/s);
+- ``cp_block_kernel``: context-parallel attention (ring and all-to-all, cp=1 in this process) against full
+  causal SDPA, forward and input gradients;
+- ``fused_adamw``, ``memory_stats``, ``async_checkpoint``, ``compile``: a few training steps of a tiny model
+  through each path (torch's fused AdamW and CUDA memory statistics need CUDA: skipped without it).
+
+``--sizes tiny`` runs the same checks on tiny models (seconds, also on CPU); the unit tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THROUGHPUT = {  # name: (full-size overrides, tiny overrides)
+    "throughput_llama_1b": (["model=llama_1b", "model.seq_length=4096", "train.micro_batch_size=1"],
+                            ["+experiment=tiny_llama", "train.micro_batch_size=2"]),
+    "throughput_gpt2_125m": (["model=gpt2_125m", "train.micro_batch_size=8"],
+                             ["+experiment=tiny_gpt", "train.micro_batch_size=2"]),
+}
+CHECKS = ("tests", *THROUGHPUT, "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile")
+
+
+class Skipped(Exception):
+    """The check cannot run here (e.g. it needs CUDA)."""
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def need_cuda():
+    if not cuda():
+        raise Skipped("needs CUDA")
+
+
+def tiny_trainer(overrides):
+    """A tiny LLaMA Trainer in this process (a one-process world), writing under a temp directory."""
+    from megand.training.config import compose
+    from megand.training.pretrain import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="megand_gpu_check_")
+    precision = ["train.precision=bf16"] if cuda() else []
+    return Trainer(compose(["+experiment=tiny_llama", f"run_dir={run_dir}", "train.eval_iters=0", *precision,
+                            *overrides]))
+
+
+def steps(trainer, n=2) -> list[float]:
+    losses = [trainer.step()[0] for _ in range(n)]
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite loss: {losses}")
+    return losses
+
+
+def check_tests(args) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/unit", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tests_timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode != 0:
+        raise RuntimeError(f"pytest exit {proc.returncode}: {summary}\n{proc.stdout[-3000:]}")
+    return {"summary": summary}
+
+
+def check_throughput(args, name) -> dict:
+    from omegaconf import OmegaConf
+
+    from megand.tools.benchmark_baseline import run_baseline
+    from megand.tools.benchmark_megand import benchmark_config, run_megand
+
+    full, tiny = THROUGHPUT[name]
+    n, warmup = (args.steps, 2) if args.sizes == "full" else (1, 1)
+    run_dir = tempfile.mkdtemp(prefix="megand_gpu_check_")
+    cfg = benchmark_config([*(full if args.sizes == "full" else tiny), f"run_dir={run_dir}"], n, warmup, cuda())
+    mine = run_megand(cfg, n, warmup, peak_cache_dir=run_dir)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda() else torch.device("cpu")
+    theirs = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size, n, warmup,
+                          device, cfg.train.precision, seed=cfg.train.seed, peak_cache_dir=run_dir)
+    keys = ("tokens_per_s", "tflops_per_s", "mfu", "mem_peak_bytes", "step_time_median_s")
+    return {"precision": cfg.train.precision, "seq_length": cfg.model.seq_length,
+            "micro_batch": cfg.train.micro_batch_size, **{k: mine[k] for k in keys},
+            "transformers": {k: theirs[k] for k in keys},
+            "speed_ratio": mine["tokens_per_s"] / theirs["tokens_per_s"]}
+
+
+def check_cp_block_kernel(args) -> dict:
+    """cp=1 in a one-process group: the context-parallel attention paths against full causal SDPA."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megand.core.context_parallel import all_gather_attention, ring_attention
+    from megand.core.context_parallel.ulysses import ulysses_attention
+    from megand.core.parallel_state import init_distributed
+
+    init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda() else torch.device("cpu")
+    seq, heads, groups, dim = (4096, 16, 4, 128) if args.sizes == "full" else (64, 4, 2, 16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, dout = (torch.randn(1, heads, seq, dim, device=device, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, groups, seq, dim, device=device, generator=gen) for _ in range(2))
+
+    def run(attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = attention(*leaves)
+        out.backward(dout)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out.detach(), [t.grad for t in leaves], time.perf_counter() - start
+
+    ref_out, ref_grads, ref_s = run(lambda q_, k_, v_: F.scaled_dot_product_attention(
+        q_, k_, v_, is_causal=True, enable_gqa=True))
+    figures = {"sdpa_s": ref_s}
+    for name, fn in (("ring", ring_attention), ("all_gather", all_gather_attention), ("a2a", ulysses_attention)):
+        out, grads, seconds = run(lambda q_, k_, v_: fn(q_, k_, v_, dist.group.WORLD))
+        err = max([(out - ref_out).abs().max().item()] + [(g - r).abs().max().item() for g, r in zip(grads, ref_grads)])
+        if err > 1e-3:
+            raise RuntimeError(f"{name}: max abs difference {err:.3g} from SDPA")
+        figures[name] = {"seconds": seconds, "max_abs_err": err}
+    return figures
+
+
+def check_fused_adamw(args) -> dict:
+    need_cuda()
+    trainer = tiny_trainer([])
+    if not trainer.optimizer.fused:
+        raise RuntimeError("the optimizer did not choose torch's fused AdamW on CUDA")
+    return {"losses": steps(trainer)}
+
+
+def check_memory_stats(args) -> dict:
+    need_cuda()
+    from megand.training.pretrain import peak_memory_bytes
+
+    trainer = tiny_trainer([])
+    steps(trainer, 1)
+    peak = peak_memory_bytes(trainer.topo.device)
+    if peak <= 0:
+        raise RuntimeError(f"peak memory {peak} bytes")
+    return {"peak_bytes": peak}
+
+
+def check_async_checkpoint(args) -> dict:
+    save = tempfile.mkdtemp(prefix="megand_gpu_check_ckpt_")
+    trainer = tiny_trainer(["train.iters=2", f"checkpoint.save={save}", "checkpoint.interval=1",
+                            "checkpoint.async_save=true", "train.log_interval=2"])
+    trainer.run()
+    saved = sorted(x for x in os.listdir(save) if x.startswith("iter_") and not x.endswith(".tmp"))
+    if len(saved) < 1:
+        raise RuntimeError(f"no checkpoint written in {save}: {os.listdir(save)}")
+    return {"checkpoints": saved}
+
+
+def check_compile(args) -> dict:
+    trainer = tiny_trainer(["train.compile=true"])
+    start = time.perf_counter()
+    losses = steps(trainer)
+    return {"losses": losses, "first_steps_s": time.perf_counter() - start,
+            "layers_compile_s": trainer.compile_timer.seconds}
+
+
+def run_check(name, args) -> dict:
+    fn = THROUGHPUT.get(name) and (lambda a: check_throughput(a, name)) or globals()[f"check_{name}"]
+    start = time.perf_counter()
+    try:
+        figures = fn(args)
+        status, error = "ok", None
+    except Skipped as e:
+        figures, status, error = {}, "skipped", str(e)
+    except Exception as e:  # a failed check is reported; the others still run
+        figures, status, error = {}, "failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+    return {"name": name, "status": status, "seconds": round(time.perf_counter() - start, 2), "figures": figures,
+            "error": error}
+
+
+def table(results) -> str:
+    lines = [f"{'check':<22} {'status':<8} {'seconds':>8}  figures"]
+    for r in results:
+        figures = r["error"].splitlines()[0] if r["error"] else json.dumps(r["figures"], default=str)[:120]
+        lines.append(f"{r['name']:<22} {r['status']:<8} {r['seconds']:>8.1f}  {figures}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu_check.json", help="the JSON report")
+    p.add_argument("--sizes", choices=("full", "tiny"), default="full")
+    p.add_argument("--only", nargs="+", choices=CHECKS, default=None, help="run only these checks")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per throughput check")
+    p.add_argument("--tests-timeout", type=float, default=240.0, help="seconds for the test-suite check")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.cuda.get_device_name() if cuda() else "cpu (no CUDA)"
+    results = [run_check(name, args) for name in (args.only or CHECKS)]
+    report = {"device": device, "torch": torch.__version__, "sizes": args.sizes, "checks": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"device: {device}, torch {torch.__version__}\n" + table(results) + f"\nreport: {args.out}", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return results

@@ -1,0 +1,51 @@
+"""Regional compilation (``train.compile=true``): each transformer layer is compiled on its own with
+``torch.compile`` (as torchtitan does), not the whole model. Identical layers share one compiled graph,
+compilation stays short, and what runs between layers (embedding, pipeline p2p, the loss, the
+data-parallel hooks) is untouched, so it composes with every parallel layout and with recomputation.
+
+Compilation is lazy: the first forward and backward of each layer compile. The time that takes is
+measured per layer (its first call) and reported once by the trainer."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megand.core.tensor_parallel.random import run_recompute_eagerly_under_compile
+
+
+class CompileTimer:
+    """Wall time of each compiled layer's first forward call (which compiles it)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.reported = False
+
+    def wrap(self, compiled):
+        first = [True]
+
+        def call(*args, **kwargs):
+            if not first[0]:
+                return compiled(*args, **kwargs)
+            start = time.perf_counter()
+            out = compiled(*args, **kwargs)
+            first[0] = False
+            self.seconds += time.perf_counter() - start
+            return out
+
+        return call
+
+
+def compile_layers(chunks) -> CompileTimer:
+    """Compile every transformer layer of ``chunks`` in place; return the timer that accumulates their
+    first-call (compilation) time. The module hooks stay outside the compiled code. Activation
+    recomputation runs eagerly (its checkpoint replays the tensor-parallel RNG, which torch.compile
+    cannot trace): under full recomputation the recomputed body of the layer is what is compiled."""
+    run_recompute_eagerly_under_compile()
+    timer = CompileTimer()
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            name = "_forward" if layer.cfg.recompute == "full" else "forward"
+            setattr(layer, name, timer.wrap(torch.compile(getattr(layer, name))))
+    return timer

@@ -1,0 +1,28 @@
+"""The GPU readiness check's CPU-runnable parts on tiny sizes: one JSON report, a table, every check's
+status; the CUDA-only checks report themselves skipped on a machine without CUDA."""
+
+import json
+
+import torch
+
+from tests.unit.test_trainer_wandb import one_process_world  # noqa: F401  (fixture)
+
+
+def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
+    from megand.tools.gpu_check import main
+
+    out = one_process_world / "report.json"
+    results = main(["--sizes", "tiny", "--out", str(out), "--only", "throughput_gpt2_125m", "cp_block_kernel",
+                    "fused_adamw", "memory_stats", "async_checkpoint"])
+    report = json.loads(out.read_text())
+    status = {r["name"]: r["status"] for r in report["checks"]}
+    assert status == {r["name"]: r["status"] for r in results}
+    expect_cuda = "ok" if torch.cuda.is_available() else "skipped"
+    assert status == {"throughput_gpt2_125m": "ok", "cp_block_kernel": "ok", "fused_adamw": expect_cuda,
+                      "memory_stats": expect_cuda, "async_checkpoint": "ok"}, report
+    throughput = report["checks"][0]["figures"]
+    assert throughput["tokens_per_s"] > 0 and throughput["transformers"]["tokens_per_s"] > 0
+    cp = report["checks"][1]["figures"]
+    assert all(cp[name]["max_abs_err"] < 1e-4 for name in ("ring", "all_gather", "a2a"))
+    printed = capsys.readouterr().out
+    assert "throughput_gpt2_125m" in printed and "async_checkpoint" in printed and str(out) in printed
