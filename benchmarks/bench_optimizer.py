@@ -36,7 +36,7 @@ def memory_worker(model):
     out = {}
     for precision in ("fp32", "bf16"):
         for distributed in (False, True):
-            t = build_trainer(model + [f"train.precision={precision}", f"optim.distributed={str(distributed).lower()}"])
+            t = build_trainer(model + [f"train.precision={precision}", f"optim.sharding={'optim' if distributed else 'none'}"])
             n = sum(p.numel() for p in t.params)
             params = nbytes(b.param_data for b in t.ddp.buffers)
             grads = nbytes(b.grad_data for b in t.ddp.buffers)
@@ -51,7 +51,7 @@ def time_worker(model, steps):
     """Both runs built side by side and stepped alternately, so load changes on a shared machine hit both."""
     import torch.distributed as dist
 
-    runs = {overlap: build_trainer(model + ["optim.distributed=true", "optim.bucket_size=50000",
+    runs = {overlap: build_trainer(model + ["optim.sharding=optim", "optim.bucket_size=50000",
                                             f"train.iters={steps + 1}", f"optim.overlap_grad_reduce={overlap}",
                                             f"optim.overlap_param_gather={overlap}"])
             for overlap in ("false", "true")}

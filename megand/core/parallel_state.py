@@ -80,11 +80,14 @@ def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> 
     return coords
 
 
-def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int | None = None) -> dict[str, list[list[int]]]:
     """For each group kind, the list of rank lists (each sorted ascending; pp lists are in stage order).
 
     Pure: no processes involved. A group of kind ``k`` holds the ranks that differ only in the
     dimensions ``GROUP_DIMS[k]``. The embedding group joins the first and last stage of each pipeline.
+    Sharded data parallelism adds ``dp_shard`` (each dp x cp group cut into runs of ``dp_shard``
+    adjacent ranks: the shard groups) and ``dp_replica`` (the ranks at the same place of every shard
+    group of one dp x cp group: the replicas of one shard). ``dp_shard=None`` is the whole dp x cp group.
     """
     dims = parse_order(order)
     world = sizes.world_size
@@ -97,7 +100,19 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, l
             by_key.setdefault(tuple(coords[r][d] for d in fixed), []).append(r)
         groups[kind] = sorted(by_key.values())
     groups["embedding"] = [sorted({p[0], p[-1]}) for p in groups["pp"]]
+    groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], dp_shard)
     return groups
+
+
+def shard_groups(dp_cp_groups: list[list[int]], dp_shard: int | None):
+    """``(shard groups, replica groups)`` cut from the dp x cp groups (see :func:`rank_groups`)."""
+    size = len(dp_cp_groups[0])
+    shard = size if dp_shard is None else dp_shard
+    if not isinstance(shard, int) or shard < 1 or size % shard:
+        raise LayoutError(f"parallel.dp_shard={dp_shard} must be a positive divisor of dp*cp = {size}")
+    shards = [g[i: i + shard] for g in dp_cp_groups for i in range(0, size, shard)]
+    replicas = [g[j::shard] for g in dp_cp_groups for j in range(shard)]
+    return sorted(shards), sorted(replicas)
 
 
 def local_rank() -> int:
@@ -169,6 +184,7 @@ class Topology:
     order: str = DEFAULT_ORDER
     vpp: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -179,7 +195,7 @@ class Topology:
         self.coords = rank_coords(self.rank, self.sizes, self.order)
         self.ranks: dict[str, list[int]] = {}
         self.groups: dict[str, dist.ProcessGroup] = {}
-        for kind, rank_lists in rank_groups(self.sizes, self.order).items():
+        for kind, rank_lists in rank_groups(self.sizes, self.order, self.dp_shard).items():
             for ranks in rank_lists:  # every rank must take part in creating every group
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -196,6 +212,10 @@ class Topology:
     pp_rank = property(lambda self: self.coords["pp"])
     dp_cp_size = property(lambda self: self.sizes.dp * self.sizes.cp)
     dp_cp_rank = property(lambda self: self.ranks["dp_cp"].index(self.rank))
+    dp_shard_size = property(lambda self: len(self.ranks["dp_shard"]))
+    dp_shard_rank = property(lambda self: self.ranks["dp_shard"].index(self.rank))
+    dp_replica_size = property(lambda self: len(self.ranks["dp_replica"]))
+    dp_replica_rank = property(lambda self: self.ranks["dp_replica"].index(self.rank))
 
     # live groups
     tp_group = property(lambda self: self.groups["tp"])
@@ -204,6 +224,8 @@ class Topology:
     pp_group = property(lambda self: self.groups["pp"])
     dp_cp_group = property(lambda self: self.groups["dp_cp"])
     mp_group = property(lambda self: self.groups["mp"])
+    dp_shard_group = property(lambda self: self.groups["dp_shard"])
+    dp_replica_group = property(lambda self: self.groups["dp_replica"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
 
     # pipeline neighbours (global ranks) and stage roles

@@ -110,6 +110,37 @@ def draw_region(meta: ParamMeta, seed: int, name: str, region: tuple[slice, ...]
         out[tuple(slice(l - b, h - b) for l, h, (b, _) in zip(lo, hi, bounds))].copy_(drawn)
 
 
+def flat_range_boxes(lo: int, hi: int, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as boxes ``(offsets, sizes, flat start)``.
+
+    Each box is a contiguous run of the flat range (so a view of it), starting at ``flat start``."""
+    shape = tuple(shape)
+    if lo >= hi:
+        return []
+    if len(shape) == 0:
+        return [((), (), lo)]
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = math.prod(shape[1:])
+
+    def in_row(row, a, b):  # [a, b) inside one row
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in flat_range_boxes(a, b, shape[1:])]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return in_row(first, lo - first * inner, hi - first * inner)
+    boxes = []
+    if lo % inner:
+        boxes += in_row(first, lo % inner, inner)
+        first += 1
+    full_end = hi // inner
+    if full_end > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (full_end - first, *shape[1:]), first * inner))
+    if hi % inner:
+        boxes += in_row(full_end, 0, hi % inner)
+    return boxes
+
+
 def full_init(meta: ParamMeta, seed: int, name: str) -> torch.Tensor:
     """The full tensor that ``name`` is a slice of, identical whatever the layout (tests and tools)."""
     full = torch.empty(meta.full_shape)
@@ -134,3 +165,24 @@ def init_parameters(module: torch.nn.Module, seed: int) -> None:
         if tuple(local_shape) != tuple(param.shape):
             param.zero_()  # vocab padding beyond the full tensor
         draw_region(meta, seed, meta.copy_of or name, region, param[tuple(slice(0, n) for n in local_shape)])
+
+
+@torch.no_grad()
+def init_flat_range(param: torch.Tensor, name: str, seed: int, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Write elements ``[lo, hi)`` of the flattened local ``param``, as :func:`init_parameters` would
+    initialise them, into the 1-D ``out``, without touching ``param`` (which may hold no storage: under
+    ZeRO-3 a rank keeps only such flat ranges of its parameters). Only the tiles overlapping the range
+    are drawn; vocab padding rows are zero."""
+    meta = meta_of(param)
+    region = meta.local_slice()
+    start = [s.start or 0 for s in region]
+    keep = [len(range(*s.indices(n))) for s, n in zip(region, meta.full_shape)]  # the unpadded local shape
+    for offsets, sizes, first in flat_range_boxes(lo, hi, param.shape):
+        box = out[first - lo: first - lo + math.prod(sizes)].view(sizes)
+        inside = [max(0, min(o + n, k) - o) for o, n, k in zip(offsets, sizes, keep)]
+        if inside != list(sizes):
+            box.zero_()  # vocab padding beyond the full tensor
+        if all(inside):
+            draw_region(meta, seed, meta.copy_of or name,
+                        tuple(slice(s + o, s + o + n) for s, o, n in zip(start, offsets, inside)),
+                        box[tuple(slice(0, n) for n in inside)])

@@ -89,6 +89,12 @@ class GPTModel(torch.nn.Module):
             retag(self.embedding.word.weight, embedding_group_grad=True)
         self.vocab_start = topo.tp_rank * padded_vocab_size(cfg.vocab_size, topo.tp_size) // topo.tp_size
 
+    def borrowed_parameters(self):
+        """Parameters of submodules that this module's own forward reads (the data-parallel engine
+        gathers them for it under ZeRO-3): the word embedding when the output layer is tied to it here."""
+        tied_here = self.post_process and self.output_layer is None
+        return [self.embedding.word.weight] if tied_here else []
+
     def logits(self, x):
         """This rank's vocab slice of the logits ``[s, b, V_local]``."""
         if self.output_layer is not None:

@@ -100,7 +100,7 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
         "world_size": topo.world_size,
         "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "cp": topo.cp_size, "dp": topo.dp_size,
                    "sequence_parallel": bool(cfg.parallel.sequence_parallel), "recompute": t.recompute,
-                   "distributed_optimizer": bool(cfg.optim.distributed)},
+                   "distributed_optimizer": cfg.optim.sharding != "none", "sharding": cfg.optim.sharding},
         "params": sum(p.numel() for _, p in trainer.named_params),  # this rank's
         "micro_batch": t.micro_batch_size,
         "global_batch": t.global_batch_size,

@@ -3,8 +3,12 @@
 States (bytes per parameter held by the rank, Megatron's accounting):
     fp32:        param 4 + grad 4 + Adam m,v 8                                   = 16
     bf16/fp16:   param 2 + fp32 main grad 4 + fp32 main param 4 + Adam m,v 8     = 18
-    distributed optimizer: main params and Adam states are sharded over the gradient-reduction group
-    (dp·cp, as Megatron-core does): fp32 8 + 8/(dp·cp), mixed 6 + 12/(dp·cp).
+    sharding levels (``optim.sharding``) over the shard group of d ranks (dp·cp, or ``parallel.dp_shard``
+    of it under hybrid sharding): ``optim`` (ZeRO-1, the distributed optimizer) shards the main params
+    and Adam states: mixed 6 + 12/d, fp32 8 + 8/d; ``optim_grads`` (ZeRO-2) also the fp32 grads:
+    mixed 2 + 16/d, fp32 4 + 12/d; ``optim_grads_params`` (ZeRO-3) everything: mixed 18/d, fp32 16/d,
+    plus the buckets gathered while they are used (two buckets of parameters and of gradient scratch;
+    with ``reshard_after_forward=false`` the stage's whole parameters between forward and backward).
 
 Activations stored for the backward pass, per layer and micro-batch (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models"). For GPT-2 shapes in 16-bit with
@@ -52,6 +56,8 @@ from typing import Any, Mapping, Optional
 
 from megand.models.flops import Shape, layer_params, norm_params
 
+SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -60,7 +66,11 @@ class Layout:
     cp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # the old flag: at least optim.sharding=optim
+    sharding: str = "none"             # none | optim | optim_grads | optim_grads_params
+    dp_shard: Optional[int] = None     # ranks of dp·cp per shard group (HSDP); None: all of them
+    bucket_size: int = 40_000_000      # elements per bucket (ZeRO-3 gathers one bucket at a time)
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered buckets after forward
     precision: str = "bf16"            # fp32 | bf16 | fp16
     recompute: str = "none"            # none | selective | full
     micro_batch_size: int = 1
@@ -74,6 +84,10 @@ class Layout:
             raise ValueError(f"recompute must be none|selective|full, got {self.recompute!r}")
         if min(self.tp, self.pp, self.cp, self.dp, self.micro_batch_size) < 1:
             raise ValueError("parallel sizes and micro batch size must be >= 1")
+        if self.sharding not in SHARDING_LEVELS:
+            raise ValueError(f"sharding must be {'|'.join(SHARDING_LEVELS)}, got {self.sharding!r}")
+        if self.dp_shard is not None and (self.dp_shard < 1 or (self.dp * self.cp) % self.dp_shard):
+            raise ValueError(f"dp_shard={self.dp_shard} must divide dp*cp = {self.dp * self.cp}")
 
     @classmethod
     def from_config(cls, parallel: Mapping[str, Any], train: Mapping[str, Any], optim: Mapping[str, Any],
@@ -89,10 +103,22 @@ class Layout:
         gbs = train.get("global_batch_size")
         return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
                    sequence_parallel=bool(parallel.get("sequence_parallel", False)),
-                   distributed_optimizer=bool(optim.get("distributed", False)),
+                   sharding=optim.get("sharding") or "none", dp_shard=parallel.get("dp_shard"),
+                   bucket_size=int(optim.get("bucket_size") or 40_000_000),
+                   reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None)
+
+    @property
+    def level(self) -> str:
+        """The sharding level in effect (the old ``distributed_optimizer`` flag means ``optim``)."""
+        return "optim" if self.sharding == "none" and self.distributed_optimizer else self.sharding
+
+    @property
+    def shards(self) -> int:
+        """Ranks one state is sharded over (1: replicated)."""
+        return 1 if self.level == "none" else (self.dp_shard or self.dp * self.cp)
 
     @property
     def interleaved(self) -> bool:
@@ -105,11 +131,27 @@ class Layout:
 
 
 def state_bytes_per_param(layout: Layout) -> dict:
-    """Bytes per locally held parameter: params, grads, optimizer (main params + Adam m, v)."""
-    shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
-    if layout.precision == "fp32":
-        return {"params": 4.0, "grads": 4.0, "optimizer": 8.0 / shards}
-    return {"params": 2.0, "grads": 4.0, "optimizer": 12.0 / shards}
+    """Bytes per locally held parameter: params, grads, optimizer (main params + Adam m, v), each divided
+    by the shard group size when the sharding level shards it."""
+    d, level = layout.shards, layout.level
+    params, optimizer = (4.0, 8.0) if layout.precision == "fp32" else (2.0, 12.0)
+    return {"params": params / (d if level == "optim_grads_params" else 1),
+            "grads": 4.0 / (d if level in ("optim_grads", "optim_grads_params") else 1),
+            "optimizer": optimizer / d}
+
+
+def gathered_bytes(params: float, layout: Layout) -> float:
+    """ZeRO-2/3 working set beyond the shards: gathered parameter buckets and gradient scratch buckets."""
+    level = layout.level
+    if level not in ("optim_grads", "optim_grads_params") or layout.shards == 1:
+        return 0.0
+    two_buckets = min(2 * layout.bucket_size, params)  # a stage of fewer parameters has fewer buckets
+    scratch = two_buckets * 4  # fp32 gradient buckets being accumulated / reduce-scattered
+    if level == "optim_grads":
+        return scratch
+    elem = 4 if layout.precision == "fp32" else 2
+    held = params if not layout.reshard_after_forward else two_buckets
+    return scratch + held * elem
 
 
 def _activation_elem_bytes(layout: Layout) -> int:
@@ -191,11 +233,13 @@ class StageMemory:
     layer_microbatches_in_flight: float
     layer_activation_bytes: float          # the two above multiplied
     extra_activation_bytes: float          # embedding / final norm / logits
+    gathered_bytes: float                  # ZeRO-2/3: gathered parameter and gradient buckets
     recompute_working_bytes: float         # full recompute: one layer's activations during backward
     total_bytes: float = field(init=False)
 
     def __post_init__(self):
-        self.total_bytes = (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.layer_activation_bytes
+        self.total_bytes = (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.gathered_bytes
+                            + self.layer_activation_bytes
                             + self.extra_activation_bytes + self.recompute_working_bytes)
 
 
@@ -243,6 +287,7 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
             activation_bytes_per_layer=per_layer, layer_microbatches_in_flight=inflight,
             layer_activation_bytes=per_layer * inflight,
             extra_activation_bytes=_extra_activation_bytes(model, layout, stage),
+            gathered_bytes=gathered_bytes(params, layout),
             recompute_working_bytes=working))
     return MemoryEstimate(stages=stages)
 
@@ -273,7 +318,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         f"        {_count(counts.total)} parameters ({_count(counts.non_embedding)} non-embedding), "
         f"{model_flops_per_token(model) / 1e9:,.2f} GFLOP/token (fwd+bwd)",
         f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
-        f"sp={'on' if layout.sp else 'off'} distributed_optimizer={'on' if layout.distributed_optimizer else 'off'} "
+        f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
         f"{layout.precision} recompute={layout.recompute} micro_batch={layout.micro_batch_size} "
         f"micro_batches={layout.num_microbatches if layout.num_microbatches is not None else 'auto'}"
         f"{' fused_attention' if layout.fused_attention else ''}",
@@ -286,6 +331,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  params", lambda st: _gib(st.param_bytes)),
         ("  grads", lambda st: _gib(st.grad_bytes)),
         ("  optimizer (main params + Adam)", lambda st: _gib(st.optimizer_bytes)),
+        ("  gathered buckets (ZeRO-2/3)", lambda st: _gib(st.gathered_bytes)),
         ("activations per layer, micro-batch", lambda st: _gib(st.activation_bytes_per_layer)),
         ("layer x micro-batches in flight", lambda st: f"{st.layer_microbatches_in_flight:g}"),
         ("  activations of the layers", lambda st: _gib(st.layer_activation_bytes)),

@@ -55,36 +55,55 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of every tensor storage alive (counted once, however many views), and their peak.
 
     A storage is counted when an operation first returns a tensor on it and uncounted when it is freed,
-    so autograd's saved tensors, gradients and temporaries all count while they live.
+    so autograd's saved tensors, gradients and temporaries all count while they live. A storage resized
+    in place (ZeRO-3 frees a gathered bucket's storage and allocates it again, outside any operation) is
+    recounted when an operation next reads or writes it, and every count is refreshed before a new peak
+    is taken, so a resized storage counts at its size at that moment.
     """
 
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
-        self._alive: dict[int, weakref.ref] = {}
+        self._alive: dict[int, list] = {}  # id(storage) -> [weak reference, bytes counted]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        for t in tree_leaves((out, args, kwargs)):
             if isinstance(t, torch.Tensor):
                 self._count(t.untyped_storage())
+        if self.live > self.peak:
+            self._refresh()
+            self.peak = max(self.peak, self.live)
         return out
 
     def _count(self, storage) -> None:
         key = id(storage)
-        ref = self._alive.get(key)
-        if ref is not None and ref() is storage:
+        entry = self._alive.get(key)
+        if entry is not None and entry[0]() is storage:
+            self._recount(entry, storage)
             return
         nbytes = storage.nbytes()
-        self._alive[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        self._alive[key] = [weakref.ref(storage, lambda _, k=key: self._free(k)), nbytes]
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self._alive.pop(key, None)
-        self.live -= nbytes
+    def _recount(self, entry, storage) -> None:
+        nbytes = storage.nbytes()
+        self.live += nbytes - entry[1]
+        entry[1] = nbytes
+
+    def _refresh(self) -> None:
+        for entry in list(self._alive.values()):
+            storage = entry[0]()
+            if storage is not None:
+                self._recount(entry, storage)
+
+    def _free(self, key: int) -> None:
+        entry = self._alive.pop(key, None)
+        if entry is not None:
+            self.live -= entry[1]
 
     def reset_peak(self) -> None:
+        self._refresh()
         self.peak = self.live
 
 

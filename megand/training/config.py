@@ -49,6 +49,7 @@ class ParallelConfig:
     order: str = "tp-cp-dp-pp"  # fastest- to slowest-varying rank dimension
     pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
     cp_comm: str = "p2p"  # p2p (ring) | all_gather | a2a (Ulysses: heads re-sharded over cp)
+    dp_shard: Optional[int] = None  # ranks of dp x cp in one shard group (optim.sharding != none); null: all; smaller: hybrid sharding (HSDP), replicas across groups
 
 
 @dataclass
@@ -87,9 +88,11 @@ class OptimConfig:
     beta2: float = 0.95  # Adam beta2
     eps: float = 1.0e-8  # Adam epsilon
     clip_grad: float = 1.0  # 0: no clipping
-    distributed: bool = False  # shard fp32 main params and Adam states over dp x cp (ZeRO-1/2)
+    sharding: str = "none"  # none | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3, FSDP): what is kept only as this rank's shard of the dp x cp (or dp_shard) group
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered params after each module's forward, gather again for backward (false: keep them until the backward)
+    distributed: Optional[bool] = None  # removed: use optim.sharding (optim.distributed=true is optim.sharding=optim)
     overlap_grad_reduce: bool = False  # reduce gradient buckets during backward
-    overlap_param_gather: bool = False  # all-gather updated params during the next forward (distributed optimizer)
+    overlap_param_gather: bool = False  # all-gather updated params during the next forward (optim.sharding=optim or optim_grads)
     bucket_size: int = 40_000_000  # elements per gradient bucket
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scale at start
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
@@ -165,6 +168,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
     "data.kind": ("mock", "indexed", "quickstart"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
@@ -198,6 +202,10 @@ def validate(cfg, world_size: int) -> None:
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
 
     check_keys(cfg)
+    if cfg.optim.get("distributed") is not None:
+        level = "optim" if cfg.optim.distributed else "none"
+        raise ConfigError(f"optim.distributed={cfg.optim.distributed} was replaced by optim.sharding: use "
+                          f"optim.sharding={level} (none|optim|optim_grads|optim_grads_params)")
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
@@ -211,6 +219,13 @@ def validate(cfg, world_size: int) -> None:
         sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    if p.dp_shard is not None:
+        dp_cp = sizes.dp * sizes.cp
+        if not isinstance(p.dp_shard, int) or p.dp_shard < 1 or dp_cp % p.dp_shard:
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp}"
+                              f" = {dp_cp}")
+        if cfg.optim.sharding == "none" and p.dp_shard != dp_cp:
+            raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     groups = m.num_query_groups or m.num_attention_heads
     checks = [
         (m.hidden_size % m.num_attention_heads == 0,

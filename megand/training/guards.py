@@ -28,14 +28,18 @@ def first_nonfinite_grad(optimizer) -> str | None:
     return None
 
 
-FINITE_CHECK_SLICE = 1 << 18  # elements per isfinite mask
+# elements per isfinite mask (1 << 18 made a ZeRO-3 save at dp=4 of a 3M-parameter model peak +1.8 MiB,
+# above a tenth of its 13 MiB of state; a shard of 1e9 elements is ~15k chunks)
+FINITE_CHECK_CHUNK = 1 << 16
 
 
 def all_finite(tensors, device) -> bool:
     """Collective: whether every tensor on every rank is finite (each rank reads only its own shards)."""
-    # in slices: a mask of a whole flat buffer would cost a checkpoint save its size in memory
-    ok = all(bool(torch.isfinite(piece).all()) for t in tensors if t is not None and t.is_floating_point()
-             for piece in t.detach().reshape(-1).split(FINITE_CHECK_SLICE))
+    # in chunks: isfinite's temporaries (a copy of its input, a mask) then cost a chunk, not the largest tensor
+    # (one flag per chunk, read once)
+    flags = [torch.isfinite(chunk).all() for t in tensors if t is not None and t.is_floating_point()
+             for chunk in t.detach().reshape(-1).split(FINITE_CHECK_CHUNK)]
+    ok = bool(torch.stack(flags).all()) if flags else True
     flag = torch.tensor([0.0 if ok else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0.0

@@ -20,7 +20,7 @@ from megand.core.optimizer.optimizer import StepResult
 from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
-from megand.core.sharding import init_parameters
+from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
 from megand.core.transformer.documents import DocumentMask
@@ -48,7 +48,7 @@ from megand.training.wandb_logger import WandbLogger
 def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Topology(sizes, order=p.order, vpp=p.vpp, device=device)
+    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard)
 
 
 def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
@@ -72,11 +72,17 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
 
 def build_model_and_engine(cfg, topo) -> tuple[TransformerConfig, list[GPTModel], DataParallel]:
     """The model chunks built on the meta device, placed in the data-parallel engine's flat buffers and
-    initialised there: per rank, only the local shard is ever allocated and drawn."""
+    initialised there: per rank, only the local shard is ever allocated and drawn (under ZeRO-3, only
+    this rank's slices of it: the full local parameters exist only while gathered for a forward)."""
     model_cfg, chunks = build_model(cfg, topo, device=torch.device("meta"))
     ddp = DataParallel(chunks, topo, data_parallel_config(cfg))
-    for chunk in chunks:
-        init_parameters(chunk, cfg.train.seed)
+    if ddp.shard_params:  # ZeRO-3: the rank holds only flat ranges of its parameters; draw just those
+        name_of = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+        for p, lo, hi, data in ddp.param_shards():
+            init_flat_range(p, name_of[p], cfg.train.seed, lo, hi, data)
+    else:
+        for chunk in chunks:
+            init_parameters(chunk, cfg.train.seed)
     return model_cfg, chunks, ddp
 
 
@@ -242,7 +248,9 @@ class Trainer:
         self.last_save_attempt = self.iteration
         self._progress("checkpoint save")
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
-        if not all_finite([*self.params, *self.optimizer.state_tensors()], self.topo.device):
+        # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
+        weights = [data for _, _, _, data in self.ddp.param_shards()]
+        if not all_finite([*weights, *self.optimizer.state_tensors()], self.topo.device):
             if self.topo.is_logging_rank:
                 print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
                       f"state are not finite", flush=True)
@@ -486,13 +494,15 @@ class Trainer:
         if self.iteration % t.log_interval and self.iteration != t.iters and not self.last_spike:
             return
         self._progress("logging")
-        # per rank: peak memory and busy time (forward/backward, outside the waits for other ranks' gradients)
-        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s], dtype=torch.float64,
-                            device=self.topo.device)
+        # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
+        # ranks' gradients)
+        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
+                             float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
         every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(every, mine)
         self.busy_s = 0.0
         mem_peak = max(x[0] for x in every)  # the most loaded rank
+        state_bytes = max(x[2] for x in every)
         busy = [float(x[1]) for x in every]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         median = statistics.median(busy)
@@ -504,6 +514,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
+            "state_bytes": int(state_bytes.item()),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
             "global_batch_size": t.global_batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
@@ -585,7 +596,15 @@ def final_summary(trainer, seconds: float, best_val: float) -> str:
 
 
 def pretrain(cfg) -> None:
-    trainer = Trainer(cfg)
-    trainer.run()
-    dist.barrier()
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+        dist.barrier()
+    except USER_ERRORS:
+        # raised on every rank alike: tear the process groups down now, not during interpreter exit, where
+        # a gloo group's threads may be destroyed still running (abort: "terminate called without an
+        # active exception", after the one-line message)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     dist.destroy_process_group()

@@ -17,8 +17,8 @@ from tests.harness import assert_parity, read_metrics, run_pretrain
 MODEL = ["+experiment=tiny_llama", "model.num_attention_heads=8", "model.num_query_groups=4", "train.iters=10"]
 SAVED_LAYOUTS = {  # name: overrides of a 4-rank run that saves at steps 5 (asynchronously) and 10
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
-    "tp2_dp2_distopt": ["parallel.tp=2", "optim.distributed=true"],
-    "dp4_distopt": ["optim.distributed=true"],
+    "tp2_dp2_distopt": ["parallel.tp=2", "optim.sharding=optim"],
+    "dp4_distopt": ["optim.sharding=optim"],
 }
 
 
@@ -64,8 +64,8 @@ def test_exact_resume_same_layout(saved_runs, tmp_path, saved):
     ("tp2_pp2", ["parallel.tp=1", "parallel.pp=1"], 4),  # -> tp 1, pp 1, dp 4
     ("tp2_pp2", ["parallel.tp=4"], 4),  # -> tp 4 (uneven vocab shards), pp 1
     ("tp2_pp2", ["parallel.tp=2", "parallel.cp=2"], 4),  # pp 2 -> cp 2
-    ("tp2_dp2_distopt", ["parallel.pp=2", "parallel.vpp=2", "optim.distributed=false"], 2),  # -> interleaved pp
-    ("dp4_distopt", ["optim.distributed=true"], 2),  # distributed optimizer: dp 4 -> dp 2
+    ("tp2_dp2_distopt", ["parallel.pp=2", "parallel.vpp=2", "optim.sharding=none"], 2),  # -> interleaved pp
+    ("dp4_distopt", ["optim.sharding=optim"], 2),  # distributed optimizer: dp 4 -> dp 2
 ], ids=["tp2pp2_to_tp1dp4", "tp2pp2_to_tp4", "tp2pp2_to_tp2cp2", "tp2dp2_to_pp2vpp2", "dp4_to_dp2"])
 def test_reshard(saved_runs, tmp_path, saved, layout, nproc):
     proc, ref, run = continue_from_step5(saved_runs(saved), tmp_path, layout, nproc)

@@ -14,7 +14,7 @@ def _memory_worker():
     out = {}
     for precision in ("bf16",):  # fp32 (8 bytes/element, the param is its own main copy): benchmarks/bench_optimizer.py
         for distributed in (False, True):
-            t = build_trainer([f"train.precision={precision}", f"optim.distributed={str(distributed).lower()}"])
+            t = build_trainer([f"train.precision={precision}", f"optim.sharding={'optim' if distributed else 'none'}"])
             out[(precision, distributed)] = (state_bytes(t), sum(p.numel() for p in t.params))
     return out
 
@@ -32,7 +32,7 @@ def test_distributed_optimizer_state_is_a_quarter_at_dp4():
 def _overlap_worker():
     results = {}
     for overlap in (True, False):
-        t = build_trainer(["optim.distributed=true", f"optim.overlap_grad_reduce={str(overlap).lower()}",
+        t = build_trainer(["optim.sharding=optim", f"optim.overlap_grad_reduce={str(overlap).lower()}",
                            "optim.overlap_param_gather=true", "optim.bucket_size=4000"])
         events = []
         launch = t.ddp._reduce
@@ -68,7 +68,7 @@ def test_overlapped_reduction_starts_during_backward_and_matches():
 
 # -- fp16: an inf gradient skips the step on every rank ----------------------------------------------------
 def _fp16_worker():
-    t = build_trainer(["train.precision=fp16", "optim.distributed=true", "optim.overlap_grad_reduce=true",
+    t = build_trainer(["train.precision=fp16", "optim.sharding=optim", "optim.overlap_grad_reduce=true",
                        "optim.overlap_param_gather=true", "optim.bucket_size=4000", "optim.initial_loss_scale=4096",
                        "optim.hysteresis=1"])
     assert t.params[0].dtype == torch.float16
@@ -108,8 +108,8 @@ def _checkpoint_worker():
         return t.optimizer.sharded_state_dict()
 
     base = ["train.precision=bf16", "optim.bucket_size=4000"]
-    plain = build_trainer(base + ["optim.distributed=false"])
-    sharded = build_trainer(base + ["optim.distributed=true", "optim.overlap_grad_reduce=true",
+    plain = build_trainer(base + ["optim.sharding=none"])
+    sharded = build_trainer(base + ["optim.sharding=optim", "optim.overlap_grad_reduce=true",
                                     "optim.overlap_param_gather=true"])
     for _ in range(2):
         step(plain), step(sharded)
@@ -126,7 +126,7 @@ def _checkpoint_worker():
     n = sum(p.numel() for p in sharded.params)
     bytes_per_param = (_shard_bytes(plain) / n, _shard_bytes(sharded) / n)
     # a fresh sharded optimizer loaded from those states (in place, through the views) continues exactly
-    fresh = build_trainer(base + ["optim.distributed=true"])
+    fresh = build_trainer(base + ["optim.sharding=optim"])
     with torch.no_grad():
         for (_, p), (_, q) in zip(fresh.named_params, sharded.named_params):
             p.copy_(q)
@@ -139,7 +139,7 @@ def _checkpoint_worker():
                          for k, v in b.tensors.items())
     continued = step(sharded)[0] == step(fresh)[0] and same(list(snapshot_params(sharded).values()),
                                                             list(snapshot_params(fresh).values()))
-    fp32 = build_trainer(["optim.distributed=true"])
+    fp32 = build_trainer(["optim.sharding=optim"])
     fp32_has_no_main = all("main" not in s.tensors for s in states(fp32))
     return shapes_ok, worst, bytes_per_param, reloaded_equal, continued, fp32_has_no_main, fresh.optimizer.scalar_state()
 

@@ -19,7 +19,7 @@ def _run(tmp_path, name, overrides, nproc, experiment="tiny_llama"):
 
 
 def test_dp2_distributed_optimizer_overlap_on_and_off(tmp_path, llama_reference):
-    base = ["optim.distributed=true", SMALL_BUCKETS]
+    base = ["optim.sharding=optim", SMALL_BUCKETS]
     off = _run(tmp_path, "off", base, 2)
     on = _run(tmp_path, "on", base + ["optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true"], 2)
     assert_parity(llama_reference, off)
@@ -29,13 +29,13 @@ def test_dp2_distributed_optimizer_overlap_on_and_off(tmp_path, llama_reference)
 
 
 def test_dp4_distributed_optimizer(tmp_path, llama_reference):
-    run = _run(tmp_path, "dp4", ["optim.distributed=true", "optim.overlap_grad_reduce=true",
+    run = _run(tmp_path, "dp4", ["optim.sharding=optim", "optim.overlap_grad_reduce=true",
                                  "optim.overlap_param_gather=true", SMALL_BUCKETS], 4)
     assert_parity(llama_reference, run)
 
 
 def test_dp2_tp2_sequence_parallel_distributed_optimizer(tmp_path, llama_reference):
-    run = _run(tmp_path, "dp2tp2", ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.distributed=true",
+    run = _run(tmp_path, "dp2tp2", ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.sharding=optim",
                                     "optim.overlap_grad_reduce=true", SMALL_BUCKETS], 4)
     assert_parity(llama_reference, run)
 
@@ -48,6 +48,6 @@ def test_gpt_tied_embeddings_dp2_overlapped_all_reduce(tmp_path, reference):
 
 def test_pp2_dp2_distributed_optimizer_tied_embeddings(tmp_path, reference):
     """The distributed optimizer under pipelining: tied embedding copies on two stages, shards over dp."""
-    run = _run(tmp_path, "gpt_pp2_dp2", ["parallel.pp=2", "optim.distributed=true", "optim.overlap_grad_reduce=true",
+    run = _run(tmp_path, "gpt_pp2_dp2", ["parallel.pp=2", "optim.sharding=optim", "optim.overlap_grad_reduce=true",
                                          SMALL_BUCKETS], 4, experiment="tiny_gpt")
     assert_parity(reference("tiny_gpt"), run)

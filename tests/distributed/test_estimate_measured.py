@@ -18,7 +18,7 @@ from megand.tools.spawn import run_distributed
 LAYOUTS = {
     "tp1_dp4": ["parallel.tp=1"],
     "tp2_sp_dp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    "tp2_dp2_distopt": ["parallel.tp=2", "optim.distributed=true"],
+    "tp2_dp2_distopt": ["parallel.tp=2", "optim.sharding=optim"],
 }
 BASE = ["+experiment=tiny_llama", "train.global_batch_size=8", "train.micro_batch_size=2", "train.iters=2"]
 WORLD = 4

@@ -32,6 +32,11 @@ def check(overrides, world_size=1):
     (["model=llama_tiny", "model.seq_length=64", "parallel.cp=8", "parallel.cp_comm=a2a"], 8,
      r"cp_comm=a2a .*model.num_attention_heads=4 / parallel.tp=1\) must be divisible by parallel.cp=8 "
      r"\(model.num_query_groups=2\)"),
+    (["optim.distributed=true"], 1, r"optim.distributed=True was replaced by optim.sharding: use optim.sharding=optim"),
+    (["optim.distributed=false"], 1, r"optim.distributed=False was replaced by optim.sharding: use optim.sharding=none"),
+    (["optim.sharding=zero3"], 1, r"optim.sharding='zero3': expected one of none, optim, optim_grads, optim_grads_params"),
+    (["optim.sharding=optim_grads_params", "parallel.dp_shard=3"], 4, r"parallel.dp_shard=3 must be a positive divisor of dp\*cp = 4\*1 = 4"),
+    (["parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 shards nothing with optim.sharding=none"),
 ])
 def test_invalid_values_are_named(overrides, world_size, message):
     with pytest.raises(ConfigError, match=message):
@@ -41,6 +46,7 @@ def test_invalid_values_are_named(overrides, world_size, message):
 def test_valid_layouts_pass():
     check(["parallel.tp=2", "parallel.sequence_parallel=true"], 4)
     check(["model=llama_tiny", "parallel.tp=2", "parallel.cp=2"], 8)
+    check(["optim.sharding=optim_grads_params", "parallel.cp=2", "parallel.dp_shard=2"], 8)
 
 
 def test_unknown_keys_and_wrong_types_are_rejected_by_the_schema():

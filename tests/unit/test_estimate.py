@@ -104,8 +104,8 @@ def test_full_recompute_working_set():
 def test_layout_from_config():
     layout = Layout.from_config({"tp": 2, "pp": 2, "vpp": None, "cp": 1, "dp": None, "sequence_parallel": True},
                                 {"micro_batch_size": 2, "global_batch_size": 32, "precision": "bf16",
-                                 "recompute": "selective"}, {"distributed": True}, world_size=16)
-    assert layout.dp == 4 and layout.num_microbatches == 4 and layout.sp and layout.distributed_optimizer
+                                 "recompute": "selective"}, {"sharding": "optim"}, world_size=16)
+    assert layout.dp == 4 and layout.num_microbatches == 4 and layout.sp and layout.level == "optim"
 
 
 def test_cli_json_and_table():
@@ -151,3 +151,28 @@ def test_states_match_measured_tensors_of_a_reference_model():
     st = estimate_memory(LLAMA, Layout(precision="fp32")).stages[0]
     predicted = st.param_bytes + st.grad_bytes + st.optimizer_bytes
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
+
+
+def test_sharding_levels_and_hsdp_bytes_per_param():
+    def total(**kw):
+        return sum(state_bytes_per_param(Layout(precision="bf16", dp=4, **kw)).values())
+
+    assert total(sharding="none") == 18
+    assert total(sharding="optim") == 6 + 12 / 4
+    assert total(sharding="optim_grads") == 2 + 16 / 4
+    assert total(sharding="optim_grads_params") == 18 / 4
+    assert total(sharding="optim_grads_params", dp_shard=2) == 18 / 2  # HSDP: sharded over the shard group only
+    assert sum(state_bytes_per_param(Layout(precision="fp32", dp=2, cp=2, sharding="optim_grads_params")).values()) == 4
+    layout = Layout.from_config({"dp": 8, "dp_shard": 4}, {"precision": "bf16"}, {"sharding": "optim_grads"})
+    assert (layout.level, layout.shards) == ("optim_grads", 4)
+    with pytest.raises(ValueError, match="sharding must be"):
+        Layout(sharding="zero3")
+
+
+def test_zero3_gathered_buckets_count_in_the_estimate():
+    model = {**LLAMA, "num_layers": 4}
+    kept = estimate_memory(model, Layout(dp=4, sharding="optim_grads_params", reshard_after_forward=False)).peak
+    resharded = estimate_memory(model, Layout(dp=4, sharding="optim_grads_params", bucket_size=1000)).peak
+    assert kept.gathered_bytes == kept.params * 2 + min(2 * 40_000_000, kept.params) * 4
+    assert resharded.gathered_bytes == 2 * 1000 * 2 + 2 * 1000 * 4
+    assert resharded.total_bytes < kept.total_bytes

@@ -20,7 +20,10 @@ LAYOUTS = {
     "tp2_pp2_first": ["parallel.tp=2", "parallel.pp=2", "--rank", "0"],
     "tp2_pp2_last": ["parallel.tp=2", "parallel.pp=2", "--rank", "3"],
     "tp2_sp_dp2_bf16_distributed": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
-                                    "optim.distributed=true", "--rank", "1"],
+                                    "optim.sharding=optim", "--rank", "1"],
+    # ZeRO-3: the parameters held as this rank's slices, gathered one bucket (here: the whole stage) at a time
+    "tp2_sp_dp2_bf16_zero3": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+                              "optim.sharding=optim_grads_params", "--rank", "1"],
 }
 
 

@@ -29,7 +29,7 @@ def test_every_rank_in_exactly_one_group_of_each_kind(order):
             members = sorted(r for ranks in rank_lists for r in ranks)
             everyone = ends if kind == "embedding" else list(range(sizes.world_size))
             assert members == everyone, (sizes, order, kind)
-            expected = 1
+            expected = {"dp_shard": sizes.dp * sizes.cp, "dp_replica": 1}.get(kind, 1)  # dp_shard=None: no HSDP
             for dim in GROUP_DIMS.get(kind, ()):
                 expected *= getattr(sizes, dim)
             if kind != "embedding":
@@ -77,3 +77,32 @@ def test_invalid_sizes_are_named():
     with pytest.raises(LayoutError, match="parallel.order"):
         rank_groups(ParallelSizes(), "tp-cp-dp")
     assert ParallelSizes.infer(8, tp=2, pp=2) == ParallelSizes(tp=2, cp=1, dp=2, pp=2)
+
+
+def test_hsdp_shard_groups_are_adjacent_runs_of_dp_cp_and_replicas_cross_them():
+    for world in range(1, 17):
+        for sizes in all_decompositions(world):
+            dp_cp = sizes.dp * sizes.cp
+            for shard in (d for d in range(1, dp_cp + 1) if dp_cp % d == 0):
+                groups = rank_groups(sizes, "tp-cp-dp-pp", dp_shard=shard)
+                for kind in ("dp_shard", "dp_replica"):
+                    assert sorted(r for g in groups[kind] for r in g) == list(range(world)), (sizes, shard, kind)
+                for big in groups["dp_cp"]:
+                    shards = [g for g in groups["dp_shard"] if g[0] in big]
+                    assert [r for g in sorted(shards) for r in g] == big, (sizes, shard)  # adjacent runs, in order
+                    replicas = [g for g in groups["dp_replica"] if g[0] in big]
+                    assert len(replicas) == shard and all(len(g) == dp_cp // shard for g in replicas)
+                    for g in replicas:  # one member from every shard group, at the same place in each
+                        assert len({s.index(r) for s in shards for r in g if r in s}) == 1
+
+
+def test_hsdp_example_dp4_shard2():
+    groups = rank_groups(ParallelSizes(tp=2, dp=4), dp_shard=2)
+    assert groups["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp_replica"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_dp_shard_must_divide_dp_cp():
+    with pytest.raises(LayoutError, match="dp_shard=3 .* dp\\*cp = 4"):
+        rank_groups(ParallelSizes(dp=4), dp_shard=3)

@@ -15,7 +15,6 @@ of a distributed-optimizer shard, which start and end anywhere inside a paramete
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megand.core.sharding import flat_range_boxes  # noqa: F401 - part of this module's interface
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -31,37 +32,6 @@ class Piece:
     offsets: tuple[int, ...]  # where ``tensor`` starts inside the full tensor
     full_shape: tuple[int, ...]
     tensor: torch.Tensor  # the data to save, or the destination to load into (a view: loaded in place)
-
-
-def flat_range_boxes(lo: int, hi: int, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as boxes ``(offsets, sizes, flat start)``.
-
-    Each box is a contiguous run of the flat range (so a view of it), starting at ``flat start``."""
-    shape = tuple(shape)
-    if lo >= hi:
-        return []
-    if len(shape) == 0:
-        return [((), (), lo)]
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,), lo)]
-    inner = math.prod(shape[1:])
-
-    def in_row(row, a, b):  # [a, b) inside one row
-        return [((row, *o), (1, *s), row * inner + f) for o, s, f in flat_range_boxes(a, b, shape[1:])]
-
-    first, last = lo // inner, (hi - 1) // inner
-    if first == last:
-        return in_row(first, lo - first * inner, hi - first * inner)
-    boxes = []
-    if lo % inner:
-        boxes += in_row(first, lo % inner, inner)
-        first += 1
-    full_end = hi // inner
-    if full_end > first:
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (full_end - first, *shape[1:]), first * inner))
-    if hi % inner:
-        boxes += in_row(full_end, 0, hi % inner)
-    return boxes
 
 
 def _chunk(piece: Piece) -> ChunkStorageMetadata:

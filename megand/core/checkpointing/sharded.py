@@ -11,6 +11,8 @@ names, so pipeline stages and model chunks need no special handling:
 
 Nothing is gathered and nothing full-size is built: saving writes views of the live state (copied
 only for an asynchronous save), loading reads straight into the parameters and the optimizer's state.
+Under ZeRO-3 the parameters themselves are flat ranges too (the engine's packed slices), written and
+read like an optimizer shard.
 The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
 else from the model weights at the precision they were stored in (a model-only or fp32 checkpoint).
 A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys.
@@ -30,6 +32,14 @@ def unpadded(local: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
         return local
     piece = meta.local_slice()[meta.split_dim]
     return local.narrow(meta.split_dim, 0, piece.stop - piece.start)
+
+
+def unpadded_shape(shape, meta: ParamMeta) -> tuple[int, ...]:
+    """The shape of :func:`unpadded` (read from the metadata: a ZeRO-3 parameter holds no storage)."""
+    if meta.split_dim is None:
+        return tuple(shape)
+    piece = meta.local_slice()[meta.split_dim]
+    return tuple(piece.stop - piece.start if d == meta.split_dim else n for d, n in enumerate(shape))
 
 
 def tp_offset(meta: ParamMeta) -> tuple[int, ...]:
@@ -60,7 +70,7 @@ def flat_pieces(key: str, param: torch.Tensor, lo: int, hi: int, flat: torch.Ten
     views of ``flat``, padding rows left out."""
     meta = param.meta
     start = tp_offset(meta)
-    keep = unpadded(param, meta).shape
+    keep = unpadded_shape(param.shape, meta)
     out = []
     for offsets, sizes, first in flat_range_boxes(lo, hi, param.shape):
         view = flat[first - lo: first - lo + int(torch.Size(sizes).numel())].view(sizes)
@@ -85,15 +95,34 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
 
 
+def weight_pieces(named_params, ddp, key_of) -> list[Piece]:
+    """Every parameter's pieces under ``key_of(name, param)`` (left out where it is None): the local
+    shard whole, or under ZeRO-3 (``ddp.shard_params``) this rank's flat slices of it, views of the
+    engine's packed buffer: outside a forward those are the only values a ZeRO-3 rank holds, and reading
+    them gathers nothing."""
+    if not ddp.shard_params:
+        return [param_piece(key, p) for name, p in named_params if (key := key_of(name, p)) is not None]
+    name_of = {p: n for n, p in named_params}
+    return [piece for p, lo, hi, data in ddp.param_shards() if (key := key_of(name_of[p], p)) is not None
+            for piece in flat_pieces(key, p, lo, hi, data)]
+
+
 def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
     """This rank's pieces of the model and optimizer state, on CPU (copied if ``copy``, so training may
-    go on mutating the originals while they are written in the background; views of them otherwise)."""
+    go on mutating the originals while they are written in the background; views of them otherwise).
+
+    Under hybrid sharding the replicas of a shard group hold the same shards: only the first replica
+    writes them (the weights of a level below ZeRO-3 are whole on every rank; DCP keeps one copy)."""
 
     def staged(t):
         return t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else exact_storage(t))
 
-    pieces = [param_piece(model_key(name), p) for name, p in named_params if p.meta.copy_of is None]
-    for shard in optimizer.sharded_state_dict():
+    ddp = optimizer.ddp
+    writes_shards = ddp.replica_rank == 0
+    pieces = []
+    if writes_shards or not ddp.shard_params:
+        pieces += weight_pieces(named_params, ddp, lambda n, p: None if p.meta.copy_of else model_key(n))
+    for shard in optimizer.sharded_state_dict() if writes_shards else ():
         if shard.param.meta.copy_of is None:
             for kind, flat in shard.tensors.items():
                 pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
@@ -122,7 +151,7 @@ def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool) -
         main = optim_key(original, "main")
         return main if main in keys else model_key(original)
 
-    pieces = [param_piece(weights(saved_name(n, p.meta)), p) for n, p in named_params]
+    pieces = weight_pieces(named_params, optimizer.ddp, lambda n, p: weights(saved_name(n, p.meta)))
     for shard in optimizer.sharded_state_dict():
         original = saved_name(shard.name, shard.param.meta)
         for kind, flat in shard.tensors.items():

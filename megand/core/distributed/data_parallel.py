@@ -32,18 +32,43 @@ Per step, the trainer calls: ``zero_grad()`` -> schedule(..., grad_sync=engine) 
 With ``optim.overlap_param_gather`` the all-gathers of updated parameters run while the next forward
 starts: a forward pre-hook on every module waits only for the buckets holding that module's
 parameters. Anything else that reads parameters outside a forward (checkpoint save, export) must call
-:meth:`finish_param_sync` first (the checkpointer does).
+:meth:`finish_param_sync` first (the checkpointer does). Under ZeRO-3 parameters are only readable
+inside their module's forward and backward: outside, read this rank's slices (:meth:`param_shards`).
+
+Sharding levels (``DataParallelConfig.sharding``), over the shard group (dp x cp, or ``dp_shard`` of it)
+------------------------------------------------------------------------------------------------------
+- ``optim`` (ZeRO-1): the optimizer owns one slice of every bucket; reduce-scatter, then all-gather of
+  the updated parameters.
+- ``optim_grads`` (ZeRO-2): the fp32 gradient buffer holds only the rank's slices. Each backward adds
+  its gradients into a scratch copy of the bucket; once every parameter of the bucket has contributed,
+  the scratch is reduce-scattered into the rank's slice and freed (every micro-batch: that is the price
+  of not keeping the full gradient).
+- ``optim_grads_params`` (ZeRO-3): the parameter buffer holds only the rank's slices too. A forward
+  pre-hook all-gathers the buckets of a module before it runs (and starts gathering the next bucket);
+  when every module using a bucket has run forward the bucket is freed again (``reshard_after_forward``;
+  otherwise it stays until its backward). A hook on each module's output gathers the module's buckets
+  again when backward reaches it (and prefetches the next bucket of backward); once all of a bucket's
+  gradients have arrived it is freed. Activation recomputation re-runs forwards inside backward (while
+  some bucket is held for backward): those gather their buckets as held for the backward that follows,
+  never prefetch the buckets of layers whose backward is over, and free nothing.
+- hybrid (HSDP, ``dp_shard`` smaller than dp x cp): all of the above inside the shard group; the
+  reduced gradient slices are then summed over the replicas (the same slice of the other shard groups).
+
+A module whose forward reads parameters of another module (the output layer tied to the word embedding
+on one stage) lists them in a ``borrowed_parameters()`` method, so ZeRO-3 gathers them for it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from megand.core.distributed.buffers import ParamAndGradBuffer
 from megand.core.distributed.config import DataParallelConfig
 from megand.core.distributed.grads import all_reduce_layout_grads
+from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
 
@@ -59,17 +84,30 @@ class DataParallel:
 
     def __init__(self, chunks, topo, config: DataParallelConfig):
         self.topo, self.config = topo, config
-        self.group, self.size = topo.dp_cp_group, topo.dp_cp_size
-        self.distributed = config.distributed
+        self.distributed = config.shards_optim  # the optimizer owns one slice of every bucket
+        self.shard_grads, self.shard_params = config.shards_grads, config.shards_params
+        if self.distributed:
+            self.group, self.size, rank = topo.dp_shard_group, topo.dp_shard_size, topo.dp_shard_rank
+            self.replica_group, self.replicas, self.replica_rank = (topo.dp_replica_group, topo.dp_replica_size,
+                                                                    topo.dp_replica_rank)
+        else:
+            self.group, self.size, rank = topo.dp_cp_group, topo.dp_cp_size, 0
+            self.replica_group, self.replicas, self.replica_rank = None, 1, 0
         self.overlap_grad_reduce = config.overlap_grad_reduce
-        self.overlap_param_gather = config.overlap_param_gather and self.distributed
+        self.overlap_param_gather = config.overlap_param_gather and self.distributed and not self.shard_params
+        self.reshard_after_forward = config.reshard_after_forward
+        chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         by_dtype = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
             by_dtype.setdefault(p.dtype, []).append(p)
-        shards = (topo.dp_cp_rank, self.size) if self.distributed else (0, 1)
-        self.buffers = [ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device)
-                        for dtype, ps in by_dtype.items()]
+        shards = (rank, self.size) if self.distributed else (0, 1)
+        self.buffers = []
+        for dtype, ps in by_dtype.items():
+            # ZeRO-3: a bucket never spans two model chunks, so one chunk's forward frees what it gathered
+            starts = {i for i in range(1, len(ps)) if chunk_of[ps[i]] != chunk_of[ps[i - 1]]} if self.shard_params else ()
+            self.buffers.append(ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
+                                                   self.shard_grads, self.shard_params, starts))
         replaced = {k: v for buf in self.buffers for k, v in buf.replaced.items()}
         if replaced:  # parameters built on the meta device now live in the buffers: put them in the modules
             for chunk in chunks:
@@ -77,6 +115,8 @@ class DataParallel:
                     for name, p in list(module._parameters.items()):
                         if p is not None and id(p) in replaced:
                             module._parameters[name] = replaced[id(p)]
+            # keyed by the parameters the modules now hold
+            chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
             params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         for i, bucket in enumerate(self.buckets):
@@ -86,6 +126,8 @@ class DataParallel:
         self._final = False  # inside last_backward()
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
+        # bytes this rank sent per collective kind (ring volume: (n-1)/n of the full buffer; all-reduce twice)
+        self.traffic = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         if self.overlap_param_gather:
@@ -95,6 +137,7 @@ class DataParallel:
                     if own:
                         indices = sorted({self.bucket_of[p].index for p in own})
                         module.register_forward_pre_hook(lambda m, args, ix=indices: self._wait_params(ix))
+        self.gatherer = ParamGatherer(self, chunks, chunk_of) if self.shard_params else None
         self.zero_grad()
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -106,6 +149,10 @@ class DataParallel:
         for p in self.params:
             p.grad = None
         self._pending = {b.index: {p for p, _ in b.params} for b in self.buckets}
+        self._unflushed = {b.index: {p for p, _ in b.params} for b in self.buckets}  # sharded grads
+        self._flushes = []  # sharded grads: (work, slice sum, bucket) in flight
+        for bucket in self.buckets:
+            bucket.scratch = None
         self._launched = set()
         self._synced = False
 
@@ -120,6 +167,9 @@ class DataParallel:
 
     def _on_grad(self, p):
         bucket = self.bucket_of[p]
+        if self.shard_grads:
+            self._on_grad_sharded(p, bucket)
+            return
         if bucket.index in self._launched:
             raise RuntimeError("a gradient arrived after its bucket was reduced: the schedule ran more than one "
                                "backward per chunk inside last_backward()")
@@ -131,16 +181,61 @@ class DataParallel:
             if not pending and self.overlap_grad_reduce:
                 self._reduce(bucket)
 
+    def _on_grad_sharded(self, p, bucket):
+        """ZeRO-2/3: accumulate into the bucket's scratch; reduce-scatter it once every parameter of the
+        bucket has contributed (sums are linear: flushing early or late changes only the traffic)."""
+        off = bucket.buffer.offset[p]
+        bucket.grads[off - bucket.start: off - bucket.start + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        unflushed = self._unflushed[bucket.index]
+        unflushed.discard(p)
+        if not unflushed:
+            self._flush(bucket)
+        if self.shard_params:
+            self.gatherer.after_grad(p, bucket)
+
+    def _flush(self, bucket):
+        """Reduce-scatter the bucket's scratch into this rank's gradient slice (added to it) and free it."""
+        self._unflushed[bucket.index] = {q for q, _ in bucket.params}
+        scratch, bucket.scratch = bucket.scratch, None
+        if scratch is None:
+            return
+        if self.size == 1:
+            bucket.grad_shard.add_(scratch)
+            return
+        out = torch.empty_like(bucket.grad_shard)
+        self.count("reduce_scatter", scratch, self.size)
+        work = reduce_scatter_flat(out, scratch, group=self.group, async_op=self.overlap_grad_reduce)
+        self._flushes.append((work, out, bucket, scratch))
+        if not self.overlap_grad_reduce or len(self._flushes) > 2:  # at most two scratches in flight
+            self._wait_flushes(keep=0 if not self.overlap_grad_reduce else 2)
+
+    def _wait_flushes(self, keep=0):
+        while len(self._flushes) > keep:
+            work, out, bucket, _ = self._flushes.pop(0)
+            if work is not None:
+                work.wait()
+            bucket.grad_shard.add_(out)
+
     def _reduce(self, bucket):
         """Launch the bucket's sum over dp x cp (asynchronous; waited for in finish_grad_sync)."""
         self._launched.add(bucket.index)
         if self.size == 1:
             return
         if self.distributed:
+            self.count("reduce_scatter", bucket.grads, self.size)
             work = reduce_scatter_flat(bucket.grad_shard, bucket.grads, group=self.group, async_op=True)
         else:
+            self.count("all_reduce", bucket.grads, self.size)
             work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
         self._grad_handles[bucket.index] = work
+
+    def grad_pieces(self):
+        """``(param, gradient tensor)`` of every parameter's part this rank reduces: the whole
+        ``main_grad`` unless gradients are sharded, else the parameter's part of the rank's slices."""
+        if not self.shard_grads:
+            return [(p, p.main_grad) for p in self.params]
+        return [(p, bucket.grad_piece(lo, hi)) for buf in self.buffers for p, bucket, lo, hi in buf.pieces()]
 
     def finish_grad_sync(self):
         """Launch the reductions not yet started, wait for all, then run the layout's reductions
@@ -149,22 +244,36 @@ class DataParallel:
         Idempotent within a step."""
         if self._synced:
             return
-        for bucket in self.buckets:
-            if bucket.index not in self._launched:
-                self._reduce(bucket)
-        for work in self._grad_handles.values():
-            work.wait()
-        self._grad_handles.clear()
-        all_reduce_layout_grads(self.params, self.topo)
+        if self.shard_grads:
+            for bucket in self.buckets:
+                if bucket.scratch is not None:
+                    self._flush(bucket)
+            self._wait_flushes()
+        else:
+            for bucket in self.buckets:
+                if bucket.index not in self._launched:
+                    self._reduce(bucket)
+            for work in self._grad_handles.values():
+                work.wait()
+            self._grad_handles.clear()
+        if self.replicas > 1:  # hybrid sharding: sum each reduced slice over the replicas of the shard
+            shards = [buf.grad_data for buf in self.buffers] if self.shard_grads else [b.grad_shard for b in self.buckets]
+            for shard in shards:
+                self.count("all_reduce", shard, self.replicas)
+                dist.all_reduce(shard, group=self.replica_group)
+        all_reduce_layout_grads(self.grad_pieces(), self.topo)
+        if self.shard_params:
+            self.gatherer.release_all()
         self._synced = True
 
     # -- parameters (distributed optimizer) ---------------------------------------------------------
     def start_param_sync(self):
         """All-gather every bucket's updated slices into the parameter buffers (asynchronously when
-        ``overlap_param_gather``: the next forward waits per module)."""
-        if not self.distributed or self.size == 1:
+        ``overlap_param_gather``: the next forward waits per module). ZeRO-3 gathers in the forward."""
+        if not self.distributed or self.size == 1 or self.shard_params:
             return
         for bucket in self.buckets:
+            self.count("all_gather", bucket.data, self.size)
             work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_handles[bucket.index] = work
@@ -178,3 +287,32 @@ class DataParallel:
     def finish_param_sync(self):
         """Wait for every parameter all-gather still in flight."""
         self._wait_params(list(self._param_handles))
+
+    def param_shards(self):
+        """This rank's share of every parameter, ``(param, lo, hi, data)``: elements ``[lo, hi)`` of the
+        flattened local parameter and the buffer view holding them. Under ZeRO-3 these packed slices are
+        the parameters' only values outside a forward (checkpoints read and write them); otherwise they
+        are views into the full local parameters."""
+        return [x for buf in self.buffers for x in buf.shard_ranges()]
+
+    def count(self, kind, full, ranks):
+        """Account a collective over ``ranks`` whose full (unsharded) buffer is ``full``."""
+        volume = full.numel() * full.element_size() * (ranks - 1) // ranks
+        self.traffic[kind] += 2 * volume if kind == "all_reduce" else volume
+
+    @property
+    def max_gathered(self) -> int:
+        """The most ZeRO-3 buckets gathered at once so far (0 without ZeRO-3)."""
+        return self.gatherer.max_gathered if self.gatherer else 0
+
+    def resident_bytes(self) -> int:
+        """Bytes of parameters and gradients this engine holds now: its buffers (packed slices when
+        sharded), plus any gathered ZeRO-3 bucket and any gradient scratch."""
+        total = sum(buf.param_data.numel() * buf.param_data.element_size() + buf.grad_data.numel() * 4
+                    for buf in self.buffers)
+        for bucket in self.buckets:
+            if bucket.full is not None:
+                total += bucket.full.untyped_storage().size()
+            if bucket.scratch is not None:
+                total += bucket.scratch.numel() * 4
+        return total

@@ -39,11 +39,14 @@ def grad_of(p):
 def all_reduce_layout_grads(params, topo):
     """The sequence-parallel and tied-embedding reductions (the dp reduction is the data-parallel engine's).
 
-    They are sums, so they commute with the dp x cp sum: after a reduce-scatter (distributed optimizer)
-    only this rank's slice of a ``main_grad`` is meaningful, and it stays right because tp peers lay out
-    their buffers identically and the tied embedding copies have a bucket of their own on both stages.
+    ``params``: parameters (their :func:`grad_of` is reduced) or ``(param, gradient tensor)`` pairs
+    (sharded gradients: the parameter's part of this rank's slices). They are sums, so they commute with
+    the dp x cp sum: after a reduce-scatter (distributed optimizer) only this rank's slice of a
+    ``main_grad`` is meaningful, and it stays right because tp peers lay out their buffers identically
+    and the tied embedding copies have a bucket of their own on both stages.
     """
-    grads = [(p, g) for p in params if (g := grad_of(p)) is not None]
+    pairs = [x if isinstance(x, tuple) else (x, grad_of(x)) for x in params]
+    grads = [(p, g) for p, g in pairs if g is not None]
     if topo.tp_size > 1:
         for same_dtype in _by_dtype([g for p, g in grads if p.meta.sequence_parallel_grad]):
             _all_reduce_coalesced(same_dtype, topo.tp_group)

@@ -130,11 +130,13 @@ class Optimizer:
                 s = segments[bucket.index] + lo - bucket.shard_start
                 self.pieces.append(Piece(
                     name=name_of.get(p, f"<unnamed {tuple(p.shape)}>"), param=p, lo=lo - off, hi=hi - off,
-                    main=main[s: s + hi - lo] if separate else buf.param_data[lo:hi],
-                    grad=buf.grad_data[lo:hi], exp_avg=state["exp_avg"][s: s + hi - lo],
+                    main=main[s: s + hi - lo] if separate else bucket.param_piece(lo, hi),
+                    grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm, separate_main=separate))
+                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
+                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
+                    separate_main=separate))
 
     def state_tensors(self):
         """The tensors the optimizer itself holds (fp32 main copies, Adam moments), for memory accounting."""
@@ -142,6 +144,10 @@ class Optimizer:
             for key in ("main", "exp_avg", "exp_avg_sq"):
                 if state[key] is not None:
                     yield state[key]
+
+    def state_bytes(self) -> int:
+        """Resident bytes of parameters, gradients and optimizer state on this rank."""
+        return self.ddp.resident_bytes() + sum(t.numel() * t.element_size() for t in self.state_tensors())
 
     # -- the step ------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,137 @@
+"""ZeRO-3: gather each parameter bucket just before it is used and free it right after.
+
+Forward: a pre-hook on every module that reads parameters gathers the module's buckets (and starts
+gathering the next bucket of forward order, so it overlaps this one's compute); once every module using
+a bucket has run forward, the bucket is freed (``reshard_after_forward``; otherwise it stays for the
+backward). Backward: a hook on each module output gathers the module's buckets when backward reaches it
+(and prefetches the next bucket of backward order); they are *held* until every gradient of the bucket
+has arrived in this backward, then freed. A forward that runs while buckets are held is activation
+recomputation inside backward: it gathers its buckets as held and prefetches nothing.
+
+Freeing resizes the bucket's storage to 0: the parameters keep their shapes and autograd's saved
+references, which see the values again once the bucket is gathered back before their backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megand.core.tensor_parallel.mappings import all_gather_flat
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
+
+
+class ParamGatherer:
+    """The ZeRO-3 life cycle of the engine's parameter buckets (see data_parallel.py's docstring)."""
+
+    def __init__(self, engine, chunks, chunk_of):
+        self.engine, self.buckets, self.bucket_of = engine, engine.buckets, engine.bucket_of
+        self.group, self.size = engine.group, engine.size
+        self.reshard_after_forward = engine.reshard_after_forward
+        self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
+        self._module_buckets = {}
+        for chunk in chunks:
+            for module in chunk.modules():
+                borrowed = getattr(module, "borrowed_parameters", None)
+                used = list(module.parameters(recurse=False)) + (list(borrowed()) if callable(borrowed) else [])
+                indices = sorted({self.bucket_of[p].index for p in used if p in self.bucket_of})
+                if not indices:
+                    continue
+                self._module_buckets[module] = indices
+                for i in indices:
+                    self._users[i].add(module)
+                module.register_forward_pre_hook(self.before_forward)
+                module.register_forward_hook(self.after_forward)
+        # the bucket to prefetch after each: the next one in forward order (lower index, same chunk)
+        self._next_forward, self._next_backward = {}, {}
+        for a, b in zip(self.buckets, self.buckets[1:]):
+            if a.buffer is b.buffer and chunk_of[a.params[0][0]] == chunk_of[b.params[0][0]]:
+                self._next_forward[b.index], self._next_backward[a.index] = a.index, b.index
+        self._gathers = {}  # bucket index -> all-gather in flight
+        self._done = {b.index: set() for b in self.buckets}  # users whose forward ran since the gather
+        self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
+        self._awaiting = {}  # held bucket -> parameters whose gradient has not arrived in this backward
+        self.max_gathered = 0  # the most buckets gathered at once (reported by tests and benchmarks)
+        self._n_gathered = 0
+
+    def gather(self, i, wait=True):
+        bucket = self.buckets[i]
+        if not bucket.gathered:
+            bucket.alloc_full()
+            self._done[i] = set()
+            if self.size == 1:
+                bucket.full.copy_(bucket.data_shard)
+            else:
+                self.engine.count("all_gather", bucket.full, self.size)
+                self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=self.group, async_op=not wait)
+            self._n_gathered += 1
+            self.max_gathered = max(self.max_gathered, self._n_gathered)
+        if wait:
+            work = self._gathers.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def release(self, i):
+        work = self._gathers.pop(i, None)
+        if work is not None:
+            work.wait()
+        if self.buckets[i].gathered:
+            self.buckets[i].free_full()
+            self._n_gathered -= 1
+        self._held.discard(i)
+        self._awaiting.pop(i, None)
+
+    def release_all(self):
+        for bucket in self.buckets:
+            if bucket.gathered:
+                self.release(bucket.index)
+
+    def before_forward(self, module, args):
+        if self._held:  # inside a backward: activation recomputation, whose backward comes next
+            self._hold(self._module_buckets[module])
+            return
+        for i in self._module_buckets[module]:
+            self.gather(i)
+            nxt = self._next_forward.get(i)
+            if nxt is not None:
+                self.gather(nxt, wait=False)  # prefetch: overlaps this bucket's compute
+
+    def after_forward(self, module, args, output):
+        backward_follows = torch.is_grad_enabled()
+        for i in self._module_buckets[module]:
+            self._done[i].add(module)
+            if (i not in self._held and self._done[i] >= self._users[i]
+                    and (self.reshard_after_forward or not backward_follows)):
+                self.release(i)
+        if backward_follows:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, m=module: self.before_backward(m))
+
+    def _hold(self, indices):
+        """Gather ``indices`` for a backward: kept until all their gradients of this backward arrived."""
+        for i in indices:
+            if i not in self._held:
+                self.gather(i)
+                self._held.add(i)
+                self._awaiting[i] = {p for p, _ in self.buckets[i].params}
+
+    def before_backward(self, module):
+        self._hold(self._module_buckets[module])
+        for i in self._module_buckets[module]:
+            nxt = self._next_backward.get(i)
+            if nxt is not None and nxt not in self._held:
+                self.gather(nxt, wait=False)
+
+    def after_grad(self, p, bucket):
+        awaiting = self._awaiting.get(bucket.index)
+        if awaiting is not None:
+            awaiting.discard(p)
+            if not awaiting:
+                self.release(bucket.index)
