@@ -22,7 +22,6 @@ from megand.core.tensor_parallel import (
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_sp,
-    scatter_to_tp,
     vocab_parallel_cross_entropy,
 )
 from megand.tools.spawn import run_distributed
@@ -219,12 +218,6 @@ def check_mapping(r: Ranks, name: str):
         (dense * grad).sum().backward()
         x = leaf(xs[k])
         y, g_local, expect_y, expect_dx = reduce_from_tp(x, r.group), grad, dense, dxs[k].grad
-    elif name == "scatter_to_tp":  # replicated input, each rank keeps its slice of the last dim
-        x_full, grads = randn(*shape, seed=55), r.per_rank(*last, seed=56)
-        dx = leaf(x_full)
-        sum((c * g).sum() for c, g in zip(dx.chunk(n, dim=-1), grads)).backward()
-        x = leaf(x_full)
-        y, g_local, expect_y, expect_dx = scatter_to_tp(x, r.group), grads[k], x_full.chunk(n, dim=-1)[k], dx.grad
     elif name == "gather_from_tp":  # last-dim slices -> the full tensor, replicated
         xs, grad = r.per_rank(*last, seed=57), randn(*shape, seed=58)
         dxs = [leaf(t) for t in xs]
@@ -265,7 +258,7 @@ def check_mapping(r: Ranks, name: str):
     assert torch.equal(x.detach(), before), f"{name} modified its input"
 
 
-MAPPINGS = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sp", "gather_from_sp",
+MAPPINGS = ("copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_sp", "gather_from_sp",
             "gather_from_sp(to_model_parallel=False)", "reduce_scatter_to_sp")
 
 
