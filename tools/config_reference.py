@@ -1,7 +1,4 @@
-"""Print the configuration reference (markdown) from the structured schema in megand/training/config.py.
-
-The README's "Configuration reference" section is this output; a test keeps the two equal.
-"""
+"""Print the configuration reference (markdown) from the structured schema in megand/training/config.py; usage: ``--help``, back-end in megand/tools/."""
 
 from megand.tools.config_reference import main
 

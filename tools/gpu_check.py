@@ -1,9 +1,4 @@
-"""GPU readiness check: tests, throughput next to transformers, CUDA-only paths; one JSON report and a table.
-
-    python tools/gpu_check.py [--out gpu_check.json] [--sizes full|tiny] [--only NAME ...]
-
-Exit code 1 when a check failed. See megand/tools/gpu_check.py.
-"""
+"""GPU readiness check: tests, throughput next to transformers, CUDA-only paths; one JSON report and a table; usage: ``--help``, back-end in megand/tools/."""
 
 import sys
 

@@ -1,10 +1,4 @@
-"""Tokenize a jsonl corpus into Megatron-compatible indexed datasets (.bin/.idx), one per json key.
-
-Example:
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
-        --tokenizer-model tok.model --append-eod --workers 8
-writes data/corpus_text_document.bin and .idx.
-"""
+"""Tokenize a corpus (JSON lines or Parquet) into Megatron-compatible indexed datasets (.bin/.idx), one per json key; usage: ``--help``, back-end in megand/tools/."""
 
 import sys
 

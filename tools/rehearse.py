@@ -1,9 +1,4 @@
-"""Rehearse one rank of any layout on one CPU: per-phase peak bytes against the memory estimator.
-
-    python tools/rehearse.py +experiment=llama70b_64gpu --world-size 64 --rank 0
-
-See megand/tools/rehearse.py for what each phase covers.
-"""
+"""Rehearse one rank of any layout on one CPU: per-phase peak bytes against the memory estimator; usage: ``--help``, back-end in megand/tools/."""
 
 from megand.tools.rehearse import main
 
