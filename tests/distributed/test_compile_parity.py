@@ -14,7 +14,7 @@ CASES = {  # name: (experiment, processes, overrides)
     "llama-cp2": ("tiny_llama", 2, ["parallel.cp=2"]),
     "llama-recompute-full": ("tiny_llama", 1, ["train.recompute=full"]),
     "gpt-recompute-selective-tp2": ("tiny_gpt", 2, ["parallel.tp=2", "train.recompute=selective"]),
-    "llama-dp2-distributed-optimizer": ("tiny_llama", 2, ["optim.distributed=true"]),
+    "llama-dp2-distributed-optimizer": ("tiny_llama", 2, ["optim.sharding=optim"]),
 }
 DEFAULT = {"llama-tp2-sp"}
 PARAMS = [pytest.param(name, id=name, marks=() if name in DEFAULT else pytest.mark.slow) for name in CASES]

@@ -6,7 +6,7 @@ import pytest
 from megand.tools.spawn import run_distributed
 
 LAYOUTS = {
-    "dp2-distributed-overlap": ["optim.distributed=true", "optim.overlap_grad_reduce=true",
+    "dp2-distributed-overlap": ["optim.sharding=optim", "optim.overlap_grad_reduce=true",
                                 "optim.overlap_param_gather=true"],
     "pp2": ["parallel.pp=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
