@@ -21,11 +21,11 @@ def _bucket_index(ddp, out):
     raise AssertionError("an all-gather into no parameter bucket")
 
 
-def _record(overrides, zero3):
+def _record(experiment, overrides, zero3):
     import megand.core.distributed.data_parallel as data_parallel
     import megand.core.distributed.param_gather as param_gather
 
-    t = build_trainer([BUCKET, *overrides], experiment="tiny_gpt")
+    t = build_trainer([BUCKET, *overrides], experiment=experiment)
     ddp, events = t.ddp, []
     real_gather, real_backward = data_parallel.all_gather_flat, torch.autograd.backward
 
@@ -71,13 +71,15 @@ def _next_need(events, gathers_until):
     return out
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.vpp=2"]], ids=["dp2", "pp2-vpp2-dp2"])
-def test_param_gathers_are_issued_in_forward_order(layout):
+@pytest.mark.parametrize("experiment, layout", [("tiny_gpt", []), ("tiny_llama", []),
+                                                ("tiny_gpt", ["parallel.pp=2", "parallel.vpp=2"])],
+                         ids=["gpt-dp2", "llama-dp2", "gpt-pp2-vpp2-dp2"])
+def test_param_gathers_are_issued_in_forward_order(experiment, layout):
     world = 2 if not layout else 4
     zero1 = ["optim.sharding=optim", "optim.overlap_param_gather=true", *layout]
     zero3 = ["optim.sharding=optim_grads_params", *layout]
     for kind, overrides in (("zero3", zero3), ("zero1", zero1)):
-        for rank, out in enumerate(run_distributed(_record, world, overrides, kind == "zero3")):
+        for rank, out in enumerate(run_distributed(_record, world, experiment, overrides, kind == "zero3")):
             step1, step2 = out["steps"]
             if kind == "zero1":  # the optimizer step of step 1 gathers what step 2's forward reads
                 events = step1 + step2
