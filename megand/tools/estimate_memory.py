@@ -213,7 +213,8 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     shape = Shape.from_config(model)
     layers = math.ceil(shape.layers / layout.pp)
     params = layers * layer_params(shape).per_tp_rank(layout.tp)
-    word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp  # vocab-parallel embedding / output layer, padded rows included
+    # vocab-parallel embedding / output layer, padding rows included (they are allocated)
+    word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
         params += word + (shape.seq * shape.hidden if shape.learned_positions else 0)
     if stage == layout.pp - 1:

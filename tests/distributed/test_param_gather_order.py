@@ -22,8 +22,7 @@ def _bucket_index(ddp, out):
 
 
 def _record(experiment, overrides, zero3):
-    import megand.core.distributed.data_parallel as data_parallel
-    import megand.core.distributed.param_gather as param_gather
+    from megand.core.distributed import data_parallel, param_gather
 
     t = build_trainer([BUCKET, *overrides], experiment=experiment)
     ddp, events = t.ddp, []
@@ -57,7 +56,7 @@ def _record(experiment, overrides, zero3):
     finally:
         data_parallel.all_gather_flat = param_gather.all_gather_flat = real_gather
         torch.autograd.backward = real_backward
-    return dict(steps=steps, buckets=len(ddp.buckets))
+    return {"steps": steps, "buckets": len(ddp.buckets)}
 
 
 def _next_need(events, gathers_until):

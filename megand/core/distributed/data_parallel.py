@@ -32,7 +32,8 @@ Per step, the trainer calls: ``zero_grad()`` -> schedule(..., grad_sync=engine) 
 With ``optim.overlap_param_gather`` the all-gathers of updated parameters run while the next forward
 starts: a forward pre-hook on every module waits only for the buckets holding that module's
 parameters. They are issued in the order the forward reads the buckets (forward_order.py), since a
-communicator runs its collectives in the order issued: the first module waits for its own bucket only. Anything else that reads parameters outside a forward (checkpoint save, export) must call
+communicator runs its collectives in the order issued: the first module waits for its own bucket only.
+Anything else that reads parameters outside a forward (checkpoint save, export) must call
 :meth:`finish_param_sync` first (the checkpointer does). Under ZeRO-3 parameters are only readable
 inside their module's forward and backward: outside, read this rank's slices (:meth:`param_shards`).
 

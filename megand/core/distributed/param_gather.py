@@ -14,6 +14,8 @@ references, which see the values again once the bucket is gathered back before t
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from megand.core.distributed.forward_order import module_params
@@ -52,7 +54,7 @@ class ParamGatherer:
         # of the same model chunk (another chunk's forward runs for another micro-batch, not next)
         self._next_forward, self._next_backward = {}, {}
         order = engine.forward_order
-        for a, b in zip(order, order[1:]):
+        for a, b in itertools.pairwise(order):
             if chunk_of[self.buckets[a].params[0][0]] == chunk_of[self.buckets[b].params[0][0]]:
                 self._next_forward[a], self._next_backward[b] = b, a
         self._gathers = {}  # bucket index -> all-gather in flight
