@@ -32,14 +32,18 @@ class ParamMeta:
     # One of the two copies of a weight tied across pipeline stages (word embedding and output layer):
     # their gradients are summed over the embedding group so the copies stay equal.
     embedding_group_grad: bool = False
+    # The split dim's length with padding (the vocab padded to a multiple of tp): every rank holds
+    # padded_size / tp_size rows, of which the ones beyond the full tensor are padding. None: the full
+    # length rounded up to a multiple of tp_size.
+    padded_size: int | None = None
 
     def local_slice(self) -> tuple[slice, ...]:
         """This rank's slice of the full tensor. Along a padded dim (vocab) it may hold fewer rows than
-        the local parameter; the rest is padding."""
+        the local parameter (none at all when its rows are all padding); the rest is padding."""
         if self.split_dim is None:
             return tuple(slice(None) for _ in self.full_shape)
         full = self.full_shape[self.split_dim]
-        per_rank = -(-full // self.tp_size)
+        per_rank = (self.padded_size or full + (-full) % self.tp_size) // self.tp_size
         start = min(self.tp_rank * per_rank, full)
         stop = min(start + per_rank, full)
         return tuple(slice(start, stop) if d == self.split_dim else slice(None) for d in range(len(self.full_shape)))

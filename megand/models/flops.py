@@ -12,7 +12,11 @@ Conventions (shared by every function here):
                                              FlopCounterMode.
     - output proj     2·h·h
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
-  plus the logits (output layer) 2·h·V per token, once per model.
+  plus the logits (output layer) 2·h·V per token, once per model. Given the tensor-parallel size, V
+  is the padded vocabulary that the output layer really computes (``make_vocab_size_divisible_by`` x tp);
+  without it, the model's vocabulary (an unpadded model such as transformers').
+* Parameter counts are the model's real ones (unpadded vocabulary): what a checkpoint or a Hugging Face
+  export holds; the memory estimator counts the padded rows that are allocated.
 * Model FLOPs (what MFU is measured against) = 3 × forward: the backward pass costs two forward
   matmuls (gradient w.r.t. input and w.r.t. weight).
 * Hardware FLOPs add what recomputation really executes: ``full`` re-runs the whole forward of every
@@ -25,6 +29,8 @@ matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term.
 
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 
 def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -50,6 +56,11 @@ class Shape:
     linear_bias: bool  # GPT-2 style linears carry biases, LLaMA style ones do not
     learned_positions: bool
     tied: bool
+    vocab_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+
+    def padded_vocab(self, tp: int | None) -> int:
+        """The vocabulary rows allocated and computed at tensor-parallel size ``tp`` (None: unpadded)."""
+        return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +92,7 @@ class Shape:
             learned_positions=_get(model, "position_embedding",
                                    "rope" if arch == "llama" else "learned") == "learned",
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
+            vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
         )
 
 
@@ -169,22 +181,23 @@ class ForwardFlopsPerToken:
         return self.layers * (self.layer_dense + self.layer_attention) + self.logits
 
 
-def forward_flops_per_token(model: Mapping[str, Any]) -> ForwardFlopsPerToken:
+def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
+    """``tp``: the logits span the vocabulary padded for that tensor-parallel size (None: unpadded)."""
     s = Shape.from_config(model)
     h = s.hidden
     dense = 2 * h * (h + 2 * s.kv_dim) + 2 * h * h + (6 if s.swiglu else 4) * h * s.ffn
     return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * h,
-                                logits=2 * h * s.vocab, layers=s.layers)
+                                logits=2 * h * s.padded_vocab(tp), layers=s.layers)
 
 
-def model_flops_per_token(model: Mapping[str, Any]) -> int:
+def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
     """Forward + backward FLOPs per token (3 × forward), independent of recomputation."""
-    return 3 * forward_flops_per_token(model).total
+    return 3 * forward_flops_per_token(model, tp).total
 
 
-def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none") -> int:
+def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None) -> int:
     """Model FLOPs plus the forward work that activation recomputation executes again."""
-    fwd = forward_flops_per_token(model)
+    fwd = forward_flops_per_token(model, tp)
     extra = {
         "none": 0,
         "selective": fwd.layers * fwd.layer_attention,
@@ -196,14 +209,15 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none") 
 
 
 def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,
-                        recompute: str = "none") -> dict:
-    """Model and hardware FLOPs of one optimizer step over ``global_batch_size`` sequences.
+                        recompute: str = "none", tp: int | None = None) -> dict:
+    """Model and hardware FLOPs of one optimizer step over ``global_batch_size`` sequences; ``tp``: of a
+    megand model at that tensor-parallel size (its padded logits), None: of an unpadded model.
 
     Divide by (iteration time × world size) for achieved FLOP/s per rank.
     """
     tokens = global_batch_size * int(_get(model, "seq_length"))
     return {
         "tokens": tokens,
-        "model_flops": tokens * model_flops_per_token(model),
-        "hardware_flops": tokens * hardware_flops_per_token(model, recompute),
+        "model_flops": tokens * model_flops_per_token(model, tp),
+        "hardware_flops": tokens * hardware_flops_per_token(model, recompute, tp),
     }

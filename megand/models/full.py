@@ -15,6 +15,7 @@ from megand.core.checkpointing.offline import (
     save_model_streaming,
     single_process_topology,
 )
+from megand.core.checkpointing.sharded import unpadded
 from megand.core.sharding import ParamMeta, init_parameters, tile_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
@@ -82,7 +83,7 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
                 if tuple(tensors[key].shape) != tuple(param.meta.full_shape):
                     raise CheckpointError(f"tensor {key}: expected shape {tuple(param.meta.full_shape)}, "
                                           f"checkpoint has {tuple(tensors[key].shape)}")
-                param.copy_(tensors[key])
+                unpadded(param, param.meta).copy_(tensors[key][param.meta.local_slice()])  # padding rows stay zero
     return model.eval()
 
 

@@ -19,7 +19,7 @@ from megand.core.tensor_parallel import (
     reduce_scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
-from megand.core.tensor_parallel.layers import column_parallel_linear, padded_vocab_size
+from megand.core.tensor_parallel.layers import column_parallel_linear
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import rope_cos_sin
@@ -32,7 +32,8 @@ class Embedding(torch.nn.Module):
         super().__init__()
         self.cfg, self.tp_group, self.rng = cfg, topo.tp_group, rng
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group,
-                                           init_std=cfg.init_std, dtype=cfg.params_dtype, device=device)
+                                           init_std=cfg.init_std, padded_size=cfg.padded_vocab_size(topo.tp_size),
+                                           dtype=cfg.params_dtype, device=device)
         self.position = None
         if cfg.position_embedding == "learned":
             shape = (cfg.seq_length, cfg.hidden_size)
@@ -82,12 +83,12 @@ class GPTModel(torch.nn.Module):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, tp_group=topo.tp_group, bias=False,
                     sequence_parallel=cfg.sequence_parallel, init_std=cfg.init_std,
-                    padded_out=padded_vocab_size(cfg.vocab_size, topo.tp_size), dtype=cfg.params_dtype, device=device)
+                    padded_out=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device)
                 if cfg.tie_embeddings:  # a later stage's copy of the first stage's word embedding
                     retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
         if pre_process and cfg.tie_embeddings and not post_process:
             retag(self.embedding.word.weight, embedding_group_grad=True)
-        self.vocab_start = topo.tp_rank * padded_vocab_size(cfg.vocab_size, topo.tp_size) // topo.tp_size
+        self.vocab_start = topo.tp_rank * cfg.padded_vocab_size(topo.tp_size) // topo.tp_size
 
     def borrowed_parameters(self):
         """Parameters of submodules that this module's own forward reads (the data-parallel engine
@@ -132,7 +133,7 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return x
         logits = self.logits(self.final_norm(x))
-        if labels is None:
+        if labels is None:  # the padding columns are cut off: generation never picks them
             full = gather_from_tp(logits, self.topo.tp_group)[..., : self.cfg.vocab_size]
             return full.transpose(0, 1).float()
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,

@@ -90,7 +90,8 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
 
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    flops_per_rank = flops_per_iteration(cfg.model, t.global_batch_size, t.recompute)["model_flops"] / topo.world_size
+    flops = flops_per_iteration(cfg.model, t.global_batch_size, t.recompute, tp=topo.tp_size)  # padded logits
+    flops_per_rank = flops["model_flops"] / topo.world_size
     peak = device_peak_flops(device, t.precision, cache_dir=peak_cache_dir or cfg.run_dir)
     return {
         "mode": "megand",

@@ -42,7 +42,9 @@ chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·
 Extras: the first stage stores the embedding-dropout mask, the last stage the final-norm and output-layer
 inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
 those is alive on the last stage. Not counted: temporary buffers, communication buffers, allocator
-fragmentation, the CUDA context, vocabulary padding.
+fragmentation, the CUDA context. The embedding, output layer and logits count the padded vocabulary
+(``model.make_vocab_size_divisible_by`` x tp rows: what is allocated); the parameter count in the report
+header is the model's real one.
 
 The per-layer terms describe a Megatron-like implementation (fused SwiGLU that keeps gate and up only,
 norms that keep their input). Unfused code stores more: against transformers' LLaMA (fp32, eager, 2 layers,
@@ -211,7 +213,8 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     shape = Shape.from_config(model)
     layers = math.ceil(shape.layers / layout.pp)
     params = layers * layer_params(shape).per_tp_rank(layout.tp)
-    word = shape.vocab * shape.hidden / layout.tp  # vocab-parallel embedding / output layer
+    # vocab-parallel embedding / output layer, padding rows included (they are allocated)
+    word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
         params += word + (shape.seq * shape.hidden if shape.learned_positions else 0)
     if stage == layout.pp - 1:
@@ -265,7 +268,7 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
     if stage == layout.pp - 1:
-        extra += tokens * (2 * e * shape.hidden / seq_split + 4 * shape.vocab / layout.tp)
+        extra += tokens * (2 * e * shape.hidden / seq_split + 4 * shape.padded_vocab(layout.tp) / layout.tp)
     return extra
 
 
@@ -314,9 +317,9 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
     head = [
         f"model   {shape.arch}: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn} "
         f"({'swiglu' if shape.swiglu else 'gelu'}), heads {shape.heads}/{shape.groups} kv, seq {shape.seq}, "
-        f"vocab {shape.vocab}, {'tied' if shape.tied else 'untied'}",
+        f"vocab {shape.vocab} (padded {shape.padded_vocab(layout.tp)}), {'tied' if shape.tied else 'untied'}",
         f"        {_count(counts.total)} parameters ({_count(counts.non_embedding)} non-embedding), "
-        f"{model_flops_per_token(model) / 1e9:,.2f} GFLOP/token (fwd+bwd)",
+        f"{model_flops_per_token(model, layout.tp) / 1e9:,.2f} GFLOP/token (fwd+bwd)",
         f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
         f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
         f"{layout.precision} recompute={layout.recompute} micro_batch={layout.micro_batch_size} "

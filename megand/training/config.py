@@ -17,6 +17,8 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+
 
 @dataclass
 class ModelConfig:
@@ -27,7 +29,8 @@ class ModelConfig:
     num_attention_heads: int = 4  # query heads
     num_query_groups: Optional[int] = None  # null: multi-head attention
     seq_length: int = 32  # tokens per sample
-    vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked); padded to a multiple of tp internally
+    vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked)
+    make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # the embedding and output layer are padded to a multiple of this x tp rows (aligned logits GEMM); padding is never predicted nor saved
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
@@ -210,7 +213,8 @@ def validate(cfg, world_size: int) -> None:
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                "make_vocab_size_divisible_by"):
         if m[key] < 1:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
     check_counts(cfg)

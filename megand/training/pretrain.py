@@ -203,7 +203,8 @@ class Trainer:
         self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens,
                                 documents=document_flags(cfg))
         self.loss_tokens = self.tokens_per_batch  # per global batch: fewer with data.eod_mask_loss
-        self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute)
+        self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute,
+                                         tp=self.topo.tp_size)  # the padded vocabulary's logits
 
     def _build_checkpointer(self):
         cfg = self.cfg

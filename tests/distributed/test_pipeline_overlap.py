@@ -1,6 +1,7 @@
 """Pipeline p2p overlaps compute (recorded events, one 2-rank launch, pp=2): sends stay in flight while
-the stage runs its next forward or backward, and a sent activation's memory is released before its
-backward (which needs only its shape)."""
+the stage runs its next forward or backward, receives are posted before the forward or backward that
+precedes the one needing them, and a sent activation's memory is released before its backward (which
+needs only its shape)."""
 
 import pytest
 import torch
@@ -12,12 +13,12 @@ M = 4
 
 
 class _Request:
-    def __init__(self, request, index, events):
-        self.request, self.index, self.events = request, index, events
+    def __init__(self, request, index, events, kind="wait"):
+        self.request, self.index, self.events, self.kind = request, index, events, kind
 
     def wait(self):
         out = self.request.wait()
-        self.events.append(("wait", self.index))
+        self.events.append((self.kind, self.index))
         return out
 
 
@@ -31,11 +32,11 @@ def _record(run_dir, vpp):
     trainer = Trainer(compose(overrides + ([f"parallel.vpp={vpp}", "model.num_layers=4"] if vpp > 1 else [])))
     topo, chunks = trainer.topo, trainer.chunks
     microbatches = rank_microbatches(trainer.train_data, 0, 2 * M, 2, topo)
-    events, sends = [], 0
+    events, sends, recvs = [], 0, 0
     real_batch, real_backward = dist.batch_isend_irecv, torch.autograd.backward
 
     def batch_isend_irecv(ops):
-        nonlocal sends
+        nonlocal sends, recvs
         wrapped = []
         for op, request in zip(ops, real_batch(ops)):
             if op.op is dist.isend:
@@ -43,7 +44,9 @@ def _record(run_dir, vpp):
                 wrapped.append(_Request(request, sends, events))
                 sends += 1
             else:
-                wrapped.append(request)
+                events.append(("post recv", recvs))
+                wrapped.append(_Request(request, recvs, events, "wait recv"))
+                recvs += 1
         return wrapped
 
     def forward_step(model, microbatch, hidden):
@@ -64,6 +67,23 @@ def _record(run_dir, vpp):
     finally:
         dist.batch_isend_irecv, torch.autograd.backward = real_batch, real_backward
     return dict(events=events, root_bytes=root_bytes, first=topo.is_first_stage)
+
+
+def _overlapped(events, post, wait):
+    """Requests (by index) with a compute event between their posting and their wait, and all indices."""
+    posted = {e[1]: i for i, e in enumerate(events) if e[0] == post}
+    waited = {e[1]: i for i, e in enumerate(events) if e[0] == wait}
+    assert posted and set(waited) == set(posted), events  # every request waited on before the schedule returned
+    return [n for n in posted if any(e[0] == "compute" for e in events[posted[n] + 1: waited[n]])], list(posted)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_receives_are_outstanding_while_the_stage_computes(tmp_path, vpp):
+    for out in run_distributed(_record, 2, str(tmp_path), vpp):
+        overlapped, received = _overlapped(out["events"], "post recv", "wait recv")
+        # all but the first activation (and on the last stage with vpp=1 the first gradient it never
+        # receives) arrive while the stage computes: posted before the compute preceding their use
+        assert len(overlapped) >= len(received) - 1, out["events"]
 
 
 @pytest.mark.parametrize("vpp", [1, 2])

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.checkpointing import CheckpointConfig, Checkpointer, CheckpointError, offline
+from megand.core.checkpointing.sharded import unpadded
 from megand.models import full
 from megand.core.optimizer import Optimizer, OptimizerConfig
 
@@ -117,12 +118,12 @@ def test_bad_loads_fail_with_a_named_problem(topo, tmp_path):
 
 def test_model_only_checkpoint_loads_without_optimizer(topo, tmp_path):
     model, _, _ = make(topo, tmp_path / "a")
-    tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tensors = {n: unpadded(p.detach(), p.meta).clone() for n, p in model.named_parameters()}  # full tensors
     offline.save_full_model(str(tmp_path / "full"), tensors, "model: {}\n", dict(MODEL))
     fresh, fresh_opt, loader = make(topo, tmp_path / "b", steps=0)
     loaded = loader.load(str(tmp_path / "full"))
     assert (loaded.iteration, loaded.optimizer_loaded) == (0, False)
-    assert all(torch.equal(p, tensors[n]) for n, p in fresh.named_parameters())
+    assert all(torch.equal(unpadded(p, p.meta), tensors[n]) for n, p in fresh.named_parameters())
     back = offline.load_full_tensors(str(tmp_path / "full"))
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in back)
 
@@ -141,7 +142,7 @@ def test_model_only_checkpoint_continues_in_bf16_from_the_loaded_weights(topo, t
         opt.zero_grad()
         trained(input_ids=ids[:, :-1], labels=ids[:, 1:]).mean().backward()
         opt.step()
-    tensors = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    tensors = {n: unpadded(p.detach(), p.meta).clone() for n, p in trained.named_parameters()}  # full tensors
     offline.save_full_model(str(tmp_path / "full"), tensors, "model: {}\n", dict(MODEL))
 
     bf16 = dict(MODEL, precision="bf16")
@@ -158,7 +159,7 @@ def test_model_only_checkpoint_continues_in_bf16_from_the_loaded_weights(topo, t
     after = _loss(model, ids)
     assert abs(after - loaded) < 0.05, f"after one step at lr 1e-5: {after}, loaded {loaded}, untrained {untrained}"
     for name, p in named:  # one tiny step away from the loaded weights (bf16 rounding), not from the init
-        torch.testing.assert_close(p.float(), tensors[name], rtol=2 ** -7, atol=1e-4, msg=name)
+        torch.testing.assert_close(unpadded(p, p.meta).float(), tensors[name], rtol=2 ** -7, atol=1e-4, msg=name)
 
 
 def test_fp32_run_resumed_from_bf16_takes_the_fp32_master_weights(topo, tmp_path):

@@ -75,6 +75,8 @@ def test_stage_params_by_hand():
     layout = Layout(tp=2, pp=2)
     assert stage_params(LLAMA, layout, 0) == 15488 + 256 * 64 / 2
     assert stage_params(LLAMA, layout, 1) == 15488 + 64 + 256 * 64 / 2
+    # the padded vocabulary is what is allocated: 250 -> 256 rows at tp=2 (a multiple of 128 x 2)
+    assert stage_params(dict(LLAMA, vocab_size=250), layout, 0) == 15488 + 256 * 64 / 2
     # one rank holding everything is the full count, tied (GPT) and untied (LLaMA)
     for cfg in (LLAMA, GPT):
         assert stage_params(cfg, Layout(), 0) == param_counts(cfg).total

@@ -70,3 +70,13 @@ def test_recompute_adds_hardware_flops():
     assert flops.hardware_flops_per_token(LLAMA, "full") == none + fwd.total - fwd.logits
     with pytest.raises(ValueError):
         flops.hardware_flops_per_token(LLAMA, "sometimes")
+
+
+def test_logits_count_the_padded_vocabulary():
+    cfg = dict(LLAMA, vocab_size=250)  # padded to a multiple of 128 x tp
+    assert flops.forward_flops_per_token(cfg).logits == 2 * 64 * 250  # an unpadded model (transformers)
+    assert flops.forward_flops_per_token(cfg, tp=1).logits == 2 * 64 * 256
+    assert flops.forward_flops_per_token(cfg, tp=4).logits == 2 * 64 * 512
+    assert flops.forward_flops_per_token(dict(cfg, make_vocab_size_divisible_by=12), tp=2).logits == 2 * 64 * 264
+    assert flops.flops_per_iteration(cfg, 1, tp=4)["model_flops"] == 32 * flops.model_flops_per_token(cfg, tp=4)
+    assert flops.param_counts(cfg).output_layer == 250 * 64  # parameter counts are the real ones

@@ -31,7 +31,9 @@ Per step, the trainer calls: ``zero_grad()`` -> schedule(..., grad_sync=engine) 
 
 With ``optim.overlap_param_gather`` the all-gathers of updated parameters run while the next forward
 starts: a forward pre-hook on every module waits only for the buckets holding that module's
-parameters. Anything else that reads parameters outside a forward (checkpoint save, export) must call
+parameters. They are issued in the order the forward reads the buckets (forward_order.py), since a
+communicator runs its collectives in the order issued: the first module waits for its own bucket only.
+Anything else that reads parameters outside a forward (checkpoint save, export) must call
 :meth:`finish_param_sync` first (the checkpointer does). Under ZeRO-3 parameters are only readable
 inside their module's forward and backward: outside, read this rank's slices (:meth:`param_shards`).
 
@@ -67,6 +69,7 @@ import torch.distributed as dist
 
 from megand.core.distributed.buffers import ParamAndGradBuffer
 from megand.core.distributed.config import DataParallelConfig
+from megand.core.distributed.forward_order import forward_order
 from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
@@ -123,6 +126,7 @@ class DataParallel:
             bucket.index = i
         self.bucket_of = {p: b for b in self.buckets for p, _ in b.params}
         self.params = params
+        self.forward_order = forward_order(chunks, self.bucket_of, borrowed=self.shard_params)
         self._final = False  # inside last_backward()
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
@@ -135,7 +139,8 @@ class DataParallel:
                 for module in chunk.modules():
                     own = [p for p in module.parameters(recurse=False) if p in self.bucket_of]
                     if own:
-                        indices = sorted({self.bucket_of[p].index for p in own})
+                        indices = {self.bucket_of[p].index for p in own}
+                        indices = [i for i in self.forward_order if i in indices]
                         module.register_forward_pre_hook(lambda m, args, ix=indices: self._wait_params(ix))
         self.gatherer = ParamGatherer(self, chunks, chunk_of) if self.shard_params else None
         self.zero_grad()
@@ -272,7 +277,8 @@ class DataParallel:
         ``overlap_param_gather``: the next forward waits per module). ZeRO-3 gathers in the forward."""
         if not self.distributed or self.size == 1 or self.shard_params:
             return
-        for bucket in self.buckets:
+        for i in self.forward_order:  # the first forward hook waits for the first gather issued
+            bucket = self.buckets[i]
             self.count("all_gather", bucket.data, self.size)
             work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:

@@ -14,8 +14,11 @@ references, which see the values again once the bucket is gathered back before t
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from megand.core.distributed.forward_order import module_params
 from megand.core.tensor_parallel.mappings import all_gather_flat
 
 
@@ -38,9 +41,8 @@ class ParamGatherer:
         self._module_buckets = {}
         for chunk in chunks:
             for module in chunk.modules():
-                borrowed = getattr(module, "borrowed_parameters", None)
-                used = list(module.parameters(recurse=False)) + (list(borrowed()) if callable(borrowed) else [])
-                indices = sorted({self.bucket_of[p].index for p in used if p in self.bucket_of})
+                indices = {self.bucket_of[p].index for p in module_params(module, borrowed=True) if p in self.bucket_of}
+                indices = [i for i in engine.forward_order if i in indices]  # gathered in this order
                 if not indices:
                     continue
                 self._module_buckets[module] = indices
@@ -48,11 +50,13 @@ class ParamGatherer:
                     self._users[i].add(module)
                 module.register_forward_pre_hook(self.before_forward)
                 module.register_forward_hook(self.after_forward)
-        # the bucket to prefetch after each: the next one in forward order (lower index, same chunk)
+        # the bucket to prefetch after each: the next one in forward order (backward: the previous one)
+        # of the same model chunk (another chunk's forward runs for another micro-batch, not next)
         self._next_forward, self._next_backward = {}, {}
-        for a, b in zip(self.buckets, self.buckets[1:]):
-            if a.buffer is b.buffer and chunk_of[a.params[0][0]] == chunk_of[b.params[0][0]]:
-                self._next_forward[b.index], self._next_backward[a.index] = a.index, b.index
+        order = engine.forward_order
+        for a, b in itertools.pairwise(order):
+            if chunk_of[self.buckets[a].params[0][0]] == chunk_of[self.buckets[b].params[0][0]]:
+                self._next_forward[a], self._next_backward[b] = b, a
         self._gathers = {}  # bucket index -> all-gather in flight
         self._done = {b.index: set() for b in self.buckets}  # users whose forward ran since the gather
         self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
@@ -96,11 +100,16 @@ class ParamGatherer:
         if self._held:  # inside a backward: activation recomputation, whose backward comes next
             self._hold(self._module_buckets[module])
             return
-        for i in self._module_buckets[module]:
+        # issue in forward order: this module's buckets, then the prefetch of the next one (which
+        # overlaps this module's compute); a communicator runs its collectives in the order issued
+        indices = self._module_buckets[module]
+        for i in indices:
+            self.gather(i, wait=False)
+        nxt = self._next_forward.get(indices[-1])
+        if nxt is not None:
+            self.gather(nxt, wait=False)
+        for i in indices:
             self.gather(i)
-            nxt = self._next_forward.get(i)
-            if nxt is not None:
-                self.gather(nxt, wait=False)  # prefetch: overlaps this bucket's compute
 
     def after_forward(self, module, args, output):
         backward_follows = torch.is_grad_enabled()
@@ -114,20 +123,22 @@ class ParamGatherer:
                 if t.requires_grad:
                     t.register_hook(lambda grad, m=module: self.before_backward(m))
 
-    def _hold(self, indices):
-        """Gather ``indices`` for a backward: kept until all their gradients of this backward arrived."""
-        for i in indices:
-            if i not in self._held:
-                self.gather(i)
-                self._held.add(i)
-                self._awaiting[i] = {p for p, _ in self.buckets[i].params}
+    def _hold(self, indices, prefetch=None):
+        """Gather ``indices`` for a backward: kept until all their gradients of this backward arrived.
+        ``prefetch``: a bucket whose gather is issued after theirs, not waited for."""
+        held = [i for i in indices if i not in self._held]
+        for i in held:
+            self.gather(i, wait=False)
+        if prefetch is not None and prefetch not in self._held:
+            self.gather(prefetch, wait=False)
+        for i in held:
+            self.gather(i)
+            self._held.add(i)
+            self._awaiting[i] = {p for p, _ in self.buckets[i].params}
 
     def before_backward(self, module):
-        self._hold(self._module_buckets[module])
-        for i in self._module_buckets[module]:
-            nxt = self._next_backward.get(i)
-            if nxt is not None and nxt not in self._held:
-                self.gather(nxt, wait=False)
+        indices = self._module_buckets[module][::-1]  # backward reads them in reverse forward order
+        self._hold(indices, prefetch=self._next_backward.get(indices[-1]))
 
     def after_grad(self, p, bucket):
         awaiting = self._awaiting.get(bucket.index)

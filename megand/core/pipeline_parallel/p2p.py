@@ -19,11 +19,22 @@ computes, and are waited on at the start of the next call (or by :meth:`Pipeline
 activation's send is complete its storage is released (it is needed again only as the root of its
 backward, for which its shape suffices), so a stage does not hold the activations it sent until their
 backward.
+
+Receives overlap compute too: before each forward or backward the schedule calls
+:meth:`PipelineP2P.prefetch`, which posts the receive of the next activation and of the next gradient
+this stage will need (one ahead in each direction, up to the step's totals given by
+:meth:`PipelineP2P.expect`); the call that needs the tensor then only waits for it. Each direction's
+messages arrive in the order they are sent, and receives are posted, prefetched or not, in that same
+order, so prefetching changes when a receive is posted, never which message it gets. Only where
+messages are matched per tag (gloo): NCCL runs a communicator's p2p operations in the order they are
+queued, and an early receive would hold back the sends queued behind it, so there every receive is
+posted with the call that waits for it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -51,6 +62,11 @@ class PipelineP2P:
         self.comm_seconds = 0.0
         self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
+        self.prefetching = self.tagged
+        # per direction: receives posted ahead of the call that needs them, oldest first (request, tensor);
+        # how many receives this step still has to post; None: unknown (no prefetch)
+        self._prefetched = {FORWARD_TAG: deque(), BACKWARD_TAG: deque()}
+        self._to_post = {FORWARD_TAG: None, BACKWARD_TAG: None}
 
     def _op(self, op, tensor, peer, tag):
         return dist.P2POp(op, tensor, peer, self.group, tag if self.tagged else 0)
@@ -58,26 +74,56 @@ class PipelineP2P:
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
+    def expect(self, from_prev: int, from_next: int) -> None:
+        """The receives of this step: ``from_prev`` activations and ``from_next`` gradients (what
+        :meth:`prefetch` may post ahead; it never posts more)."""
+        self._to_post = {FORWARD_TAG: from_prev, BACKWARD_TAG: from_next}
+
+    def prefetch(self) -> None:
+        """Post the receive of the next activation and of the next gradient this stage needs, unless
+        already posted (called before each forward or backward, so they arrive during it)."""
+        if not self.prefetching:
+            return
+        start = time.perf_counter()
+        for tag, peer in ((FORWARD_TAG, self.prev), (BACKWARD_TAG, self.next)):
+            if not self._prefetched[tag] and self._to_post[tag]:
+                tensor = self._empty()
+                (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, tag)])
+                self._prefetched[tag].append((request, tensor))
+                self._to_post[tag] -= 1
+        self.comm_seconds += time.perf_counter() - start
+
+    def _receive(self, tag, peer, ops, releases, waits):
+        """The tensor of the next receive from ``peer``: the prefetched one (its request added to
+        ``waits``), or a new one (its operation added to ``ops``)."""
+        if self._prefetched[tag]:
+            request, tensor = self._prefetched[tag].popleft()
+            waits.append(request)
+            return tensor
+        tensor = self._empty()
+        ops.append(self._op(dist.irecv, tensor, peer, tag))
+        releases.append(None)
+        if self._to_post[tag] is not None:
+            self._to_post[tag] -= 1
+        return tensor
+
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Post every given send and receive at once; wait for the receives; return ``(from_prev,
-        from_next)``. The sends complete while the caller computes (waited on by the next call)."""
-        ops, releases, from_prev, from_next = [], [], None, None
+        """Post every given send and receive at once (a receive already posted by :meth:`prefetch` is
+        taken instead); wait for the receives; return ``(from_prev, from_next)``. The sends complete
+        while the caller computes (waited on by the next call)."""
+        ops, releases, from_prev, from_next, waits = [], [], None, None, []
         # forward direction (activations) first, then backward direction (gradients)
         if send_next is not None:
             sent = self._checked(send_next)
             ops.append(self._op(dist.isend, sent, self.next, FORWARD_TAG))
             releases.append(send_next if sent.data_ptr() == send_next.data_ptr() else None)
         if recv_prev:
-            from_prev = self._empty()
-            ops.append(self._op(dist.irecv, from_prev, self.prev, FORWARD_TAG))
-            releases.append(None)
+            from_prev = self._receive(FORWARD_TAG, self.prev, ops, releases, waits)
         if send_prev is not None:
             ops.append(self._op(dist.isend, self._checked(send_prev), self.prev, BACKWARD_TAG))
             releases.append(None)
         if recv_next:
-            from_next = self._empty()
-            ops.append(self._op(dist.irecv, from_next, self.next, BACKWARD_TAG))
-            releases.append(None)
+            from_next = self._receive(BACKWARD_TAG, self.next, ops, releases, waits)
         start = time.perf_counter()
         self.wait_sends()  # the previous call's sends ran while this stage computed
         if ops:
@@ -94,6 +140,8 @@ class PipelineP2P:
                 for release in releases:
                     if release is not None:
                         release_storage(release)
+        for request in waits:  # prefetched receives: waited only now, once this call's sends are posted
+            request.wait()
         self.comm_seconds += time.perf_counter() - start
         return from_prev, from_next
 
@@ -110,6 +158,9 @@ class PipelineP2P:
         start = time.perf_counter()
         self.wait_sends()
         self.comm_seconds += time.perf_counter() - start
+        left = {tag: len(q) for tag, q in self._prefetched.items() if q}
+        if left:  # a receive no call took would match a message of the next step
+            raise RuntimeError(f"pipeline p2p: prefetched receives never taken (tag: count): {left}")
 
     def _checked(self, tensor):
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:

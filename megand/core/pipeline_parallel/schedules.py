@@ -47,8 +47,11 @@ class _Steps:
         self.num_microbatches, self.grad_sync = num_microbatches, grad_sync
         self.backwards_done = [0] * len(chunks)
         self.total = torch.zeros((), dtype=torch.float32, device=topo.device)
+        self.p2p = None  # pipeline schedules: receives to post before each compute (PipelineP2P.prefetch)
 
     def forward(self, chunk_id, microbatch, input_tensor):
+        if self.p2p is not None:
+            self.p2p.prefetch()  # the next receives arrive while this forward runs
         start = time.perf_counter()
         chunk = self.chunks[chunk_id]
         if input_tensor is not None and not self.forward_only:
@@ -65,6 +68,8 @@ class _Steps:
     def backward(self, input_tensor, output, output_grad, chunk_id=0):
         """Backpropagate from ``output`` (the loss on the last stage, where ``output_grad`` is None);
         return the gradient of the chunk's input (None on the first stage)."""
+        if self.p2p is not None:
+            self.p2p.prefetch()
         start = time.perf_counter()
         self.backwards_done[chunk_id] += 1
         if self.backwards_done[chunk_id] == self.num_microbatches:  # this chunk's gradients become final
@@ -88,9 +93,17 @@ def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, for
     return steps.total
 
 
-def _p2p(chunks, microbatches, topo):
+def _p2p(chunks, microbatches, topo, steps, forward_only):
+    """The stage's p2p, told what it receives this step: an activation for every forward but those of
+    the first virtual stage, a gradient for every backward but those of the last."""
     cfg = chunks[0].cfg
-    return PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
+    p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
+    m, v = len(microbatches), len(chunks)
+    from_prev = m * v - (m if chunks[0].pre_process else 0)
+    from_next = 0 if forward_only else m * v - (m if chunks[-1].post_process else 0)
+    p2p.expect(from_prev, from_next)
+    steps.p2p = p2p
+    return p2p
 
 
 def _finish(p2p, steps, topo, stats):
@@ -106,7 +119,7 @@ def forward_backward_pipelining_without_interleaving(chunks, microbatches, forwa
     (_,) = chunks
     m = len(microbatches)
     steps = _Steps(chunks, forward_step, topo, forward_only, stats, m, grad_sync)
-    p2p = _p2p(chunks, microbatches, topo)
+    p2p = _p2p(chunks, microbatches, topo, steps, forward_only)
     first, last = topo.is_first_stage, topo.is_last_stage
     if forward_only:
         num_warmup = m
@@ -168,7 +181,7 @@ def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_
         raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of pp={pp}")
     total = m * v
     steps = _Steps(chunks, forward_step, topo, forward_only, stats, m, grad_sync)
-    p2p = _p2p(chunks, microbatches, topo)
+    p2p = _p2p(chunks, microbatches, topo, steps, forward_only)
     first_rank, last_rank = topo.is_first_stage, topo.is_last_stage
 
     all_warmup = forward_only or m == pp

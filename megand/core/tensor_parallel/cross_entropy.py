@@ -14,10 +14,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, tp_group, vocab_start, vocab_size):
         logits = logits.float()
         local_vocab = logits.shape[-1]
-        padding = vocab_start + local_vocab - vocab_size
-        if padding > 0:
+        real = max(0, min(local_vocab, vocab_size - vocab_start))  # a rank may hold padding only
+        if real < local_vocab:
             logits = logits.clone()
-            logits[..., local_vocab - padding:] = float("-inf")
+            logits[..., real:] = float("-inf")
 
         def all_reduce(t, op=dist.ReduceOp.SUM):
             if dist.get_world_size(tp_group) > 1:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
+from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
     _gather_first,
     _reduce_scatter_first,
@@ -72,7 +73,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     Input: the full activation (replicated over tp), or under sequence parallelism this rank's sequence
     shard, all-gathered here. Output: this rank's slice of the features (not gathered). ``padded_out``
-    lets the output dim exceed ``out_features`` (vocab padding); padded rows stay zero.
+    lets the output dim exceed ``out_features`` (vocab padding, a multiple of tp); padded rows stay zero.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=True, sequence_parallel=False,
@@ -81,10 +82,11 @@ class ColumnParallelLinear(torch.nn.Module):
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         local_out = divide(padded_out or out_features, tp_size, "output features across tensor-parallel ranks")
+        padded = padded_out if padded_out and padded_out != out_features else None
         self.weight = _param((local_out, in_features), ParamMeta((out_features, in_features), 0, tp_rank, tp_size,
-                                                                 init_std=init_std), dtype, device)
-        self.bias = _param((local_out,), ParamMeta((out_features,), 0, tp_rank, tp_size, init="zeros"),
-                           dtype, device) if bias else None
+                                                                 init_std=init_std, padded_size=padded), dtype, device)
+        self.bias = _param((local_out,), ParamMeta((out_features,), 0, tp_rank, tp_size, init="zeros",
+                                                   padded_size=padded), dtype, device) if bias else None
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
@@ -113,24 +115,24 @@ class RowParallelLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """The vocab rounded up to a multiple of tp; the padding rows are never looked up or predicted."""
-    return math.ceil(vocab_size / tp_size) * tp_size
-
-
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding table split by vocab rows. Each rank looks up the ids in its range (zeros elsewhere);
     the partial results are summed over tp by the caller (all-reduce, or reduce-scatter under sp)."""
 
-    def __init__(self, vocab_size, hidden_size, *, tp_group, init_std=0.02, dtype=torch.float32, device=None):
+    def __init__(self, vocab_size, hidden_size, *, tp_group, init_std=0.02, padded_size=None, dtype=torch.float32,
+                 device=None):
+        """``padded_size``: the table's rows with padding, a multiple of tp (default: the vocab rounded
+        up to one)."""
         super().__init__()
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         self.tp_group, self.vocab_size = tp_group, vocab_size
-        local_rows = padded_vocab_size(vocab_size, tp_size) // tp_size
+        padded = padded_size or padded_vocab_size(vocab_size, tp_size)
+        local_rows = divide(padded, tp_size, "padded vocabulary rows across tensor-parallel ranks")
         self.vocab_start = tp_rank * local_rows
         self.vocab_end = self.vocab_start + local_rows
-        self.weight = _param((local_rows, hidden_size), ParamMeta((vocab_size, hidden_size), 0, tp_rank, tp_size,
-                                                                  init_std=init_std), dtype, device)
+        meta = ParamMeta((vocab_size, hidden_size), 0, tp_rank, tp_size, init_std=init_std,
+                         padded_size=padded if padded != vocab_size else None)
+        self.weight = _param((local_rows, hidden_size), meta, dtype, device)
 
     def forward(self, ids):
         if dist.get_world_size(self.tp_group) == 1:

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -17,6 +19,7 @@ class TransformerConfig:
     num_query_groups: int | None = None  # None: multi-head attention (one K/V head per query head)
     seq_length: int = 32
     vocab_size: int = 256
+    make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
     norm: str = "layernorm"
     activation: str = "gelu"
     position_embedding: str = "learned"
@@ -43,6 +46,10 @@ class TransformerConfig:
     @property
     def add_bias(self) -> bool:
         return self.arch == "gpt"
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by`` x tp."""
+        return padded_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
     @property
     def params_dtype(self) -> torch.dtype:
