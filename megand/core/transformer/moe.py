@@ -41,6 +41,13 @@ def _param(shape, meta, dtype, device):
 
 
 # ----------------------------------------------------------------------------------------------- routing
+def count_per_expert(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert ``[num_experts]`` (int64), without reading the ids on the host (bincount
+    would, on CUDA, to size its output)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device)
+    return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+
+
 def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of each row; among equal values the lower index first."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -56,7 +63,7 @@ def capacity_keep(experts: torch.Tensor, scores: torch.Tensor, num_experts: int,
     flat_e, flat_s = experts.reshape(-1), scores.reshape(-1)  # assignment t*k + j: token order
     order = torch.sort(flat_s, descending=True, stable=True).indices  # ties keep token order
     order = order[torch.sort(flat_e[order], stable=True).indices]  # grouped by expert, best first
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = count_per_expert(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
@@ -190,7 +197,7 @@ class LocalDispatcher:
         if keep is not None:
             flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, self.num_experts))
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        counts = count_per_expert(flat, self.num_experts + 1)[: self.num_experts]
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return x[order // k], counts, offsets, order
 
@@ -340,8 +347,9 @@ class MoE(torch.nn.Module):
                 keep_local = keep.view(-1, b, keep.shape[1]).chunk(topo.tp_size)[topo.tp_rank].reshape(s * b, -1)
         else:
             keep_local = self._keep(experts, scores)
+            # both enter tp-partial products: their gradients are partial on each tp rank, summed by copy_to_tp
             tokens = copy_to_tp(local.reshape(s * b, h), topo.tp_group)
-            partial = self._experts(tokens, experts, weights, keep_local, fc2_bias=False)
+            partial = self._experts(tokens, experts, copy_to_tp(weights, topo.tp_group), keep_local, fc2_bias=False)
             out = reduce_from_tp(partial, topo.tp_group)
         bias = self.experts.fc2.bias
         if bias is not None:  # sum_k w_k b2[e_k] once, after the reduction
@@ -370,7 +378,7 @@ class MoE(torch.nn.Module):
         coefficients) and the step statistics."""
         cfg, topo = self.cfg, self.topo
         e, k = cfg.num_experts, cfg.moe_top_k
-        counts = torch.bincount(experts.reshape(-1), minlength=e).float()
+        counts = count_per_expert(experts.reshape(-1), e).float()
         lse2 = torch.logsumexp(logits, dim=-1).square().sum().unsqueeze(0)
         sums = torch.cat([counts, scores.sum(0), lse2])
         if self.sharded_tokens:
