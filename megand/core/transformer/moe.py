@@ -110,24 +110,40 @@ class Router(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------- experts
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then any rows of no expert)
-    times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``); rows of no expert give zeros.
+def fused_grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: on CUDA in bf16 (its kernels' dtype), rows
+    aligned to 16 bytes; elsewhere the loop over experts runs."""
+    size = x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and x.shape[-1] * size % 16 == 0 and weight.shape[1] * size % 16 == 0)
 
-    On CUDA in bf16, torch's grouped GEMM (one kernel); elsewhere a loop over the experts, the reference.
-    ``offsets``: the cumulative counts (int32), for the fused kernel."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                   bias: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then rows of no expert: dropped
+    assignments) times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``). ``offsets``: the
+    cumulative counts (int32). The rows of no expert come out as zeros (loop) or as something finite that
+    the dispatcher masks (fused: they ride along with the last expert, so their gradient is exactly zero
+    once masked, never uninitialised memory).
+
+    ``fused`` (default :func:`fused_grouped_mm_fits`): torch's grouped GEMM, one kernel; otherwise a loop
+    over the experts, the reference."""
+    if fused is None:
+        fused = fused_grouped_mm_fits(x, weight)
+    rows = x.shape[0]
+    if fused:
+        tail = rows - offsets[-1]
+        offs = torch.cat([offsets[:-1], offsets.new_full((1,), rows)])
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
         if bias is not None:
-            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+            counts = torch.cat([counts[:-1], counts[-1:] + tail])
+            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    # the split points are read from a CPU tensor (the CPU holds them: no device synchronisation)
+    # the split points are read from a CPU tensor (on the CPU already: no device synchronisation)
     parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
     outs = []
     for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
-        out = F.linear(parts[e], weight[e], None if bias is None else bias[e])
-        outs.append(out)
+        outs.append(F.linear(parts[e], weight[e], None if bias is None else bias[e]))
     rest = parts[weight.shape[0]]
     outs.append(rest.new_zeros(rest.shape[0], weight.shape[1]))
     return torch.cat(outs)
@@ -207,6 +223,8 @@ class LocalDispatcher:
         t, k = weights.shape
         back = torch.empty_like(out)
         back[order] = out
+        if keep is not None:  # dropped assignments: no output, no gradient
+            back = back.masked_fill(~keep.view(-1, 1), 0.0)
         w = weights if keep is None else weights.masked_fill(~keep, 0.0)
         return (back.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
 
