@@ -22,7 +22,6 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
