@@ -198,3 +198,24 @@ def test_fused_grouped_gemm_equals_the_loop_with_dropped_rows():
         results.append((out[:5], w.grad, b.grad, xx.grad))
     for loop, fused in zip(*results):
         torch.testing.assert_close(fused, loop)
+
+
+def test_balancing_losses_reach_the_router_in_compiled_layers(topo):
+    """``train.compile``: the layer is compiled, the balancing losses' gradient still reaches the router."""
+    from megand.core.tensor_parallel import TensorParallelRNG
+    from megand.core.transformer import TransformerLayer
+    from megand.training.compile import compile_layers
+
+    cfg = config(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.05, num_layers=1)
+    x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(7))
+    grads = []
+    for compiled in (False, True):
+        chunk = torch.nn.Module()
+        chunk.layers = torch.nn.ModuleDict({"0": TransformerLayer(cfg, topo, TensorParallelRNG(0, 0, topo.device))})
+        init_parameters(chunk, 3)
+        chunk.layers["0"].mlp.loss_scale = 0.5
+        if compiled:
+            compile_layers([chunk])
+        chunk.layers["0"](x).sum().backward()
+        grads.append(chunk.layers["0"].mlp.router.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0])

@@ -273,6 +273,17 @@ class AddLossGradient(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+_attach_loss = AddLossGradient.apply
+
+
+def attach_losses_eagerly_under_compile() -> None:
+    """Keep :class:`AddLossGradient` out of ``torch.compile``d code (a compiled caller breaks its graph
+    there): traced, torch 2.13 drops the gradient it sends to ``loss`` (an input its forward does not
+    use) and the balancing losses silently stop training the router. Called when layers are compiled."""
+    global _attach_loss
+    _attach_loss = torch.compiler.disable(AddLossGradient.apply)
+
+
 def in_recompute() -> bool:
     """Whether this forward is activation recomputation (it runs inside a backward): its statistics were
     already counted by the original forward."""
@@ -337,7 +348,7 @@ class MoE(torch.nn.Module):
         self._balance(logits, scores, experts, local.dtype)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            out = AddLossGradient.apply(out, self._loss, self.loss_scale)
+            out = _attach_loss(out, self._loss, self.loss_scale)
         out = out.view(s, b, h)
         if split_here:
             out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)
