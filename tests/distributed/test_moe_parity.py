@@ -43,7 +43,7 @@ CASES = {  # name: (processes, reference overrides, run overrides)
                                            (*TP2_SP, "train.micro_batch_size=4", "optim.sharding=optim",
                                             "model.moe_layer_freq=2")),
 }
-DEFAULT = {"tp2_sp", "tp2", "dp4_zero3_sigmoid_shared", "pp2_sigmoid_shared"}
+DEFAULT = {"tp2", "dp4_zero3_sigmoid_shared", "pp2_sigmoid_shared"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in CASES])
@@ -56,6 +56,33 @@ def test_moe_layout_matches_one_process(reference, tmp_path, name):
     for key in ("aux_loss", "z_loss", "expert_load_max_over_mean"):  # the routing statistics agree too
         for r, x in zip(ref, run):
             assert abs(r[key] - x[key]) <= 1e-4 * abs(r[key]), (key, r["iter"], x[key], r[key])
+
+
+def test_capacity_drops_match_one_process_when_experts_split_over_tp(reference, tmp_path):
+    """With a capacity factor, experts split over tp (etp = tp, sequence parallel) see the tp group's whole
+    micro-batch, as the one process does: the same assignments are dropped (each counted once, not once
+    per tp rank) and the run still matches."""
+    experiment, model = MOE
+    capacity = "model.moe_capacity_factor=1.0"
+    run_pretrain(tmp_path, [f"+experiment={experiment}", model, *TP2_SP, capacity], nproc=2)
+    run, ref = read_metrics(tmp_path), reference(experiment, model, capacity)
+    assert_parity(ref, run)
+    assert [r["tokens_dropped"] for r in run] == [r["tokens_dropped"] for r in ref]
+    assert all(r["tokens_dropped"] > 0 for r in ref)
+
+
+@pytest.mark.slow
+def test_capacity_drops_are_deterministic_with_etp1(tmp_path):
+    """etp = 1 drops per tp rank's own share (layout-dependent by nature): two runs are bit-identical."""
+    experiment, model = MOE
+    runs = []
+    for name in ("a", "b"):
+        run_pretrain(tmp_path / name, [f"+experiment={experiment}", model, "parallel.tp=2", "parallel.etp=1",
+                                       "train.micro_batch_size=4", "model.moe_capacity_factor=1.0"], nproc=4)
+        runs.append(read_metrics(tmp_path / name))
+    for key in ("loss", "grad_norm", "tokens_dropped"):
+        assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]], key
+    assert runs[0][0]["tokens_dropped"] > 0
 
 
 @pytest.mark.slow

@@ -295,8 +295,8 @@ class MoEStats:
 
     ``load [E]``: assignments per expert summed over the step's micro-batches and every rank of the
     micro-batch (identical on those ranks); ``aux``/``z``: sums of the unweighted losses; ``dropped``:
-    assignments this rank dropped for capacity, counted once per tp group when tp ranks route the same
-    tokens."""
+    assignments this rank dropped for capacity, counted once per tp group when its tp ranks apply the
+    capacity to the same tokens."""
 
     def __init__(self, num_experts, device):
         self.load = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -330,8 +330,9 @@ class MoE(torch.nn.Module):
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.stats = MoEStats(cfg.num_experts, topo.device)
         self.loss_scale = 1.0  # gradient of the balancing losses: loss scale / micro-batches of the step
-        # tp ranks that route the same tokens count their drops once
-        self.counts_dropped = self.sharded_tokens or topo.tp_rank == 0
+        # experts split over tp apply the capacity to the tp group's tokens, identically on every tp rank:
+        # one of them counts the drops
+        self.counts_dropped = not self.split_experts or topo.tp_rank == 0
 
     def borrowed_parameters(self):
         """fc2's bias, added here after the tp reduction when the experts are split over tp."""
