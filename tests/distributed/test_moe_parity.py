@@ -95,3 +95,23 @@ def test_moe_bf16_short_run_follows_fp32(reference, tmp_path):
     assert len(run) == 3
     for r, x in zip(ref, run):
         assert abs(x["loss"] - r["loss"]) <= 2e-2 * r["loss"], (x["loss"], r["loss"])
+
+
+# GPT style: tanh-GELU experts with biases (fc1's split over tp with its rows, fc2's added once after the
+# tp reduction; under ZeRO-3 the MoE block borrows it), tied embeddings
+GPT_MOE = ("model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_shared_experts=1",
+           "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001")
+GPT_CASES = {
+    "tp2_sp": (2, (), TP2_SP),
+    "tp2_etp1": (2, (), ("parallel.tp=2", "parallel.etp=1")),
+    "tp2_sp_dp2_zero3": (4, (ONE_MICROBATCH,), (*TP2_SP, "train.micro_batch_size=4",
+                                                "optim.sharding=optim_grads_params", "optim.bucket_size=4000")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GPT_CASES)
+def test_gpt_moe_layout_matches_one_process(reference, tmp_path, name):
+    nproc, ref_overrides, overrides = GPT_CASES[name]
+    run_pretrain(tmp_path, ["+experiment=tiny_gpt", *GPT_MOE, *overrides], nproc=nproc)
+    assert_parity(reference("tiny_gpt", *GPT_MOE, *ref_overrides), read_metrics(tmp_path))

@@ -346,10 +346,10 @@ class MoE(torch.nn.Module):
         s, b, h = local.shape
         tokens = local.reshape(s * b, h)
         logits, scores, experts, weights = self.router(tokens)
-        self._balance(logits, scores, experts, local.dtype)
+        balancing_loss = self._balance(logits, scores, experts)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            out = _attach_loss(out, self._loss, self.loss_scale)
+            out = _attach_loss(out, balancing_loss, self.loss_scale)
         out = out.view(s, b, h)
         if split_here:
             out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)
@@ -405,9 +405,9 @@ class MoE(torch.nn.Module):
             self.stats.dropped += (~keep).sum()
         return keep
 
-    def _balance(self, logits, scores, experts, dtype):
-        """The micro-batch's aux loss and z-loss over its global tokens (``self._loss``, weighted by their
-        coefficients) and the step statistics."""
+    def _balance(self, logits, scores, experts):
+        """The micro-batch's aux loss and z-loss over its global tokens, weighted by their coefficients
+        (returned), and the step statistics."""
         cfg, topo = self.cfg, self.topo
         e, k = cfg.num_experts, cfg.moe_top_k
         counts = count_per_expert(experts.reshape(-1), e).float()
@@ -420,13 +420,13 @@ class MoE(torch.nn.Module):
         load, score_sum = sums[:e].detach(), sums[e: 2 * e]
         aux = e * ((load / (k * tokens)) * (score_sum / tokens)).sum()
         z = sums[2 * e] / tokens
-        self._loss = cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
         if self.training and not in_recompute():
             st = self.stats
             st.load += load
             st.aux += aux.detach()
             st.z += z.detach()
             st.microbatches += 1
+        return cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
 
 
 # ------------------------------------------------------------------------------- step-level helpers
