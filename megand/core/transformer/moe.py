@@ -19,6 +19,7 @@ the gradient of their own share of the global loss, and the gradient reduction s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -199,13 +200,21 @@ class Experts(torch.nn.Module):
 
 
 class LocalDispatcher:
-    """Token dispatch at expert-parallel size 1: every expert is local. ``permute`` orders the
-    assignments by expert (stable: token order within an expert; dropped assignments last), ``unpermute``
-    puts the expert outputs back in assignment order and sums each token's k outputs times their weights.
-    An expert-parallel dispatcher adds an all-to-all between the two, over the same interface."""
+    """Token dispatch at expert-parallel size 1: every expert is local.
+
+    A dispatcher is called as ``dispatcher(tokens, experts, weights, keep, local_experts)`` and returns the
+    routed output ``[T, h]``. Here: ``permute`` orders the assignments by expert (stable: token order within
+    an expert; dropped assignments last), ``local_experts(tokens, counts, offsets)`` runs the grouped GEMM,
+    ``unpermute`` puts the outputs back in assignment order and sums each token's k outputs times their
+    weights. An expert-parallel dispatcher sends the permuted tokens to the ranks owning their experts (and
+    the outputs back) around ``local_experts``."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+
+    def __call__(self, tokens, experts, weights, keep, local_experts):
+        permuted, counts, offsets, order = self.permute(tokens, experts, keep)
+        return self.unpermute(local_experts(permuted, counts, offsets), order, weights, keep)
 
     def permute(self, x, experts, keep):
         """``x [T, h]``, ``experts [T, k]``, ``keep [T, k]`` bool or None -> ``(tokens [T*k, h] grouped by
@@ -390,9 +399,7 @@ class MoE(torch.nn.Module):
         return out
 
     def _experts(self, tokens, experts, weights, keep, fc2_bias):
-        permuted, counts, offsets, order = self.dispatcher.permute(tokens, experts, keep)
-        out = self.experts(permuted, counts, offsets, fc2_bias=fc2_bias)
-        return self.dispatcher.unpermute(out, order, weights, keep)
+        return self.dispatcher(tokens, experts, weights, keep, functools.partial(self.experts, fc2_bias=fc2_bias))
 
     def _keep(self, experts, scores):
         """The capacity mask of the assignments routed here (None: dropless); counts the drops."""
