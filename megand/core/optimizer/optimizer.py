@@ -137,7 +137,8 @@ class Optimizer:
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
                     # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
                     # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
-                    decay=p.ndim >= 2 and not name.endswith(".bias"), counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
+                    decay=p.ndim >= 2 and not name.endswith(".bias"),
+                    counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
                     separate_main=separate))
 
     def state_tensors(self):
