@@ -135,9 +135,9 @@ class Optimizer:
                     grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
                     # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
                     decay=p.ndim >= 2 and not name.endswith(".bias"),
+                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
                     counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
                     separate_main=separate))
 
