@@ -1,0 +1,22 @@
+"""parallel.ep / parallel.etp: bad values fail before any work, with one line naming the values."""
+
+import pytest
+
+from megand.training.config import ConfigError, compose, validate
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["parallel.ep=2"], 2, r"parallel.ep=2 needs routed experts: set model.num_experts"),
+    (["parallel.ep=3"], 4, r"parallel.ep=3 must be a positive divisor of dp\*cp = 4\*1 = 4"),
+    (["parallel.tp=2", "parallel.etp=4"], 4, r"parallel.etp=4 must be 1 or tp = 2"),
+    (["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.order=pp-dp-cp-tp"], 8,
+     r"parallel.order='pp-dp-cp-tp' with ep=2, etp=2: the expert grid"),
+])
+def test_expert_layout_errors(overrides, world_size, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides), world_size)
+
+
+def test_default_expert_layout_is_valid():
+    validate(compose(["parallel.tp=2", "parallel.etp=1"]), 4)
+    validate(compose(["parallel.tp=2", "parallel.etp=2"]), 4)
