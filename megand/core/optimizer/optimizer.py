@@ -134,8 +134,8 @@ class Optimizer:
                     grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
-                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
+                    # each element of the full model once (replicas of a slice, tp copies, expert-dp copies)
+                    decay=p.ndim >= 2, counted=self.ddp.counts_in_norm(p),
                     separate_main=separate))
 
     def state_tensors(self):
@@ -178,7 +178,7 @@ class Optimizer:
         grads = [x.grad for x in self.pieces]
         if self.scaler.scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        return grad_stats([x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.distributed)
+        return grad_stats([x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.norm_over_world)
 
     def update(self, grad_norm: float, lr: float) -> None:
         """Clip, AdamW, write the updated slices back and start their all-gather."""
