@@ -1,0 +1,100 @@
+"""Expert parallelism equals the one-process run (fp32, dropless, tests/harness.py tolerances).
+
+The balancing losses are computed over each micro-batch's global token set, so the comparison is exact
+only when the one-process run sees the same micro-batches: every rank runs ONE micro-batch per step (a
+dp rank holds a contiguous slice of the global batch) and the reference runs the whole global batch as
+one micro-batch. Aux and z losses are on (moe_tiny's coefficients), so their gradients are compared too.
+"""
+
+import pytest
+
+from tests.harness import assert_parity, read_metrics, run_pretrain
+
+MOE = ["model=moe_tiny", "train.global_batch_size=4"]  # on +experiment=tiny_llama (10 steps, fp32)
+ONE_MICROBATCH = "train.micro_batch_size=4"  # the reference: the global batch as one micro-batch
+
+
+def _run(run_dir, overrides, nproc):
+    run_pretrain(run_dir, ["+experiment=tiny_llama", *MOE, *overrides], nproc=nproc)
+    return read_metrics(run_dir)
+
+
+def _check(tmp_path, reference, overrides, nproc, model=()):
+    ref = reference("tiny_llama", *MOE, *model, ONE_MICROBATCH)
+    run = _run(tmp_path / "run", [*model, *overrides], nproc)
+    assert_parity(ref, run)
+    assert all(r["expert_load_max_over_mean"] >= 1.0 for r in run)
+    for a, b in zip(ref, run):  # the balancing statistics are global: every layout logs the reference's
+        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-5 * abs(a["aux_loss"]), (a["aux_loss"], b["aux_loss"])
+        assert a["expert_load_max_over_mean"] == b["expert_load_max_over_mean"]
+    return run
+
+
+def test_ep2(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2"], 2)
+
+
+def test_ep2_tp2_sequence_parallel(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2",
+                                 "parallel.sequence_parallel=true"], 4)
+
+
+@pytest.mark.slow
+def test_ep4(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=4"], 4)
+
+
+@pytest.mark.slow
+def test_ep2_tp2_whole_experts_per_tp_rank(tmp_path, reference):
+    """etp=1: the ep group is the tp peers (Megatron's expert grid), each routing its sequence shard."""
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2", "parallel.etp=1",
+                                 "parallel.sequence_parallel=true"], 4)
+
+
+@pytest.mark.slow
+def test_ep2_pp2(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.pp=2"], 4)
+
+
+@pytest.mark.slow
+def test_ep2_cp2(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.cp=2"], 4)
+
+
+@pytest.mark.slow
+def test_ep2_zero3(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "optim.sharding=optim_grads_params",
+                                 "optim.bucket_size=4000"], 2)
+
+
+@pytest.mark.slow
+def test_ep4_dp4_zero1_experts_sharded_over_nothing(tmp_path, reference):
+    """ep = dp x cp: the expert-dp group is one rank, dense weights still shard over four."""
+    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=4", "optim.sharding=optim",
+                                 "optim.bucket_size=4000"], 4)
+
+
+@pytest.mark.slow
+def test_ep2_shared_experts(tmp_path, reference):
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2"], 2,
+           model=["model.moe_shared_experts=1", "model.moe_shared_expert_gate=true"])
+
+
+@pytest.mark.slow
+def test_ep2_sigmoid_router(tmp_path, reference):
+    """DeepSeek-V3 routing with the aux-free bias: the bias update uses the step's global loads."""
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2"], 2,
+           model=["model.moe_router=sigmoid", "model.moe_bias_update_rate=0.01"])
+
+
+def test_resharding_ep2_tp2_to_ep4_to_one_process(tmp_path, reference):
+    """Train 4 steps at ep=2 x tp=2 + sp, resume at ep=4 for 3 steps, finish on one process: the losses
+    continue as the one-process run's."""
+    ckpt = f"checkpoint.save={tmp_path}/ckpt"
+    first = _run(tmp_path / "a", ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2",
+                                  "parallel.sequence_parallel=true", ckpt, "train.exit_interval=4"], 4)
+    second = _run(tmp_path / "b", ["train.micro_batch_size=1", "parallel.ep=4", ckpt, f"checkpoint.load={tmp_path}/ckpt",
+                                   "train.exit_interval=7"], 4)
+    third = _run(tmp_path / "c", [ONE_MICROBATCH, ckpt, f"checkpoint.load={tmp_path}/ckpt"], 1)
+    assert [r["iter"] for r in first + second + third] == list(range(1, 11))
+    assert_parity(reference("tiny_llama", *MOE, ONE_MICROBATCH), first + second + third)
