@@ -30,8 +30,9 @@ def _check(tmp_path, reference, overrides, nproc, model=()):
     return run
 
 
-def test_ep2(tmp_path, reference):
-    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2"], 2)
+def test_ep2_dp4(tmp_path, reference):
+    """Experts split over 2 ranks and reduced over their expert-dp group of 2; dense weights over 4."""
+    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=2"], 4)
 
 
 def test_ep2_tp2_sequence_parallel(tmp_path, reference):
@@ -62,15 +63,17 @@ def test_ep2_cp2(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_ep2_zero3(tmp_path, reference):
-    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "optim.sharding=optim_grads_params",
-                                 "optim.bucket_size=4000"], 2)
+def test_ep2_dp4_zero3(tmp_path, reference):
+    """The strongest sharding level: experts sharded over their expert-dp group (2 ranks), dense weights over 4."""
+    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=2", "optim.sharding=optim_grads_params",
+                                 "optim.bucket_size=4000"], 4)
 
 
 @pytest.mark.slow
-def test_ep4_dp4_zero1_experts_sharded_over_nothing(tmp_path, reference):
-    """ep = dp x cp: the expert-dp group is one rank, dense weights still shard over four."""
-    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=4", "optim.sharding=optim",
+def test_ep2_dp4_zero1_overlapped(tmp_path, reference):
+    """The distributed optimizer with overlapped reduction and gather, expert buckets on their own group."""
+    _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=2", "optim.sharding=optim",
+                                 "optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true",
                                  "optim.bucket_size=4000"], 4)
 
 
