@@ -44,6 +44,7 @@ EXPERT_GROUP_DIMS = {
     "ep": ("ep",),  # token all-to-all: the ranks holding the other experts
     "etp": ("etp",),  # one expert's tensor-parallel shards
     "expert_dp": ("edp",),  # the ranks holding the same expert shards: expert gradients are summed here
+    "expert_tp_ep": ("etp", "ep"),  # every shard of every expert: the dispatch's count exchange
 }
 
 
@@ -136,6 +137,7 @@ def expert_rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, ep: int
     dims = parse_order(order)
     if ep == 1:
         spanned = {"ep": (), "etp": ("tp",) if etp == sizes.tp else (), "expert_dp": ("cp", "dp") + (() if etp == sizes.tp else ("tp",))}
+        spanned["expert_tp_ep"] = spanned["etp"]
         return _grid_groups(sizes.world_size, dims, {d: getattr(sizes, d) for d in DIMS}, spanned)
     expert_dims = tuple(x for d in dims for x in {"tp": ("etp", "ep"), "cp": (), "dp": ("edp",), "pp": ("pp",)}[d])
     size_of = {"etp": etp, "ep": ep, "edp": sizes.tp * sizes.cp * sizes.dp // (etp * ep), "pp": sizes.pp}
@@ -311,6 +313,7 @@ class Topology:
     ep_group = property(lambda self: self.groups["ep"])
     etp_group = property(lambda self: self.groups["etp"])
     expert_dp_group = property(lambda self: self.groups["expert_dp"])
+    expert_tp_ep_group = property(lambda self: self.groups["expert_tp_ep"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
 
     # pipeline neighbours (global ranks) and stage roles

@@ -38,7 +38,8 @@ def megatron_expert_groups(sizes: ParallelSizes, order: str, ep: int, etp: int) 
     size = {"tp": etp, "ep": ep, "cp": 1, "dp": sizes.world_size // (etp * ep * sizes.pp), "pp": sizes.pp}
     ordered = [size[n] for n in names]
     return {"ep": megatron_groups(ordered, names, "ep"), "etp": megatron_groups(ordered, names, "tp"),
-            "expert_dp": megatron_groups(ordered, names, "dp"), "pp": megatron_groups(ordered, names, "pp")}
+            "expert_dp": megatron_groups(ordered, names, "dp"), "pp": megatron_groups(ordered, names, "pp"),
+            "expert_tp_ep": megatron_groups(ordered, names, "tp-ep")}
 
 
 def expert_layouts():
@@ -55,7 +56,7 @@ def test_expert_groups_equal_megatron_rank_generator(order):
     for sizes, ep, etp in expert_layouts():
         ours = expert_rank_groups(sizes, order, ep, etp)
         ref = megatron_expert_groups(sizes, order, ep, etp)
-        for kind in ("ep", "etp", "expert_dp"):
+        for kind in ("ep", "etp", "expert_dp", "expert_tp_ep"):
             assert sorted(ours[kind]) == sorted(ref[kind]), (sizes, ep, etp, kind)
         assert sorted(ref["pp"]) == rank_groups(sizes, order)["pp"]  # Megatron's own consistency assertion
         count += 1
@@ -108,3 +109,13 @@ def test_expert_layout_errors_name_the_values():
         expert_rank_groups(ParallelSizes(tp=4, dp=2), ep=2, etp=2)
     with pytest.raises(LayoutError, match=r"parallel.order='pp-dp-cp-tp' with ep=2"):
         expert_rank_groups(ParallelSizes(tp=2, dp=2, pp=2), "pp-dp-cp-tp", ep=2)
+
+
+def test_tp_ep_group_lists_ranks_etp_fastest():
+    """The dispatcher reads the count matrix of the (etp x ep) group as row ``etp_rank + etp * ep_rank``."""
+    for sizes, ep, etp in expert_layouts():
+        g = expert_rank_groups(sizes, "tp-cp-dp-pp", ep, etp)
+        group_of = {kind: {r: grp for grp in g[kind] for r in grp} for kind in ("ep", "etp")}
+        for members in g["expert_tp_ep"]:
+            for r in members:
+                assert members.index(r) == group_of["etp"][r].index(r) + etp * group_of["ep"][r].index(r)

@@ -30,7 +30,8 @@ def test_every_rank_in_exactly_one_group_of_each_kind(order):
             everyone = ends if kind == "embedding" else list(range(sizes.world_size))
             assert members == everyone, (sizes, order, kind)
             expected = {"dp_shard": sizes.dp * sizes.cp, "dp_replica": 1,  # dp_shard=None: no HSDP
-                        "etp": sizes.tp, "expert_dp": sizes.dp * sizes.cp}.get(kind, 1)  # ep=1: experts follow tp
+                        "etp": sizes.tp, "expert_tp_ep": sizes.tp,  # ep=1: experts follow tp
+                        "expert_dp": sizes.dp * sizes.cp}.get(kind, 1)
             for dim in GROUP_DIMS.get(kind, ()):
                 expected *= getattr(sizes, dim)
             if kind != "embedding":
