@@ -15,6 +15,7 @@ from megand.core.checkpointing.offline import (
     save_model_streaming,
     single_process_topology,
 )
+from megand.core.checkpointing.sharded import state_buffers
 from megand.core.sharding import ParamMeta, init_parameters, tile_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
@@ -83,6 +84,9 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
                     raise CheckpointError(f"tensor {key}: expected shape {tuple(param.meta.full_shape)}, "
                                           f"checkpoint has {tuple(tensors[key].shape)}")
                 param.copy_(tensors[key])
+            for name, buf in state_buffers([model]):  # e.g. the MoE router's balancing bias
+                if name in tensors:
+                    buf.copy_(tensors[name])
     return model.eval()
 
 
