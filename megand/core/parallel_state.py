@@ -102,7 +102,7 @@ def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = Non
         raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = {sizes.dp * sizes.cp}")
     etp = sizes.tp if etp is None else etp
     if etp not in (1, sizes.tp):
-        raise LayoutError(f"parallel.etp={etp} must be 1 or tp = {sizes.tp}")
+        raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
     return etp
 
 

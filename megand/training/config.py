@@ -222,7 +222,7 @@ def check_expert_parallel(cfg, sizes) -> None:
         raise ConfigError(str(e)) from None
     experts = m.get("num_experts")
     if p.ep > 1 and not experts:
-        raise ConfigError(f"parallel.ep={p.ep} needs routed experts: set model.num_experts (it is {experts})")
+        raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
     if experts and experts % p.ep:
         raise ConfigError(f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
     if p.ep > 1 and p.dp_shard is not None and p.dp_shard != sizes.dp * sizes.cp:

@@ -6,9 +6,9 @@ from megand.training.config import ConfigError, compose, validate
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [
-    (["parallel.ep=2"], 2, r"parallel.ep=2 needs routed experts: set model.num_experts"),
+    (["parallel.ep=2"], 2, r"parallel.ep=2 needs a Mixture-of-Experts model"),
     (["parallel.ep=3"], 4, r"parallel.ep=3 must be a positive divisor of dp\*cp = 4\*1 = 4"),
-    (["parallel.tp=2", "parallel.etp=4"], 4, r"parallel.etp=4 must be 1 or tp = 2"),
+    (["parallel.tp=2", "parallel.etp=4"], 4, r"parallel.etp=4 must be 1 or parallel.tp=2"),
     (["parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.order=pp-dp-cp-tp"], 8,
      r"parallel.order='pp-dp-cp-tp' with ep=2, etp=2: the expert grid"),
     (["model=moe_tiny", "model.num_experts=6", "parallel.ep=4"], 4, r"model.num_experts=6 is not divisible by parallel.ep=4"),

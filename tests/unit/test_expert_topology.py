@@ -105,7 +105,7 @@ def test_ep_one_follows_the_dense_grid_in_any_order():
 def test_expert_layout_errors_name_the_values():
     with pytest.raises(LayoutError, match=r"parallel.ep=3 must be a positive divisor of dp\*cp = 2\*2 = 4"):
         expert_rank_groups(ParallelSizes(cp=2, dp=2), ep=3)
-    with pytest.raises(LayoutError, match=r"parallel.etp=2 must be 1 or tp = 4"):
+    with pytest.raises(LayoutError, match=r"parallel.etp=2 must be 1 or parallel.tp=4"):
         expert_rank_groups(ParallelSizes(tp=4, dp=2), ep=2, etp=2)
     with pytest.raises(LayoutError, match=r"parallel.order='pp-dp-cp-tp' with ep=2"):
         expert_rank_groups(ParallelSizes(tp=2, dp=2, pp=2), "pp-dp-cp-tp", ep=2)
