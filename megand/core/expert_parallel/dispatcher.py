@@ -76,6 +76,13 @@ class AllToAllDispatcher:
         """``[source][expert]`` host counts: per ep rank of this rank's ep group (rows ``[ep]``), or with
         the tp gather per rank of the (etp x ep) group (rows ``[ep][tp]``)."""
         e = self.num_experts
+        if type(counts) is not torch.Tensor:  # fake tensors (a rehearsal) hold no counts: assume even routing
+            n = self._assignments
+            even = [n // e + (1 if i < n % e else 0) for i in range(e)]
+            lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
+            if self.tp_group is None:
+                return even, [even[lo:hi]] * self.ep_size, None
+            return even, [even[lo:hi]] * self.ep_size, [[even[lo:hi]] * self.ep_size] * self.tp_size
         if self.tp_group is None:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)  # [source ep rank][local expert]
@@ -101,7 +108,9 @@ class AllToAllDispatcher:
         if keep is not None:  # dropped assignments sort last and are not sent
             flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, e))
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=e + 1)[:e]
+        # per-expert counts by scatter_add (bincount would read the ids on the host to size its output)
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:e]
+        self._assignments = flat.numel()  # for a rehearsal's even split
         sent, from_peers, over_tp = self._count_matrix(counts)
         recv_counts = [n for row in from_peers for n in row]  # [source ep rank][local expert]
         send = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
