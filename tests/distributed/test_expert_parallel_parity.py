@@ -42,15 +42,23 @@ def test_ep2_tp2_sequence_parallel(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_ep2_tp2_without_sequence_parallel(tmp_path, reference):
+    """Experts split over tp, tokens replicated over tp: the exchange runs between ranks of one tp rank."""
+    _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2"], 4)
+
+
+@pytest.mark.slow
 def test_ep4(tmp_path, reference):
     _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=4"], 4)
 
 
 @pytest.mark.slow
-def test_ep2_tp2_whole_experts_per_tp_rank(tmp_path, reference):
-    """etp=1: the ep group is the tp peers (Megatron's expert grid), each routing its sequence shard."""
+@pytest.mark.parametrize("sp", [True, False])
+def test_ep2_tp2_whole_experts_per_tp_rank(tmp_path, reference, sp):
+    """etp=1: the ep group is the tp peers (Megatron's expert grid), each routing its sequence shard
+    (without sequence parallelism: its share of the replicated tokens, gathered again after)."""
     _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2", "parallel.etp=1",
-                                 "parallel.sequence_parallel=true"], 4)
+                                 f"parallel.sequence_parallel={sp}"], 4)
 
 
 @pytest.mark.slow
