@@ -134,3 +134,15 @@ def test_resharding_ep2_tp2_to_ep4_to_one_process(tmp_path, reference):
     third = _run(tmp_path / "c", [ONE_MICROBATCH, ckpt, f"checkpoint.load={tmp_path}/ckpt"], 1)
     assert [r["iter"] for r in first + second + third] == list(range(1, 11))
     assert_parity(reference("tiny_llama", *MOE, ONE_MICROBATCH), first + second + third)
+
+
+@pytest.mark.slow
+def test_resharding_ep2_zero3_to_one_process(tmp_path, reference):
+    """Expert weights and optimizer state sharded over their expert-dp group (ZeRO-3) are saved as pieces
+    of the whole tensors: one process resumes them."""
+    ckpt = f"checkpoint.save={tmp_path}/ckpt"
+    first = _run(tmp_path / "a", ["train.micro_batch_size=1", "parallel.ep=2", "optim.sharding=optim_grads_params",
+                                  "optim.bucket_size=4000", ckpt, "train.exit_interval=5"], 4)
+    second = _run(tmp_path / "b", [ONE_MICROBATCH, ckpt, f"checkpoint.load={tmp_path}/ckpt"], 1)
+    assert [r["iter"] for r in first + second] == list(range(1, 11))
+    assert_parity(reference("tiny_llama", *MOE, ONE_MICROBATCH), first + second)
