@@ -1,6 +1,7 @@
 """The all-to-all dispatcher against a one-process computation of the same routing: outputs, input
 gradients, per-expert weight gradients and the bytes exchanged (spawned gloo ranks)."""
 
+import pytest
 import torch
 
 from megand.tools.spawn import run_distributed
@@ -85,5 +86,6 @@ def test_all_to_all_dispatch_equals_one_process_ep2_with_dropped_assignments():
     _check(2, use_keep=True)
 
 
+@pytest.mark.slow
 def test_all_to_all_dispatch_equals_one_process_ep4_dropless():
     _check(4, use_keep=False)
