@@ -62,6 +62,13 @@ class AllToAllDispatcher:
         self.tp_group, self.tp_size, self.tp_rank, self.tp_ep_group = tp_group, tp_size, tp_rank, tp_ep_group
         self.bytes_sent = 0
 
+    def __call__(self, tokens, experts, weights, keep, local_experts):
+        """The MoE block's dispatcher interface: ``tokens [T, h]`` routed to ``experts [T, k]`` with
+        ``weights [T, k]`` (``keep``: the capacity mask or None) -> the routed output ``[T, h]``;
+        ``local_experts(tokens, counts, offsets)`` runs this rank's experts on the grouped tokens."""
+        grouped, counts, offsets, state = self.permute(tokens, experts, keep)
+        return self.unpermute(local_experts(grouped, counts, offsets), state, weights, keep)
+
     def _count_bytes(self, x: torch.Tensor, splits: list[int], me: int) -> None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
         self.bytes_sent += row * (sum(splits) - splits[me])
