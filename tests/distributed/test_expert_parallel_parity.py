@@ -146,3 +146,12 @@ def test_resharding_ep2_zero3_to_one_process(tmp_path, reference):
     second = _run(tmp_path / "b", [ONE_MICROBATCH, ckpt, f"checkpoint.load={tmp_path}/ckpt"], 1)
     assert [r["iter"] for r in first + second] == list(range(1, 11))
     assert_parity(reference("tiny_llama", *MOE, ONE_MICROBATCH), first + second)
+
+
+@pytest.mark.slow
+def test_gpt_style_experts_with_biases_ep2(tmp_path, reference):
+    """tanh-GELU experts with biases (each local expert adds its own fc2 bias), a shared expert, tied embeddings."""
+    gpt = ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_shared_experts=1",
+           "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "train.global_batch_size=4"]
+    run_pretrain(tmp_path, ["+experiment=tiny_gpt", *gpt, "train.micro_batch_size=2", "parallel.ep=2"], nproc=2)
+    assert_parity(reference("tiny_gpt", *gpt, ONE_MICROBATCH), read_metrics(tmp_path))
