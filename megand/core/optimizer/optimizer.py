@@ -135,9 +135,10 @@ class Optimizer:
                     grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
-                    # each element of the full model once (replicas of a slice, tp copies, expert-dp copies);
                     # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
-                    decay=p.ndim >= 2 and not name.endswith(".bias"), counted=self.ddp.counts_in_norm(p),
+                    decay=p.ndim >= 2 and not name.endswith(".bias"),
+                    # each element of the full model once (replicas of a slice, tp copies, expert-dp copies)
+                    counted=self.ddp.counts_in_norm(p),
                     separate_main=separate))
 
     def state_tensors(self):
