@@ -4,6 +4,12 @@ The grid has four dimensions: tensor (tp), context (cp), data (dp) and pipeline 
 such as ``"tp-cp-dp-pp"`` lists them from fastest- to slowest-varying rank index, so with the default
 order tensor-parallel peers are neighbouring ranks (same node) and pipeline stages are farthest apart.
 
+Experts (the routed experts of MoE layers) live on a second grid over the same ranks, as in
+Megatron-core: expert tensor parallel (etp: 1 or tp), expert parallel (ep), expert data parallel
+(edp = tp*cp*dp / (etp*ep)) and pp, in the dense order with ``tp`` read as ``etp-ep`` (ep ranks adjacent
+after etp) and cp folded into edp. Expert weights are split over ep (whole experts) and etp, and their
+gradients are summed over the expert-dp group: the ranks holding the same experts.
+
 :func:`rank_groups` is a pure function of (world size, sizes, order) returning plain rank lists, so the
 layout is unit-tested without processes. :class:`Topology` creates the live groups from those lists
 (collectively: every rank creates every group, in the same order) and is the one object passed to
@@ -30,6 +36,15 @@ GROUP_DIMS = {
     "pp": ("pp",),
     "dp_cp": ("dp", "cp"),  # gradient reduction and the distributed optimizer's shards
     "mp": ("tp", "pp"),  # model parallel: one full replica of the model
+}
+
+
+# The expert grid's groups, as the expert-grid dimensions they span.
+EXPERT_GROUP_DIMS = {
+    "ep": ("ep",),  # token all-to-all: the ranks holding the other experts
+    "etp": ("etp",),  # one expert's tensor-parallel shards
+    "expert_dp": ("edp",),  # the ranks holding the same expert shards: expert gradients are summed here
+    "expert_tp_ep": ("etp", "ep"),  # every shard of every expert: the dispatch's count exchange
 }
 
 
@@ -80,7 +95,63 @@ def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> 
     return coords
 
 
-def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int | None = None) -> dict[str, list[list[int]]]:
+def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = None) -> int:
+    """The expert tensor-parallel size (``etp=None``: tp); a :class:`LayoutError` naming the values if
+    ep does not divide dp*cp or etp is neither 1 nor tp."""
+    if not isinstance(ep, int) or ep < 1 or (sizes.dp * sizes.cp) % ep:
+        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = {sizes.dp * sizes.cp}")
+    etp = sizes.tp if etp is None else etp
+    if etp not in (1, sizes.tp):
+        raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
+    return etp
+
+
+def _grid_groups(world: int, dims: tuple[str, ...], size_of: dict[str, int], kinds: dict) -> dict[str, list[list[int]]]:
+    """For each kind of ``kinds`` (name -> spanned dims), the sorted rank lists of a grid whose first
+    dimension varies fastest."""
+    coords = []
+    for r in range(world):
+        c, rest = {}, r
+        for d in dims:
+            c[d], rest = rest % size_of[d], rest // size_of[d]
+        coords.append(c)
+    groups = {}
+    for kind, spanned in kinds.items():
+        by_key: dict[tuple, list[int]] = {}
+        for r in range(world):
+            by_key.setdefault(tuple(coords[r][d] for d in dims if d not in spanned), []).append(r)
+        groups[kind] = sorted(by_key.values())
+    return groups
+
+
+def expert_rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, ep: int = 1,
+                       etp: int | None = None) -> dict[str, list[list[int]]]:
+    """The expert grid's groups (``EXPERT_GROUP_DIMS``) as rank lists; pure, like :func:`rank_groups`.
+
+    ep=1: the experts follow the dense grid (etp=tp: etp = tp groups, expert dp = dp x cp; etp=1: expert
+    dp = tp x dp x cp), whatever the order. ep>1: Megatron-core's expert grid (see the module docstring);
+    its pipeline groups (and with etp=tp its etp groups) must be the dense ones, else the order is
+    rejected.
+    """
+    etp = check_expert_layout(sizes, ep, etp)
+    dims = parse_order(order)
+    if ep == 1:
+        spanned = {"ep": (), "etp": ("tp",) if etp == sizes.tp else (), "expert_dp": ("cp", "dp") + (() if etp == sizes.tp else ("tp",))}
+        spanned["expert_tp_ep"] = spanned["etp"]
+        return _grid_groups(sizes.world_size, dims, {d: getattr(sizes, d) for d in DIMS}, spanned)
+    expert_dims = tuple(x for d in dims for x in {"tp": ("etp", "ep"), "cp": (), "dp": ("edp",), "pp": ("pp",)}[d])
+    size_of = {"etp": etp, "ep": ep, "edp": sizes.tp * sizes.cp * sizes.dp // (etp * ep), "pp": sizes.pp}
+    groups = _grid_groups(sizes.world_size, expert_dims, size_of, {**EXPERT_GROUP_DIMS, "pp": ("pp",)})
+    dense = _grid_groups(sizes.world_size, dims, {d: getattr(sizes, d) for d in DIMS}, {"pp": ("pp",), "tp": ("tp",)})
+    if groups.pop("pp") != dense["pp"] or (etp == sizes.tp and groups["etp"] != dense["tp"]):
+        raise LayoutError(f"parallel.order={order!r} with ep={ep}, etp={etp}: the expert grid "
+                          f"({'-'.join(expert_dims)}) does not keep the pipeline and tensor-parallel groups; "
+                          f"use an order with tp first and pp last (e.g. {DEFAULT_ORDER})")
+    return groups
+
+
+def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int | None = None,
+                ep: int = 1, etp: int | None = None) -> dict[str, list[list[int]]]:
     """For each group kind, the list of rank lists (each sorted ascending; pp lists are in stage order).
 
     Pure: no processes involved. A group of kind ``k`` holds the ranks that differ only in the
@@ -101,6 +172,7 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int 
         groups[kind] = sorted(by_key.values())
     groups["embedding"] = [sorted({p[0], p[-1]}) for p in groups["pp"]]
     groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], dp_shard)
+    groups.update(expert_rank_groups(sizes, order, ep, etp))
     return groups
 
 
@@ -185,6 +257,8 @@ class Topology:
     vpp: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
+    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
+    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -193,11 +267,15 @@ class Topology:
         if self.world_size != self.sizes.world_size:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
         self.coords = rank_coords(self.rank, self.sizes, self.order)
+        self.etp = check_expert_layout(self.sizes, self.ep, self.etp)
         self.ranks: dict[str, list[int]] = {}
         self.groups: dict[str, dist.ProcessGroup] = {}
-        for kind, rank_lists in rank_groups(self.sizes, self.order, self.dp_shard).items():
+        made: dict[tuple, dist.ProcessGroup] = {}  # dense groups by members, for expert groups that equal them
+        for kind, rank_lists in rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp).items():
             for ranks in rank_lists:  # every rank must take part in creating every group
-                group = dist.new_group(ranks)
+                reuse = made.get(tuple(ranks)) if kind in EXPERT_GROUP_DIMS else None
+                group = reuse if reuse is not None else dist.new_group(ranks)
+                made.setdefault(tuple(ranks), group)
                 if self.rank in ranks:
                     self.ranks[kind], self.groups[kind] = ranks, group
 
@@ -216,6 +294,12 @@ class Topology:
     dp_shard_rank = property(lambda self: self.ranks["dp_shard"].index(self.rank))
     dp_replica_size = property(lambda self: len(self.ranks["dp_replica"]))
     dp_replica_rank = property(lambda self: self.ranks["dp_replica"].index(self.rank))
+    ep_size = property(lambda self: self.ep)
+    ep_rank = property(lambda self: self.ranks["ep"].index(self.rank))
+    etp_size = property(lambda self: self.etp)
+    etp_rank = property(lambda self: self.ranks["etp"].index(self.rank))
+    expert_dp_size = property(lambda self: len(self.ranks["expert_dp"]))
+    expert_dp_rank = property(lambda self: self.ranks["expert_dp"].index(self.rank))
 
     # live groups
     tp_group = property(lambda self: self.groups["tp"])
@@ -226,6 +310,10 @@ class Topology:
     mp_group = property(lambda self: self.groups["mp"])
     dp_shard_group = property(lambda self: self.groups["dp_shard"])
     dp_replica_group = property(lambda self: self.groups["dp_replica"])
+    ep_group = property(lambda self: self.groups["ep"])
+    etp_group = property(lambda self: self.groups["etp"])
+    expert_dp_group = property(lambda self: self.groups["expert_dp"])
+    expert_tp_ep_group = property(lambda self: self.groups["expert_tp_ep"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
 
     # pipeline neighbours (global ranks) and stage roles
@@ -256,7 +344,8 @@ class Topology:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size} order {self.order}")
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size} order {self.order}"
+                + (f" ep {self.ep_rank}/{self.ep_size} etp {self.etp_rank}/{self.etp_size}" if self.ep > 1 else ""))
 
 
 def all_decompositions(world_size: int):

@@ -36,17 +36,26 @@ class ParamMeta:
     # padded_size / tp_size rows, of which the ones beyond the full tensor are padding. None: the full
     # length rounded up to a multiple of tp_size.
     padded_size: int | None = None
+    # A routed expert's tensor ([num_experts, ...]): its gradient is summed over the expert-data-parallel
+    # group, and dim 0 (the experts) is split evenly over the ep expert-parallel ranks.
+    expert: bool = False
+    ep_rank: int = 0
+    ep_size: int = 1
 
     def local_slice(self) -> tuple[slice, ...]:
         """This rank's slice of the full tensor. Along a padded dim (vocab) it may hold fewer rows than
-        the local parameter (none at all when its rows are all padding); the rest is padding."""
-        if self.split_dim is None:
-            return tuple(slice(None) for _ in self.full_shape)
-        full = self.full_shape[self.split_dim]
-        per_rank = (self.padded_size or full + (-full) % self.tp_size) // self.tp_size
-        start = min(self.tp_rank * per_rank, full)
-        stop = min(start + per_rank, full)
-        return tuple(slice(start, stop) if d == self.split_dim else slice(None) for d in range(len(self.full_shape)))
+        the local parameter (none at all when its rows are all padding); the rest is padding. An expert
+        tensor holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of dim 0 (never padded)."""
+        region = [slice(None) for _ in self.full_shape]
+        if self.split_dim is not None:
+            full = self.full_shape[self.split_dim]
+            per_rank = (self.padded_size or full + (-full) % self.tp_size) // self.tp_size
+            start = min(self.tp_rank * per_rank, full)
+            region[self.split_dim] = slice(start, min(start + per_rank, full))
+        if self.ep_size > 1:
+            per_rank = self.full_shape[0] // self.ep_size
+            region[0] = slice(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        return tuple(region)
 
     @property
     def counted_in_norm(self) -> bool:

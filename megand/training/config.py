@@ -65,7 +65,7 @@ class ParallelConfig:
     pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
     cp_comm: str = "p2p"  # p2p (ring) | all_gather | a2a (Ulysses: heads re-sharded over cp)
     dp_shard: Optional[int] = None  # ranks of dp x cp in one shard group (optim.sharding != none); null: all; smaller: hybrid sharding (HSDP), replicas across groups
-    ep: int = 1  # expert-parallel size (MoE), carved out of dp x cp
+    ep: int = 1  # expert-parallel size: routed experts split over ep ranks carved out of dp x cp (divides dp*cp and model.num_experts); expert grads are reduced over the remaining expert-data-parallel ranks
     etp: Optional[int] = None  # expert tensor-parallel size (MoE): 1 (whole experts on every tp rank, tokens split over tp) or tp; null: tp
 
 
@@ -214,6 +214,25 @@ def check_keys(cfg) -> None:
         raise ConfigError(f"{e.msg if hasattr(e, 'msg') else e} (full key: {getattr(e, 'full_key', '?')})") from None
 
 
+def check_expert_parallel(cfg, sizes) -> None:
+    """parallel.ep / parallel.etp against the layout and the experts; ConfigError naming the values."""
+    from megand.core.parallel_state import LayoutError, expert_rank_groups
+
+    m, p = cfg.model, cfg.parallel
+    try:
+        expert_rank_groups(sizes, p.order, p.ep, p.etp)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    experts = m.get("num_experts")
+    if p.ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
+    if experts and experts % p.ep:
+        raise ConfigError(f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
+    if p.ep > 1 and p.dp_shard is not None and p.dp_shard != sizes.dp * sizes.cp:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.ep={p.ep} is not supported: "
+                          f"expert weights shard over their whole expert-data-parallel group; unset parallel.dp_shard")
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
@@ -245,6 +264,7 @@ def validate(cfg, world_size: int) -> None:
                               f" = {dp_cp}")
         if cfg.optim.sharding == "none" and p.dp_shard != dp_cp:
             raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
+    check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
     checks = [
         (m.hidden_size % m.num_attention_heads == 0,
@@ -339,8 +359,9 @@ def validate_moe(cfg, sizes) -> None:
     if etp == 1 and p.tp > 1 and local_seq % p.tp:
         raise ConfigError(f"parallel.etp=1 splits each rank's {local_seq} tokens of a sample (model.seq_length="
                           f"{m.seq_length} / parallel.cp={p.cp}) over parallel.tp={p.tp}: not divisible")
-    if p.ep != 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this build (ep must be 1)")
+    if p.ep > 1 and etp > 1 and m.arch == "gpt":  # fc2's bias is added after the tp sum, by global expert id
+        raise ConfigError(f"parallel.ep={p.ep} with experts split over parallel.etp={etp} needs bias-free experts "
+                          f"(model.arch=llama); model.arch={m.arch} has biases: set parallel.etp=1")
 
 
 def validate_fault_keys(cfg) -> None:

@@ -28,7 +28,7 @@ MOE = ["+experiment=tiny_llama", "model=moe_tiny"]
     (["parallel.tp=2", "parallel.etp=4"], 2, r"parallel.etp=4 must be 1 or parallel.tp=2"),
     (["model.seq_length=36", "parallel.tp=4", "parallel.cp=2", "parallel.etp=1", "model.num_query_groups=4"], 8,
      r"parallel.etp=1 splits each rank's 18 tokens .* over parallel.tp=4"),
-    (["parallel.ep=2"], 2, r"parallel.ep=2: expert parallelism is not available"),
+    (["parallel.ep=2", "model.num_experts=3"], 2, r"model.num_experts=3 is not divisible by parallel.ep=2"),
     (["model.num_experts=null", "parallel.ep=2"], 2, r"parallel.ep=2 needs a Mixture-of-Experts model"),
 ])
 def test_invalid_moe_values_are_named(overrides, world_size, message):

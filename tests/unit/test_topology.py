@@ -29,7 +29,9 @@ def test_every_rank_in_exactly_one_group_of_each_kind(order):
             members = sorted(r for ranks in rank_lists for r in ranks)
             everyone = ends if kind == "embedding" else list(range(sizes.world_size))
             assert members == everyone, (sizes, order, kind)
-            expected = {"dp_shard": sizes.dp * sizes.cp, "dp_replica": 1}.get(kind, 1)  # dp_shard=None: no HSDP
+            expected = {"dp_shard": sizes.dp * sizes.cp, "dp_replica": 1,  # dp_shard=None: no HSDP
+                        "etp": sizes.tp, "expert_tp_ep": sizes.tp,  # ep=1: experts follow tp
+                        "expert_dp": sizes.dp * sizes.cp}.get(kind, 1)
             for dim in GROUP_DIMS.get(kind, ()):
                 expected *= getattr(sizes, dim)
             if kind != "embedding":

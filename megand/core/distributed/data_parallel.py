@@ -58,11 +58,16 @@ Sharding levels (``DataParallelConfig.sharding``), over the shard group (dp x cp
 
 A module whose forward reads parameters of another module (the output layer tied to the word embedding
 on one stage) lists them in a ``borrowed_parameters()`` method, so ZeRO-3 gathers them for it too.
+
+Routed experts (parameters tagged ``meta.expert``) under expert parallelism live in buffers of their own,
+reduced (and, at every sharding level, sharded) over the expert-data-parallel group instead: the ranks
+holding the same experts. Each buffer carries its :class:`ReduceGroup`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -73,6 +78,23 @@ from megand.core.distributed.forward_order import forward_order
 from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
+
+
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Where one buffer's gradients are summed and its slices owned: ``size`` ranks of ``group`` (this
+    one at ``rank``), then under hybrid sharding summed again over ``replicas`` ranks of ``replica_group``."""
+    group: object
+    size: int
+    rank: int
+    replica_group: object = None
+    replicas: int = 1
+    replica_rank: int = 0
+
+
+def is_expert(p) -> bool:
+    """A routed expert's tensor (split over expert-parallel ranks)."""
+    return getattr(getattr(p, "meta", None), "expert", False)
 
 
 def last_backward(grad_sync):
@@ -90,27 +112,34 @@ class DataParallel:
         self.distributed = config.shards_optim  # the optimizer owns one slice of every bucket
         self.shard_grads, self.shard_params = config.shards_grads, config.shards_params
         if self.distributed:
-            self.group, self.size, rank = topo.dp_shard_group, topo.dp_shard_size, topo.dp_shard_rank
-            self.replica_group, self.replicas, self.replica_rank = (topo.dp_replica_group, topo.dp_replica_size,
-                                                                    topo.dp_replica_rank)
+            dense = ReduceGroup(topo.dp_shard_group, topo.dp_shard_size, topo.dp_shard_rank,
+                                topo.dp_replica_group, topo.dp_replica_size, topo.dp_replica_rank)
         else:
-            self.group, self.size, rank = topo.dp_cp_group, topo.dp_cp_size, 0
-            self.replica_group, self.replicas, self.replica_rank = None, 1, 0
+            dense = ReduceGroup(topo.dp_cp_group, topo.dp_cp_size, 0)
+        self.group, self.size, rank = dense.group, dense.size, dense.rank
+        self.replica_group, self.replicas, self.replica_rank = dense.replica_group, dense.replicas, dense.replica_rank
+        # expert parallelism: experts reduce over their own group (dense runs keep a single kind of buffer)
+        self.expert_parallel = getattr(topo, "ep", 1) > 1
+        expert = (ReduceGroup(topo.expert_dp_group, topo.expert_dp_size, topo.expert_dp_rank if self.distributed else 0)
+                  if self.expert_parallel else dense)
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.overlap_param_gather = config.overlap_param_gather and self.distributed and not self.shard_params
         self.reshard_after_forward = config.reshard_after_forward
         chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        by_dtype = {}
+        by_kind = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
-            by_dtype.setdefault(p.dtype, []).append(p)
-        shards = (rank, self.size) if self.distributed else (0, 1)
+            by_kind.setdefault((p.dtype, self.expert_parallel and is_expert(p)), []).append(p)
         self.buffers = []
-        for dtype, ps in by_dtype.items():
+        for (dtype, experts), ps in by_kind.items():
+            reduce = expert if experts else dense
+            shards = (reduce.rank, reduce.size) if self.distributed else (0, 1)
             # ZeRO-3: a bucket never spans two model chunks, so one chunk's forward frees what it gathered
             starts = {i for i in range(1, len(ps)) if chunk_of[ps[i]] != chunk_of[ps[i - 1]]} if self.shard_params else ()
-            self.buffers.append(ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
-                                                   self.shard_grads, self.shard_params, starts))
+            buf = ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
+                                     self.shard_grads, self.shard_params, starts)
+            buf.reduce, buf.experts = reduce, experts
+            self.buffers.append(buf)
         replaced = {k: v for buf in self.buffers for k, v in buf.replaced.items()}
         if replaced:  # parameters built on the meta device now live in the buffers: put them in the modules
             for chunk in chunks:
@@ -205,12 +234,13 @@ class DataParallel:
         scratch, bucket.scratch = bucket.scratch, None
         if scratch is None:
             return
-        if self.size == 1:
+        reduce = bucket.buffer.reduce
+        if reduce.size == 1:
             bucket.grad_shard.add_(scratch)
             return
         out = torch.empty_like(bucket.grad_shard)
-        self.count("reduce_scatter", scratch, self.size)
-        work = reduce_scatter_flat(out, scratch, group=self.group, async_op=self.overlap_grad_reduce)
+        self.count("reduce_scatter", scratch, reduce.size)
+        work = reduce_scatter_flat(out, scratch, group=reduce.group, async_op=self.overlap_grad_reduce)
         self._flushes.append((work, out, bucket, scratch))
         if not self.overlap_grad_reduce or len(self._flushes) > 2:  # at most two scratches in flight
             self._wait_flushes(keep=0 if not self.overlap_grad_reduce else 2)
@@ -225,14 +255,15 @@ class DataParallel:
     def _reduce(self, bucket):
         """Launch the bucket's sum over dp x cp (asynchronous; waited for in finish_grad_sync)."""
         self._launched.add(bucket.index)
-        if self.size == 1:
+        reduce = bucket.buffer.reduce
+        if reduce.size == 1:
             return
         if self.distributed:
-            self.count("reduce_scatter", bucket.grads, self.size)
-            work = reduce_scatter_flat(bucket.grad_shard, bucket.grads, group=self.group, async_op=True)
+            self.count("reduce_scatter", bucket.grads, reduce.size)
+            work = reduce_scatter_flat(bucket.grad_shard, bucket.grads, group=reduce.group, async_op=True)
         else:
-            self.count("all_reduce", bucket.grads, self.size)
-            work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
+            self.count("all_reduce", bucket.grads, reduce.size)
+            work = dist.all_reduce(bucket.grads, group=reduce.group, async_op=True)
         self._grad_handles[bucket.index] = work
 
     def grad_pieces(self):
@@ -261,11 +292,11 @@ class DataParallel:
             for work in self._grad_handles.values():
                 work.wait()
             self._grad_handles.clear()
-        if self.replicas > 1:  # hybrid sharding: sum each reduced slice over the replicas of the shard
-            shards = [buf.grad_data for buf in self.buffers] if self.shard_grads else [b.grad_shard for b in self.buckets]
-            for shard in shards:
-                self.count("all_reduce", shard, self.replicas)
-                dist.all_reduce(shard, group=self.replica_group)
+        for buf in self.buffers:  # hybrid sharding: sum each reduced slice over the replicas of the shard
+            if buf.reduce.replicas > 1:
+                for shard in [buf.grad_data] if self.shard_grads else [b.grad_shard for b in buf.buckets]:
+                    self.count("all_reduce", shard, buf.reduce.replicas)
+                    dist.all_reduce(shard, group=buf.reduce.replica_group)
         all_reduce_layout_grads(self.grad_pieces(), self.topo)
         if self.shard_params:
             self.gatherer.release_all()
@@ -275,12 +306,15 @@ class DataParallel:
     def start_param_sync(self):
         """All-gather every bucket's updated slices into the parameter buffers (asynchronously when
         ``overlap_param_gather``: the next forward waits per module). ZeRO-3 gathers in the forward."""
-        if not self.distributed or self.size == 1 or self.shard_params:
+        if not self.distributed or self.shard_params:
             return
         for i in self.forward_order:  # the first forward hook waits for the first gather issued
             bucket = self.buckets[i]
-            self.count("all_gather", bucket.data, self.size)
-            work = all_gather_flat(bucket.data, bucket.data_shard, group=self.group, async_op=self.overlap_param_gather)
+            reduce = bucket.buffer.reduce
+            if reduce.size == 1:
+                continue
+            self.count("all_gather", bucket.data, reduce.size)
+            work = all_gather_flat(bucket.data, bucket.data_shard, group=reduce.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_handles[bucket.index] = work
 
@@ -300,6 +334,24 @@ class DataParallel:
         the parameters' only values outside a forward (checkpoints read and write them); otherwise they
         are views into the full local parameters."""
         return [x for buf in self.buffers for x in buf.shard_ranges()]
+
+    def counts_in_norm(self, p) -> bool:
+        """Whether this rank counts its piece of ``p`` in the global gradient norm, which is then summed
+        over the whole job when :attr:`norm_over_world` (else over tp x pp): each element of the full
+        model once. Dense: once over tp (``meta.counted_in_norm``) and once over the replicas of a slice;
+        routed experts under expert parallelism: once over their expert-dp group (they differ over ep)
+        and once over etp."""
+        meta = p.meta
+        if self.expert_parallel and is_expert(p):
+            once_over_etp = meta.split_dim is not None or self.topo.etp_rank == 0
+            return meta.copy_of is None and once_over_etp and (self.distributed or self.topo.expert_dp_rank == 0)
+        once_over_dp = self.distributed or not self.expert_parallel or self.topo.dp_cp_rank == 0
+        return meta.counted_in_norm and self.replica_rank == 0 and once_over_dp
+
+    @property
+    def norm_over_world(self) -> bool:
+        """The norm's partial sums are summed over every rank: sharded slices, or experts that differ over ep."""
+        return self.distributed or self.expert_parallel
 
     def count(self, kind, full, ranks):
         """Account a collective over ``ranks`` whose full (unsharded) buffer is ``full``."""

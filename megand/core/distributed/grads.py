@@ -48,7 +48,12 @@ def all_reduce_layout_grads(params, topo):
     pairs = [x if isinstance(x, tuple) else (x, grad_of(x)) for x in params]
     grads = [(p, g) for p, g in pairs if g is not None]
     if topo.tp_size > 1:
-        for same_dtype in _by_dtype([g for p, g in grads if p.meta.sequence_parallel_grad]):
+        # under expert parallelism the routed experts' tp peers may hold other experts: their gradients
+        # are complete after the expert-data-parallel reduction (whose group spans the tp ranks with etp=1)
+        expert_parallel = getattr(topo, "ep", 1) > 1
+        tp_summed = [g for p, g in grads if p.meta.sequence_parallel_grad
+                     and not (expert_parallel and getattr(p.meta, "expert", False))]
+        for same_dtype in _by_dtype(tp_summed):
             _all_reduce_coalesced(same_dtype, topo.tp_group)
     if topo.pp_size > 1 and topo.in_embedding_group:
         for same_dtype in _by_dtype([g for p, g in grads if p.meta.embedding_group_grad]):

@@ -35,7 +35,6 @@ class ParamGatherer:
 
     def __init__(self, engine, chunks, chunk_of):
         self.engine, self.buckets, self.bucket_of = engine, engine.buckets, engine.bucket_of
-        self.group, self.size = engine.group, engine.size
         self.reshard_after_forward = engine.reshard_after_forward
         self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
         self._module_buckets = {}
@@ -69,11 +68,12 @@ class ParamGatherer:
         if not bucket.gathered:
             bucket.alloc_full()
             self._done[i] = set()
-            if self.size == 1:
+            reduce = bucket.buffer.reduce  # the buffer's shard group (experts: their expert-dp group)
+            if reduce.size == 1:
                 bucket.full.copy_(bucket.data_shard)
             else:
-                self.engine.count("all_gather", bucket.full, self.size)
-                self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=self.group, async_op=not wait)
+                self.engine.count("all_gather", bucket.full, reduce.size)
+                self._gathers[i] = all_gather_flat(bucket.full, bucket.data_shard, group=reduce.group, async_op=not wait)
             self._n_gathered += 1
             self.max_gathered = max(self.max_gathered, self._n_gathered)
         if wait:

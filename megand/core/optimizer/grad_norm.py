@@ -17,7 +17,9 @@ def grad_stats(counted, grads, topo, sharded: bool) -> torch.Tensor:
     tp-sharded ones on every tp rank, replicated ones on tp rank 0, tied copies nowhere); ``grads``:
     all of this rank's gradients, checked for inf/nan. Without sharding, gradients are equal on the dp x cp
     replicas, so the model-parallel group (tp x pp) sums; with the distributed optimizer each rank holds
-    a disjoint slice of every bucket, so the whole world sums (dp x cp x tp x pp).
+    a disjoint slice of every bucket, so the whole world sums (dp x cp x tp x pp). ``sharded`` asks for
+    the world sum (also under expert parallelism, whose experts differ over ep: ``counted`` then holds
+    each element on one rank only).
     """
     device = grads[0].device if grads else topo.device
     acc = torch.zeros(2, dtype=torch.float32, device=device)  # [sum of squares, non-finite count]

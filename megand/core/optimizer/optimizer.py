@@ -137,8 +137,8 @@ class Optimizer:
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
                     # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
                     decay=p.ndim >= 2 and not name.endswith(".bias"),
-                    # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
-                    counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
+                    # each element of the full model once (replicas of a slice, tp copies, expert-dp copies)
+                    counted=self.ddp.counts_in_norm(p),
                     separate_main=separate))
 
     def state_tensors(self):
@@ -181,7 +181,7 @@ class Optimizer:
         grads = [x.grad for x in self.pieces]
         if self.scaler.scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        return grad_stats([x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.distributed)
+        return grad_stats([x.grad for x in self.pieces if x.counted], grads, self.topo, sharded=self.ddp.norm_over_world)
 
     def update(self, grad_norm: float, lr: float) -> None:
         """Clip, AdamW, write the updated slices back and start their all-gather."""

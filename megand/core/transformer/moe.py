@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.sharding import ParamMeta, tag
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
@@ -160,17 +161,21 @@ class GroupedLinear(torch.nn.Module):
                  sharded_tokens, bias_split, dtype, device):
         super().__init__()
         tp_size, tp_rank = (topo.tp_size, topo.tp_rank)
+        # expert parallelism: this rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of dim 0
+        ep = dict(expert=True, ep_rank=getattr(topo, "ep_rank", 0), ep_size=getattr(topo, "ep_size", 1))
+        local_experts = num_experts // ep["ep_size"]
         full = (num_experts, out_features, in_features)
         local = tuple(n // tp_size if d == split_dim else n for d, n in enumerate(full))
+        local = (local_experts,) + local[1:]
         self.weight = _param(local, ParamMeta(full, split_dim, tp_rank, tp_size, init_std=init_std,
-                                              sequence_parallel_grad=split_dim is None and sharded_tokens),
+                                              sequence_parallel_grad=split_dim is None and sharded_tokens, **ep),
                              dtype, device)
         self.bias = None
         if bias:
             full_b = (num_experts, out_features)
             split_b = 1 if bias_split else None
-            local_b = (num_experts, out_features // tp_size if bias_split else out_features)
-            self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros",
+            local_b = (local_experts, out_features // tp_size if bias_split else out_features)
+            self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros", **ep,
                                                   sequence_parallel_grad=split_b is None and sharded_tokens),
                                dtype, device)
 
@@ -336,7 +341,15 @@ class MoE(torch.nn.Module):
         self.router = Router(cfg, topo, self.sharded_tokens, device)
         self.experts = Experts(cfg, topo, self.split_experts, self.sharded_tokens, device)
         self.shared_experts = SharedExperts(cfg, topo, device) if cfg.moe_shared_experts else None
-        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        # expert parallelism with experts split over tp and sequence-parallel tokens: Megatron's order, the
+        # exchange on the sequence shard and the tp gather after it (inside the dispatcher)
+        self.gather_after_exchange = getattr(topo, "ep_size", 1) > 1 and self.split_experts and cfg.sequence_parallel
+        if getattr(topo, "ep_size", 1) > 1:
+            over_tp = (dict(tp_group=topo.etp_group, tp_size=topo.etp_size, tp_rank=topo.etp_rank,
+                            tp_ep_group=topo.expert_tp_ep_group) if self.gather_after_exchange else {})
+            self.dispatcher = AllToAllDispatcher(cfg.num_experts, topo.ep_group, topo.ep_size, topo.ep_rank, **over_tp)
+        else:
+            self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.stats = MoEStats(cfg.num_experts, topo.device)
         self.loss_scale = 1.0  # gradient of the balancing losses: loss scale / micro-batches of the step
         # experts split over tp apply the capacity to the tp group's tokens, identically on every tp rank:
@@ -376,7 +389,14 @@ class MoE(torch.nn.Module):
             out = self._experts(tokens, experts, weights, keep, fc2_bias=True)
             return out
         # experts split over tp: every tp rank processes the tp group's tokens, partial sums reduced
-        if cfg.sequence_parallel:
+        if self.gather_after_exchange:  # the dispatcher gathers over tp and reduce-scatters back
+            if cfg.moe_capacity_factor is not None:  # the capacity rule of the tp group's tokens, as below
+                all_experts = gather_from_sp(experts.view(s, b, -1), topo.tp_group).reshape(-1, experts.shape[1])
+                all_scores = gather_from_sp(scores.detach().view(s, b, -1), topo.tp_group).reshape(-1, scores.shape[1])
+                keep = self._keep(all_experts, all_scores)
+                keep_local = keep.view(-1, b, keep.shape[1]).chunk(topo.tp_size)[topo.tp_rank].reshape(s * b, -1)
+            out = self._experts(local.reshape(s * b, h), experts, weights, keep_local, fc2_bias=False)
+        elif cfg.sequence_parallel:
             full = gather_from_sp(local, topo.tp_group)  # backward: reduce-scatter of the partial input grads
             all_experts = gather_from_sp(experts.view(s, b, -1), topo.tp_group).reshape(-1, experts.shape[1])
             all_scores = gather_from_sp(scores.detach().view(s, b, -1), topo.tp_group).reshape(-1, scores.shape[1])
