@@ -72,9 +72,11 @@ TILE_2D = (256, 256)  # rows x columns per tile of a matrix (further dims, if an
 
 
 def tile_shape(full_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Vectors: 1-D tiles; matrices: 2-D tiles; a stack of matrices (the experts' ``[E, rows, cols]``):
+    2-D tiles of each matrix, so a shard along any dimension draws about its own share."""
     if len(full_shape) == 1:
         return (TILE_1D,)
-    return TILE_2D + tuple(full_shape[2:])
+    return (1,) * (len(full_shape) - 2) + TILE_2D
 
 
 def tile_seed(seed: int, name: str, index: int) -> int:

@@ -73,7 +73,8 @@ class GPTModel(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         self.embedding = Embedding(cfg, topo, rng, device) if pre_process else None
-        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng, device) for i in self.layer_ids})
+        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng, device, layer_id=i)
+                                           for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel,

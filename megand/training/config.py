@@ -36,6 +36,18 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
     hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
     attention_dropout: float = 0.0  # dropout on attention probabilities
+    num_experts: Optional[int] = None  # Mixture-of-Experts: routed experts per MoE layer; null: dense MLP everywhere
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_ffn_hidden_size: Optional[int] = None  # width of one routed expert (for swiglu: of each of gate and up); null: ffn_hidden_size
+    moe_shared_experts: int = 0  # always-on experts, one MLP of width moe_shared_experts * moe_ffn_hidden_size (0: none)
+    moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ gate) (Qwen2-MoE)
+    moe_layer_freq: int = 1  # layer i (0-based) is MoE when i % moe_layer_freq == 0; the others stay dense
+    moe_router: str = "softmax"  # softmax (top-k of softmax, Mixtral) | sigmoid (DeepSeek-V3: sigmoid scores, aux-loss-free bias)
+    moe_norm_topk_prob: bool = True  # softmax router: renormalise the k chosen probabilities to sum to 1
+    moe_bias_update_rate: float = 0.001  # sigmoid router: step of the aux-loss-free balancing bias after each optimizer step (0: off)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing (Switch/GShard) loss coefficient, over each micro-batch's global tokens
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
+    moe_capacity_factor: Optional[float] = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
 
 
 @dataclass
@@ -50,6 +62,8 @@ class ParallelConfig:
     pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
     cp_comm: str = "p2p"  # p2p (ring) | all_gather | a2a (Ulysses: heads re-sharded over cp)
     dp_shard: Optional[int] = None  # ranks of dp x cp in one shard group (optim.sharding != none); null: all; smaller: hybrid sharding (HSDP), replicas across groups
+    ep: int = 1  # expert-parallel size (MoE), carved out of dp x cp
+    etp: Optional[int] = None  # expert tensor-parallel size (MoE): 1 (whole experts on every tp rank, tokens split over tp) or tp; null: tp
 
 
 @dataclass
@@ -164,6 +178,7 @@ CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position_embedding": ("learned", "rope"),
+    "model.moe_router": ("softmax", "sigmoid"),
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
@@ -273,7 +288,55 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
                           f"{m.attention_dropout}: set it to 0")
+    validate_moe(cfg, sizes)
     validate_fault_keys(cfg)
+
+
+def validate_moe(cfg, sizes) -> None:
+    """The Mixture-of-Experts keys and their layout (``sizes``: the inferred parallel sizes)."""
+    m, p = cfg.model, cfg.parallel
+    if not isinstance(p.ep, int) or p.ep < 1:
+        raise ConfigError(f"parallel.ep={p.ep} must be a positive integer")
+    if p.etp is not None and p.etp not in (1, p.tp):
+        raise ConfigError(f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp} (or null: tp)")
+    if m.num_experts is None:
+        if p.ep != 1:
+            raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
+        return
+    if m.num_experts < 1:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 1 (or null: dense)")
+    if not 1 <= m.moe_top_k <= m.num_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.num_experts={m.num_experts}")
+    checks = [
+        (m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size >= 1,
+         f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 (or null: model.ffn_hidden_size)"),
+        (m.moe_shared_experts >= 0, f"model.moe_shared_experts={m.moe_shared_experts} must be >= 0"),
+        (not m.moe_shared_expert_gate or m.moe_shared_experts > 0,
+         f"model.moe_shared_expert_gate=true needs shared experts (model.moe_shared_experts={m.moe_shared_experts})"),
+        (m.moe_layer_freq >= 1, f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1"),
+        (m.moe_bias_update_rate >= 0, f"model.moe_bias_update_rate={m.moe_bias_update_rate} must be >= 0"),
+        (m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0"),
+        (m.moe_z_loss_coeff >= 0, f"model.moe_z_loss_coeff={m.moe_z_loss_coeff} must be >= 0"),
+        (m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
+         f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or null: dropless)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    width = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    etp = p.tp if p.etp is None else p.etp
+    if etp > 1 and width % etp:
+        raise ConfigError(f"the routed experts' width {width} (model.moe_ffn_hidden_size, null: ffn_hidden_size) is "
+                          f"not divisible by the expert tensor-parallel size parallel.etp={etp}")
+    if m.moe_shared_experts and (m.moe_shared_experts * width) % p.tp:
+        raise ConfigError(f"the shared experts' width {m.moe_shared_experts * width} (model.moe_shared_experts="
+                          f"{m.moe_shared_experts} x {width}) is not divisible by parallel.tp={p.tp}")
+    local_seq = m.seq_length // p.cp
+    if etp == 1 and p.tp > 1 and local_seq % p.tp:
+        raise ConfigError(f"parallel.etp=1 splits each rank's {local_seq} tokens of a sample (model.seq_length="
+                          f"{m.seq_length} / parallel.cp={p.cp}) over parallel.tp={p.tp}: not divisible")
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this build (ep must be 1)")
 
 
 def validate_fault_keys(cfg) -> None:
@@ -355,8 +418,10 @@ def transformer_config(cfg):
     from megand.core.transformer import TransformerConfig
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
+    etp = cfg.parallel.tp if cfg.parallel.etp is None else cfg.parallel.etp
     return TransformerConfig(**_known(TransformerConfig, model), sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                             cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision)
+                             cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision,
+                             expert_tensor_parallel=etp == cfg.parallel.tp)
 
 
 def document_flags(cfg):

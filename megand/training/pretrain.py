@@ -23,6 +23,7 @@ from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
+from megand.core.transformer import moe
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
@@ -371,6 +372,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
+        moe.start_step(self.chunks, loss_scale, len(microbatches))
         self._progress("forward-backward (pipeline schedule)")
         busy_start = time.perf_counter()
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
@@ -406,6 +408,7 @@ class Trainer:
         if found_inf:
             return StepResult(grad_norm, True, lr, opt.loss_scale)
         opt.update(grad_norm, lr)
+        moe.update_expert_bias(self.chunks)
         return StepResult(grad_norm, False, lr, opt.loss_scale)
 
     def step(self):
@@ -498,6 +501,8 @@ class Trainer:
         # ranks' gradients)
         mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
                              float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
+        if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
+            mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
         every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(every, mine)
         self.busy_s = 0.0
@@ -521,6 +526,8 @@ class Trainer:
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
             "skipped_total": self.skips.total,
         }
+        if self.model_cfg.num_experts is not None:
+            record.update(moe_record(every, self.cfg.model.moe_capacity_factor is not None))
         self.writer.write(record)
         self.wandb.log(record, step=self.iteration)
         if self.topo.is_logging_rank:
@@ -577,6 +584,18 @@ class Trainer:
         self.writer.close()
         self.wandb.finish()
         return best_val
+
+
+def moe_record(every, with_drops: bool) -> dict:
+    """The MoE metrics from every rank's :func:`megand.core.transformer.moe.step_metrics` (after the three
+    values :meth:`Trainer.log` gathers first)."""
+    stats = torch.stack([x[3:] for x in every]).cpu()
+    terms = max(float(stats[:, 2].sum()), 1.0)
+    record = {"aux_loss": float(stats[:, 0].sum()) / terms, "z_loss": float(stats[:, 1].sum()) / terms,
+              "expert_load_max_over_mean": float(stats[:, 3].max())}
+    if with_drops:
+        record["tokens_dropped"] = int(stats[:, 4].sum())
+    return record
 
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:

@@ -26,11 +26,27 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     norm_eps: float = 1e-5
+    # Mixture-of-Experts (num_experts None: dense MLP everywhere)
+    num_experts: int | None = None
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_shared_experts: int = 0
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: int = 1  # layer i is MoE when i % moe_layer_freq == 0
+    moe_router: str = "softmax"  # softmax | sigmoid
+    moe_norm_topk_prob: bool = True
+    moe_bias_update_rate: float = 0.001
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: float | None = None  # None: dropless
     # runtime
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective (attention core) | full (whole layer)
     precision: str = "fp32"
     cp_comm: str = "p2p"
+    # experts split over tp like the dense MLP (etp = tp); False: whole experts on every tp rank, each
+    # tp rank routing its own share of the tokens (etp = 1)
+    expert_tensor_parallel: bool = True
 
     @property
     def query_groups(self) -> int:
@@ -43,6 +59,13 @@ class TransformerConfig:
     @property
     def add_bias(self) -> bool:
         return self.arch == "gpt"
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts is not None and layer_id % self.moe_layer_freq == 0
 
     @property
     def params_dtype(self) -> torch.dtype:

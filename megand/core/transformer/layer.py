@@ -6,12 +6,14 @@ import torch.nn.functional as F
 from megand.core.tensor_parallel import checkpoint
 from megand.core.transformer.attention import Attention
 from megand.core.transformer.mlp import MLP
+from megand.core.transformer.moe import MoE
 from megand.core.transformer.norms import Norm
 
 
 class TransformerLayer(torch.nn.Module):
-    def __init__(self, cfg, topo, rng, device=None):
-        """``device``: where the parameters are created (default ``topo.device``; ``meta``: shapes only)."""
+    def __init__(self, cfg, topo, rng, device=None, layer_id=0):
+        """``device``: where the parameters are created (default ``topo.device``; ``meta``: shapes only);
+        ``layer_id``: the layer's global index (MoE layers are every ``moe_layer_freq``-th)."""
         device = topo.device if device is None else device
         super().__init__()
         self.cfg, self.rng = cfg, rng
@@ -20,7 +22,7 @@ class TransformerLayer(torch.nn.Module):
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.attention = Attention(cfg, topo, rng, device)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, topo, device)
+        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
 
     def dropout(self, x):
         if not self.training or self.cfg.hidden_dropout == 0.0:

@@ -1,0 +1,434 @@
+"""The Mixture-of-Experts block: router, token dispatch, routed experts as a grouped GEMM, shared experts.
+
+Every layout routes identically: the router works in fp32 and ties go to the lower expert index. The
+block runs on the layer's activation layout ``[s, b, h]`` and returns the same layout:
+
+- experts split over tp (``expert_tensor_parallel``, etp = tp): each expert's fc1 is column-split and
+  fc2 row-split like the dense MLP; every tp rank processes every token of the tp group (gathered from
+  the sequence shards under sequence parallelism) and the partial outputs are summed over tp
+  (all-reduce, or reduce-scatter back to the sequence shards under sp);
+- whole experts on every tp rank (etp = 1): each tp rank routes and processes its own share of the
+  tokens (its sequence shard under sp; otherwise a split of the sequence, gathered again at the end).
+
+The tokens a rank routes are "its" tokens; the balancing statistics (per-expert counts, score sums,
+z-loss sums) are summed over every rank holding tokens of the micro-batch (dp x cp, and tp when the
+tokens are split over tp) with an all-reduce whose backward is the identity: each rank's scores receive
+the gradient of their own share of the global loss, and the gradient reduction sums the shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megand.core.sharding import ParamMeta, tag
+from megand.core.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_sp,
+)
+from megand.core.transformer.mlp import MLP, SwiGLU
+
+
+def _param(shape, meta, dtype, device):
+    return tag(torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device)), meta)
+
+
+# ----------------------------------------------------------------------------------------------- routing
+def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of each row; among equal values the lower index first."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def capacity_of(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def capacity_keep(experts: torch.Tensor, scores: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """``[T, k]`` bool: the assignments each expert keeps, at most ``capacity`` per expert; over capacity
+    the lowest scores are dropped first, and among equal scores the later token."""
+    flat_e, flat_s = experts.reshape(-1), scores.reshape(-1)  # assignment t*k + j: token order
+    order = torch.sort(flat_s, descending=True, stable=True).indices  # ties keep token order
+    order = order[torch.sort(flat_e[order], stable=True).indices]  # grouped by expert, best first
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = rank_in_expert < capacity
+    return keep.view_as(experts)
+
+
+class Router(torch.nn.Module):
+    """``logits = x @ weight.T`` in fp32; softmax or sigmoid scores; top-k with deterministic ties.
+
+    ``weight`` ``[E, h]`` is replicated over tp; ``sharded_tokens``: each tp rank routes other tokens
+    (sequence parallelism or etp = 1), so its gradient is summed over tp. The sigmoid router chooses by
+    ``scores + expert_bias`` (the auxiliary-loss-free balancing bias, a persistent fp32 buffer) and
+    weights by the scores alone."""
+
+    def __init__(self, cfg, topo, sharded_tokens: bool, device):
+        super().__init__()
+        self.num_experts, self.top_k, self.kind = cfg.num_experts, cfg.moe_top_k, cfg.moe_router
+        self.norm_topk = cfg.moe_norm_topk_prob
+        shape = (cfg.num_experts, cfg.hidden_size)
+        self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
+                                              sequence_parallel_grad=sharded_tokens), cfg.params_dtype, device)
+        if self.kind == "sigmoid":
+            # state, not a parameter; tiny: created on the run's device even when the model is built on meta
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=topo.device))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x):
+        """``x [T, h]`` -> ``(logits [T, E], scores [T, E], experts [T, k], weights [T, k])``, fp32."""
+        logits = x.float() @ self.weight.float().t()
+        if self.kind == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            experts = top_k_stable(scores.detach(), self.top_k)
+            weights = scores.gather(1, experts)
+            if self.norm_topk:
+                weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            scores = torch.sigmoid(logits)
+            experts = top_k_stable(scores.detach() + self.expert_bias, self.top_k)
+            weights = scores.gather(1, experts)
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, experts, weights
+
+
+# ------------------------------------------------------------------------------------------- experts
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then any rows of no expert)
+    times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``); rows of no expert give zeros.
+
+    On CUDA in bf16, torch's grouped GEMM (one kernel); elsewhere a loop over the experts, the reference.
+    ``offsets``: the cumulative counts (int32), for the fused kernel."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        if bias is not None:
+            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+        return out
+    # the split points are read from a CPU tensor (the CPU holds them: no device synchronisation)
+    parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
+    outs = []
+    for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
+        out = F.linear(parts[e], weight[e], None if bias is None else bias[e])
+        outs.append(out)
+    rest = parts[weight.shape[0]]
+    outs.append(rest.new_zeros(rest.shape[0], weight.shape[1]))
+    return torch.cat(outs)
+
+
+class GroupedLinear(torch.nn.Module):
+    """The weights of one linear layer of every local expert, ``[E, out, in]``; ``split_dim`` (1 or 2)
+    is the dim split over tp (None: whole experts)."""
+
+    def __init__(self, num_experts, in_features, out_features, *, bias, split_dim, topo, init_std,
+                 sharded_tokens, bias_split, dtype, device):
+        super().__init__()
+        tp_size, tp_rank = (topo.tp_size, topo.tp_rank)
+        full = (num_experts, out_features, in_features)
+        local = tuple(n // tp_size if d == split_dim else n for d, n in enumerate(full))
+        self.weight = _param(local, ParamMeta(full, split_dim, tp_rank, tp_size, init_std=init_std,
+                                              sequence_parallel_grad=split_dim is None and sharded_tokens),
+                             dtype, device)
+        self.bias = None
+        if bias:
+            full_b = (num_experts, out_features)
+            split_b = 1 if bias_split else None
+            local_b = (num_experts, out_features // tp_size if bias_split else out_features)
+            self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros",
+                                                  sequence_parallel_grad=split_b is None and sharded_tokens),
+                               dtype, device)
+
+    def forward(self, x, counts, offsets, add_bias=True):
+        return grouped_linear(x, self.weight, counts, offsets, self.bias if add_bias else None)
+
+
+class Experts(torch.nn.Module):
+    """The routed experts: ``fc1 [E, f (x2 for swiglu, rows interleaved gate/up), h]``, ``fc2 [E, h, f]``."""
+
+    def __init__(self, cfg, topo, split: bool, sharded_tokens: bool, device):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        f, h, e = cfg.expert_ffn_hidden_size, cfg.hidden_size, cfg.num_experts
+        common = dict(bias=cfg.add_bias, topo=topo, sharded_tokens=sharded_tokens, dtype=cfg.params_dtype,
+                      device=device)
+        self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu else 1), split_dim=1 if split else None,
+                                 init_std=cfg.init_std, bias_split=split, **common)
+        # split over tp, fc2's bias is added once after the tp reduction (by the MoE block)
+        self.fc2 = GroupedLinear(e, f, h, split_dim=2 if split else None,
+                                 init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, bias_split=False, **common)
+
+    def forward(self, x, counts, offsets, fc2_bias=True):
+        h = self.fc1(x, counts, offsets)
+        h = SwiGLU.apply(h.unflatten(-1, (-1, 2))) if self.swiglu else F.gelu(h, approximate="tanh")
+        return self.fc2(h, counts, offsets, add_bias=fc2_bias)
+
+
+class LocalDispatcher:
+    """Token dispatch at expert-parallel size 1: every expert is local. ``permute`` orders the
+    assignments by expert (stable: token order within an expert; dropped assignments last), ``unpermute``
+    puts the expert outputs back in assignment order and sums each token's k outputs times their weights.
+    An expert-parallel dispatcher adds an all-to-all between the two, over the same interface."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def permute(self, x, experts, keep):
+        """``x [T, h]``, ``experts [T, k]``, ``keep [T, k]`` bool or None -> ``(tokens [T*k, h] grouped by
+        expert, counts [E], offsets [E] int32, state for unpermute)``."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        if keep is not None:
+            flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, self.num_experts))
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return x[order // k], counts, offsets, order
+
+    def unpermute(self, out, order, weights, keep):
+        """``out [T*k, h]`` in expert order -> ``[T, h]``: each token's outputs weighted and summed (in a
+        fixed order: deterministic on every device)."""
+        t, k = weights.shape
+        back = torch.empty_like(out)
+        back[order] = out
+        w = weights if keep is None else weights.masked_fill(~keep, 0.0)
+        return (back.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
+
+
+class SharedExperts(MLP):
+    """The always-on experts: the dense MLP at width ``moe_shared_experts * f``, optionally gated by
+    ``sigmoid(x @ gate.T)`` (``gate [1, h]``, replicated over tp)."""
+
+    def __init__(self, cfg, topo, device):
+        width = cfg.moe_shared_experts * cfg.expert_ffn_hidden_size
+        super().__init__(dataclasses.replace(cfg, ffn_hidden_size=width), topo, device)
+        self.gate = None
+        if cfg.moe_shared_expert_gate:
+            self.gate = GateWeight(cfg, topo, device)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y if self.gate is None else y * torch.sigmoid(self.gate(x))
+
+
+class GateWeight(torch.nn.Module):
+    def __init__(self, cfg, topo, device):
+        super().__init__()
+        shape = (1, cfg.hidden_size)
+        self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
+                                              sequence_parallel_grad=cfg.sequence_parallel), cfg.params_dtype, device)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+# ------------------------------------------------------------------------------------------- losses
+class AddLossGradient(torch.autograd.Function):
+    """Identity on ``out``; backward also sends ``scale`` as the gradient of ``loss``: adds ``loss`` to the
+    training objective from inside the model, whatever stage the layer is on (Megatron's aux-loss scaler)."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale):
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+def in_recompute() -> bool:
+    """Whether this forward is activation recomputation (it runs inside a backward): its statistics were
+    already counted by the original forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoEStats:
+    """One MoE layer's statistics over a training step, on the device (read only when logged).
+
+    ``load [E]``: assignments per expert summed over the step's micro-batches and every rank of the
+    micro-batch (identical on those ranks); ``aux``/``z``: sums of the unweighted losses; ``dropped``:
+    assignments this rank dropped for capacity, counted once per tp group when tp ranks route the same
+    tokens."""
+
+    def __init__(self, num_experts, device):
+        self.load = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.aux = torch.zeros((), dtype=torch.float32, device=device)
+        self.z = torch.zeros((), dtype=torch.float32, device=device)
+        self.dropped = torch.zeros((), dtype=torch.float32, device=device)
+        self.microbatches = 0  # a host count
+
+    def reset(self):
+        for t in (self.load, self.aux, self.z, self.dropped):
+            t.zero_()
+        self.microbatches = 0
+
+
+class MoE(torch.nn.Module):
+    """The MoE block in place of a layer's MLP: ``mlp.router``, ``mlp.experts``, ``mlp.shared_experts``."""
+
+    def __init__(self, cfg, topo, device=None):
+        super().__init__()
+        device = topo.device if device is None else device
+        if cfg.activation not in ("gelu", "swiglu"):
+            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
+        self.cfg, self.topo = cfg, topo
+        tp = topo.tp_size
+        self.split_experts = cfg.expert_tensor_parallel and tp > 1
+        # the tokens this rank routes are its own share of the tp group's (sp shard, or etp=1 split)
+        self.sharded_tokens = tp > 1 and (cfg.sequence_parallel or not cfg.expert_tensor_parallel)
+        self.router = Router(cfg, topo, self.sharded_tokens, device)
+        self.experts = Experts(cfg, topo, self.split_experts, self.sharded_tokens, device)
+        self.shared_experts = SharedExperts(cfg, topo, device) if cfg.moe_shared_experts else None
+        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        self.stats = MoEStats(cfg.num_experts, topo.device)
+        self.loss_scale = 1.0  # gradient of the balancing losses: loss scale / micro-batches of the step
+        # tp ranks that route the same tokens count their drops once
+        self.counts_dropped = self.sharded_tokens or topo.tp_rank == 0
+
+    def borrowed_parameters(self):
+        """fc2's bias, added here after the tp reduction when the experts are split over tp."""
+        b = self.experts.fc2.bias
+        return [b] if self.split_experts and b is not None else []
+
+    def forward(self, x):
+        cfg, topo = self.cfg, self.topo
+        split_here = not cfg.expert_tensor_parallel and topo.tp_size > 1 and not cfg.sequence_parallel
+        local = scatter_to_sp(x, topo.tp_group) if split_here else x  # [s', b, h]: the tokens routed here
+        s, b, h = local.shape
+        tokens = local.reshape(s * b, h)
+        logits, scores, experts, weights = self.router(tokens)
+        self._balance(logits, scores, experts, local.dtype)
+        out = self._routed(local, experts, scores, weights)
+        if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
+            out = AddLossGradient.apply(out, self._loss, self.loss_scale)
+        out = out.view(s, b, h)
+        if split_here:
+            out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, local, experts, scores, weights):
+        """The routed experts' output for the local tokens ``[T, h]``."""
+        cfg, topo = self.cfg, self.topo
+        s, b, h = local.shape
+        keep_local = None
+        if not self.split_experts:
+            tokens, keep = local.reshape(s * b, h), self._keep(experts, scores)
+            out = self._experts(tokens, experts, weights, keep, fc2_bias=True)
+            return out
+        # experts split over tp: every tp rank processes the tp group's tokens, partial sums reduced
+        if cfg.sequence_parallel:
+            full = gather_from_sp(local, topo.tp_group)  # backward: reduce-scatter of the partial input grads
+            all_experts = gather_from_sp(experts.view(s, b, -1), topo.tp_group).reshape(-1, experts.shape[1])
+            all_scores = gather_from_sp(scores.detach().view(s, b, -1), topo.tp_group).reshape(-1, scores.shape[1])
+            all_weights = gather_from_sp(weights.view(s, b, -1), topo.tp_group).reshape(-1, weights.shape[1])
+            keep = self._keep(all_experts, all_scores)
+            partial = self._experts(full.reshape(-1, h), all_experts, all_weights, keep, fc2_bias=False)
+            out = reduce_scatter_to_sp(partial.view(-1, b, h), topo.tp_group).reshape(s * b, h)
+            if keep is not None:
+                keep_local = keep.view(-1, b, keep.shape[1]).chunk(topo.tp_size)[topo.tp_rank].reshape(s * b, -1)
+        else:
+            keep_local = self._keep(experts, scores)
+            tokens = copy_to_tp(local.reshape(s * b, h), topo.tp_group)
+            partial = self._experts(tokens, experts, weights, keep_local, fc2_bias=False)
+            out = reduce_from_tp(partial, topo.tp_group)
+        bias = self.experts.fc2.bias
+        if bias is not None:  # sum_k w_k b2[e_k] once, after the reduction
+            w = weights if keep_local is None else weights.masked_fill(~keep_local, 0.0)
+            out = out + (bias[experts].float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
+        return out
+
+    def _experts(self, tokens, experts, weights, keep, fc2_bias):
+        permuted, counts, offsets, order = self.dispatcher.permute(tokens, experts, keep)
+        out = self.experts(permuted, counts, offsets, fc2_bias=fc2_bias)
+        return self.dispatcher.unpermute(out, order, weights, keep)
+
+    def _keep(self, experts, scores):
+        """The capacity mask of the assignments routed here (None: dropless); counts the drops."""
+        cf = self.cfg.moe_capacity_factor
+        if cf is None:
+            return None
+        capacity = capacity_of(cf, experts.shape[0], self.cfg.moe_top_k, self.cfg.num_experts)
+        keep = capacity_keep(experts, scores.detach().gather(1, experts), self.cfg.num_experts, capacity)
+        if self.training and self.counts_dropped and not in_recompute():
+            self.stats.dropped += (~keep).sum()
+        return keep
+
+    def _balance(self, logits, scores, experts, dtype):
+        """The micro-batch's aux loss and z-loss over its global tokens (``self._loss``, weighted by their
+        coefficients) and the step statistics."""
+        cfg, topo = self.cfg, self.topo
+        e, k = cfg.num_experts, cfg.moe_top_k
+        counts = torch.bincount(experts.reshape(-1), minlength=e).float()
+        lse2 = torch.logsumexp(logits, dim=-1).square().sum().unsqueeze(0)
+        sums = torch.cat([counts, scores.sum(0), lse2])
+        if self.sharded_tokens:
+            sums = reduce_from_tp(sums, topo.tp_group)  # forward all-reduce, backward identity
+        sums = reduce_from_tp(sums, topo.dp_cp_group)
+        tokens = scores.shape[0] * (topo.tp_size if self.sharded_tokens else 1) * topo.dp_cp_size
+        load, score_sum = sums[:e].detach(), sums[e: 2 * e]
+        aux = e * ((load / (k * tokens)) * (score_sum / tokens)).sum()
+        z = sums[2 * e] / tokens
+        self._loss = cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
+        if self.training and not in_recompute():
+            st = self.stats
+            st.load += load
+            st.aux += aux.detach()
+            st.z += z.detach()
+            st.microbatches += 1
+
+
+# ------------------------------------------------------------------------------- step-level helpers
+def moe_layers(chunks) -> list[MoE]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoE)]
+
+
+def start_step(chunks, loss_scale: float, num_microbatches: int) -> None:
+    """Before a step's forward/backward: zero the statistics and set the balancing losses' gradient scale
+    (each micro-batch's losses count 1/num_microbatches, like its share of the LM loss; times the fp16
+    loss scale)."""
+    for m in moe_layers(chunks):
+        m.stats.reset()
+        m.loss_scale = float(loss_scale) / num_microbatches
+
+
+@torch.no_grad()
+def update_expert_bias(chunks) -> None:
+    """After an optimizer step: the auxiliary-loss-free balancing step of every sigmoid router,
+    ``bias_e += rate * sign(mean load - load_e)`` from the loads of the whole step (identical on every
+    rank that holds the layer: the loads are already summed over the micro-batch's ranks)."""
+    for m in moe_layers(chunks):
+        rate = m.cfg.moe_bias_update_rate
+        if m.router.expert_bias is not None and rate > 0 and m.stats.microbatches:
+            load = m.stats.load
+            m.router.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def step_metrics(chunks, device) -> torch.Tensor:
+    """``[aux sum, z sum, terms, max load ratio, dropped]`` of this rank's MoE layers over the last step, a
+    device tensor (fp64). Summed over ranks, the aux and z sums over the terms give the means over layers
+    and micro-batches (every rank of a stage holds the same values, and every stage the same number of
+    ranks); the load ratio is maxed and the drops summed."""
+    layers = moe_layers(chunks)
+    out = torch.zeros(5, dtype=torch.float64, device=device)
+    for m in layers:
+        st = m.stats
+        out[0] += st.aux.double()
+        out[1] += st.z.double()
+        out[2] += st.microbatches
+        mean = st.load.mean()
+        ratio = torch.where(mean > 0, st.load.max() / mean.clamp_min(1e-30), torch.zeros_like(mean))
+        out[3] = torch.maximum(out[3], ratio.double())
+        out[4] += st.dropped.double()
+    return out
