@@ -32,6 +32,7 @@ class ModelConfig:
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
+    qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
     hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
