@@ -65,11 +65,17 @@ def test_host_read_counter_sees_reads():
     assert counter.reads == ["item", "__bool__", "tolist"]
 
 
-@pytest.mark.parametrize("experiment", ["tiny_llama", "tiny_gpt"])
-def test_one_host_read_per_step_between_log_lines(one_process_world, experiment):  # noqa: F811
+# MoE: every routing path (capacity, the sigmoid router's bias update, shared experts) keeps its
+# statistics on the device
+MOE = ["model=moe_tiny", "model.moe_router=sigmoid", "model.moe_capacity_factor=1.0", "model.moe_shared_experts=1"]
+
+
+@pytest.mark.parametrize("experiment, extra", [("tiny_llama", []), ("tiny_gpt", []), ("tiny_llama", MOE)],
+                         ids=["tiny_llama", "tiny_gpt", "moe"])
+def test_one_host_read_per_step_between_log_lines(one_process_world, experiment, extra):  # noqa: F811
     from megand.training.pretrain import Trainer
 
-    cfg = compose([f"+experiment={experiment}", "model.num_layers=2", "train.iters=8", "train.log_interval=4",
+    cfg = compose([f"+experiment={experiment}", *extra, "model.num_layers=2", "train.iters=8", "train.log_interval=4",
                    "train.eval_iters=0", "train.global_batch_size=4", "train.micro_batch_size=2",
                    f"run_dir={one_process_world / 'run'}"])
     trainer = Trainer(cfg)

@@ -105,6 +105,7 @@ class Checkpointer:
                  model_cfg: dict):
         self.cfg, self.topo, self.optimizer = config, topo, optimizer
         self.named_params = list(named_params)
+        self.named_buffers = sharded.state_buffers(chunks)
         self.rngs = tp_rngs(chunks)
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
         # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
@@ -147,7 +148,8 @@ class Checkpointer:
         self._agree(write_small_files, tmp)
         asynchronous = self.executor is not None
         self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
-        state = sharded.save_pieces(self.named_params, self.optimizer, copy=asynchronous)
+        state = sharded.save_pieces(self.named_params, self.optimizer, copy=asynchronous,
+                                    named_buffers=self.named_buffers)
         if asynchronous:
             self.pending = self.executor.submit(self._write, state, tmp, iteration)
         else:
@@ -260,7 +262,7 @@ class Checkpointer:
         self._check_files_together(iter_dir, metadata)  # checksums first: nothing read below can be damaged
         common = files.read_common(iter_dir)
         keys = set(metadata.state_dict_metadata)
-        expected = sharded.expected_full_shapes(self.named_params, self.optimizer)
+        expected = sharded.expected_full_shapes(self.named_params, self.optimizer, self.named_buffers)
         has_optimizer = any(k.startswith("optim.") for k in keys)
         # model weights always; optimizer states when the checkpoint has any (an imported HF model has
         # none); an fp32 ``main`` copy is optional (absent from fp32 runs)
@@ -271,7 +273,8 @@ class Checkpointer:
         # read in place into the parameters and this rank's optimizer shard; the fp32 master copies from
         # the saved ones, else from the weights (a model-only or fp32 checkpoint)
         self.optimizer.ddp.finish_param_sync()
-        pieces = sharded.load_pieces(self.named_params, self.optimizer, keys, with_optimizer=has_optimizer)
+        pieces = sharded.load_pieces(self.named_params, self.optimizer, keys, with_optimizer=has_optimizer,
+                                     named_buffers=self.named_buffers)
         try:
             dcp.load({}, storage_reader=FileSystemReader(iter_dir), planner=PieceLoadPlanner(pieces),
                      process_group=self.group)

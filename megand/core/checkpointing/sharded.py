@@ -7,6 +7,8 @@ it becomes the few boxes that range covers, shifted to the full tensor. Keys are
 names, so pipeline stages and model chunks need no special handling:
 
     model.<param name>                             the parameter
+    model.<buffer name>                            a persistent buffer (state that is not trained, e.g. the
+                                                   MoE router's balancing bias): whole, identical on its ranks
     optim.<param name>.<exp_avg|exp_avg_sq|main>   its optimizer state (fp32; ``main`` only for non-fp32 runs)
 
 Nothing is gathered and nothing full-size is built: saving writes views of the live state (copied
@@ -107,7 +109,20 @@ def weight_pieces(named_params, ddp, key_of) -> list[Piece]:
             for piece in flat_pieces(key, p, lo, hi, data)]
 
 
-def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
+def state_buffers(modules) -> list[tuple[str, torch.Tensor]]:
+    """The persistent buffers of ``modules`` (model chunks) by their full-model names: saved whole."""
+    out = []
+    for module in modules:
+        out += [(name, buf) for name, buf in module.state_dict(keep_vars=True).items()
+                if not isinstance(buf, torch.nn.Parameter)]
+    return out
+
+
+def buffer_pieces(named_buffers) -> list[Piece]:
+    return [Piece(model_key(n), (0,) * b.ndim, tuple(b.shape), b.detach()) for n, b in named_buffers]
+
+
+def save_pieces(named_params, optimizer, copy: bool, named_buffers=()) -> list[Piece]:
     """This rank's pieces of the model and optimizer state, on CPU (copied if ``copy``, so training may
     go on mutating the originals while they are written in the background; views of them otherwise).
 
@@ -126,12 +141,13 @@ def save_pieces(named_params, optimizer, copy: bool) -> list[Piece]:
         if shard.param.meta.copy_of is None:
             for kind, flat in shard.tensors.items():
                 pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
+    pieces += buffer_pieces(named_buffers)
     return [Piece(p.key, p.offsets, p.full_shape, staged(p.tensor)) for p in pieces]
 
 
-def expected_full_shapes(named_params, optimizer) -> dict[str, tuple[int, ...]]:
+def expected_full_shapes(named_params, optimizer, named_buffers=()) -> dict[str, tuple[int, ...]]:
     """Every key this rank may read, with the full shape it must have in the checkpoint."""
-    shapes = {}
+    shapes = {model_key(n): tuple(b.shape) for n, b in named_buffers}
     for name, p in named_params:  # the weights, and the fp32 master copy they may be read from
         for key in (model_key(saved_name(name, p.meta)), optim_key(saved_name(name, p.meta), "main")):
             shapes[key] = tuple(p.meta.full_shape)
@@ -142,7 +158,7 @@ def expected_full_shapes(named_params, optimizer) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool) -> list[Piece]:
+def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool, named_buffers=()) -> list[Piece]:
     """Where each piece of the checkpoint goes, in place: every parameter and its fp32 master copy (where
     separate) from the saved ``main`` if there is one (the most precise copy: an fp32 run resumed from a
     bf16 one keeps it), else from the model weights; the Adam moments only ``with_optimizer``."""
@@ -162,4 +178,4 @@ def load_pieces(named_params, optimizer, keys: set[str], with_optimizer: bool) -
             else:
                 continue
             pieces += flat_pieces(key, shard.param, shard.lo, shard.hi, flat)
-    return pieces
+    return pieces + buffer_pieces(named_buffers)

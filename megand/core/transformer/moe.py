@@ -41,6 +41,13 @@ def _param(shape, meta, dtype, device):
 
 
 # ----------------------------------------------------------------------------------------------- routing
+def count_per_expert(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert ``[num_experts]`` (int64), without reading the ids on the host (bincount
+    would, on CUDA, to size its output)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device)
+    return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+
+
 def top_k_stable(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of each row; among equal values the lower index first."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -56,7 +63,7 @@ def capacity_keep(experts: torch.Tensor, scores: torch.Tensor, num_experts: int,
     flat_e, flat_s = experts.reshape(-1), scores.reshape(-1)  # assignment t*k + j: token order
     order = torch.sort(flat_s, descending=True, stable=True).indices  # ties keep token order
     order = order[torch.sort(flat_e[order], stable=True).indices]  # grouped by expert, best first
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = count_per_expert(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
@@ -103,24 +110,40 @@ class Router(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------- experts
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then any rows of no expert)
-    times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``); rows of no expert give zeros.
+def fused_grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: on CUDA in bf16 (its kernels' dtype), rows
+    aligned to 16 bytes; elsewhere the loop over experts runs."""
+    size = x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and x.shape[-1] * size % 16 == 0 and weight.shape[1] * size % 16 == 0)
 
-    On CUDA in bf16, torch's grouped GEMM (one kernel); elsewhere a loop over the experts, the reference.
-    ``offsets``: the cumulative counts (int32), for the fused kernel."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                   bias: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then rows of no expert: dropped
+    assignments) times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``). ``offsets``: the
+    cumulative counts (int32). The rows of no expert come out as zeros (loop) or as something finite that
+    the dispatcher masks (fused: they ride along with the last expert, so their gradient is exactly zero
+    once masked, never uninitialised memory).
+
+    ``fused`` (default :func:`fused_grouped_mm_fits`): torch's grouped GEMM, one kernel; otherwise a loop
+    over the experts, the reference."""
+    if fused is None:
+        fused = fused_grouped_mm_fits(x, weight)
+    rows = x.shape[0]
+    if fused:
+        tail = rows - offsets[-1]
+        offs = torch.cat([offsets[:-1], offsets.new_full((1,), rows)])
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
         if bias is not None:
-            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+            counts = torch.cat([counts[:-1], counts[-1:] + tail])
+            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    # the split points are read from a CPU tensor (the CPU holds them: no device synchronisation)
+    # the split points are read from a CPU tensor (on the CPU already: no device synchronisation)
     parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
     outs = []
     for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
-        out = F.linear(parts[e], weight[e], None if bias is None else bias[e])
-        outs.append(out)
+        outs.append(F.linear(parts[e], weight[e], None if bias is None else bias[e]))
     rest = parts[weight.shape[0]]
     outs.append(rest.new_zeros(rest.shape[0], weight.shape[1]))
     return torch.cat(outs)
@@ -190,7 +213,7 @@ class LocalDispatcher:
         if keep is not None:
             flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, self.num_experts))
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        counts = count_per_expert(flat, self.num_experts + 1)[: self.num_experts]
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return x[order // k], counts, offsets, order
 
@@ -200,6 +223,8 @@ class LocalDispatcher:
         t, k = weights.shape
         back = torch.empty_like(out)
         back[order] = out
+        if keep is not None:  # dropped assignments: no output, no gradient
+            back = back.masked_fill(~keep.view(-1, 1), 0.0)
         w = weights if keep is None else weights.masked_fill(~keep, 0.0)
         return (back.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
 
@@ -340,8 +365,9 @@ class MoE(torch.nn.Module):
                 keep_local = keep.view(-1, b, keep.shape[1]).chunk(topo.tp_size)[topo.tp_rank].reshape(s * b, -1)
         else:
             keep_local = self._keep(experts, scores)
+            # both enter tp-partial products: their gradients are partial on each tp rank, summed by copy_to_tp
             tokens = copy_to_tp(local.reshape(s * b, h), topo.tp_group)
-            partial = self._experts(tokens, experts, weights, keep_local, fc2_bias=False)
+            partial = self._experts(tokens, experts, copy_to_tp(weights, topo.tp_group), keep_local, fc2_bias=False)
             out = reduce_from_tp(partial, topo.tp_group)
         bias = self.experts.fc2.bias
         if bias is not None:  # sum_k w_k b2[e_k] once, after the reduction
@@ -370,7 +396,7 @@ class MoE(torch.nn.Module):
         coefficients) and the step statistics."""
         cfg, topo = self.cfg, self.topo
         e, k = cfg.num_experts, cfg.moe_top_k
-        counts = torch.bincount(experts.reshape(-1), minlength=e).float()
+        counts = count_per_expert(experts.reshape(-1), e).float()
         lse2 = torch.logsumexp(logits, dim=-1).square().sum().unsqueeze(0)
         sums = torch.cat([counts, scores.sum(0), lse2])
         if self.sharded_tokens:
