@@ -36,8 +36,22 @@ def param_metas(model_cfg) -> dict[str, ParamMeta]:
 
 
 def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-    """Name -> full (unpadded) shape of every tensor a checkpoint of ``model_cfg`` holds."""
+    """Name -> full (unpadded) shape of every parameter a checkpoint of ``model_cfg`` holds."""
     return {name: tuple(meta.full_shape) for name, meta in param_metas(model_cfg).items()}
+
+
+def persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """The state a checkpoint holds beside the parameters (e.g. a MoE router's balancing bias), by name."""
+    return {name: buf for name, buf in model.state_dict(keep_vars=True).items()
+            if not isinstance(buf, torch.nn.Parameter)}
+
+
+def buffer_values(model_cfg) -> dict[str, torch.Tensor]:
+    """Name -> initial value of every persistent buffer a checkpoint of ``model_cfg`` holds (small: built on
+    the CPU with the model's parameters on the meta device)."""
+    cfg = transformer_config(model_cfg)
+    model = GPTModel(cfg, single_process_topology(torch.device("meta")), TensorParallelRNG(0, 0, torch.device("meta")))
+    return {name: torch.zeros(buf.shape, dtype=buf.dtype) for name, buf in persistent_buffers(model).items()}
 
 
 def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
@@ -57,6 +71,13 @@ def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch
         return noise.to(dtype)
 
     shapes = {name: (tuple(meta.full_shape), dtype) for name, meta in metas.items()}
+    buffers = buffer_values(model_cfg)  # as initialised (the router bias: zeros), in their own dtype
+    shapes.update({name: (tuple(b.shape), b.dtype) for name, b in buffers.items()})
+    produce_param = produce
+
+    def produce(name):
+        return buffers[name] if name in buffers else produce_param(name)
+
     config_yaml = OmegaConf.to_yaml({"model": dict(model_cfg)})
     return save_model_streaming(save_dir, shapes, produce, config_yaml, dict(model_cfg))
 
@@ -83,6 +104,10 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
                     raise CheckpointError(f"tensor {key}: expected shape {tuple(param.meta.full_shape)}, "
                                           f"checkpoint has {tuple(tensors[key].shape)}")
                 param.copy_(tensors[key])
+            for name, buf in persistent_buffers(model).items():
+                if name not in tensors:
+                    raise CheckpointError(f"tensor {name} is missing from the checkpoint")
+                buf.copy_(tensors[name])
     return model.eval()
 
 
