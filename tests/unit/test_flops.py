@@ -134,3 +134,19 @@ def test_moe_counts_match_transformers(cfg):
     with counter:
         model(input_ids=ids, labels=ids).loss.backward()
     assert flops.flops_per_iteration(cfg, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+
+
+def test_training_logs_tflops_of_the_active_parameters(tmp_path):
+    """The trainer's TFLOP/s (and so MFU) of a MoE run: the model FLOPs of the routed top-k, not of every expert."""
+    from omegaconf import OmegaConf
+
+    from tests.harness import read_metrics, run_pretrain
+
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", "model=moe_tiny", "train.iters=1"])
+    record = read_metrics(tmp_path)[0]
+    model = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml").model, resolve=True)
+    batch = OmegaConf.load(tmp_path / "config.yaml").train.global_batch_size
+    logged = record["tflops_per_s"] * 1e12 * record["iter_time_ms"] / 1e3
+    active = flops.flops_per_iteration(model, batch)["model_flops"]
+    every_expert = flops.flops_per_iteration(dict(model, moe_top_k=model["num_experts"]), batch)["model_flops"]
+    assert logged == pytest.approx(active, rel=1e-9) and active < every_expert
