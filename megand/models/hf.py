@@ -16,7 +16,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-NORM_EPS = 1e-5
+NORM_EPS = 1e-5  # megand's default norm epsilon (model.norm_eps)
+
+
+def norm_eps(m: Mapping[str, Any]) -> float:
+    return float(m.get("norm_eps") or NORM_EPS)
 
 
 def _one(t: torch.Tensor) -> tuple[torch.Tensor]:

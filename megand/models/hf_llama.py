@@ -1,14 +1,14 @@
 """State-dict adapter: megand LLaMA-style models <-> ``transformers`` ``LlamaForCausalLM``.
 
 Separate ``q_proj``/``k_proj``/``v_proj`` are megand's fused QKV, ``gate_proj``/``up_proj`` its fused
-SwiGLU fc1; both use the rotate-half RoPE and RMSNorm epsilon 1e-5.
+SwiGLU fc1; both use the rotate-half RoPE; RMSNorm's epsilon is ``model.norm_eps``.
 """
 
 from __future__ import annotations
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
 from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
-from megand.models.hf import NORM_EPS, Rule, dims
+from megand.models.hf import Rule, dims, norm_eps
 
 MODEL_TYPE = "llama"
 MODEL_CLASS = "LlamaForCausalLM"
@@ -31,7 +31,7 @@ def hf_config(m: dict):
     return LlamaConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
                        num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                        head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
-                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
+                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                        rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
                        tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False, mlp_bias=False,
                        attention_dropout=m.get("attention_dropout", 0.0),
@@ -46,8 +46,6 @@ def llama_like_config(config) -> dict:
     hd = h // heads
     if (getattr(config, "head_dim", None) or hd) != hd:
         raise ValueError(f"head_dim={config.head_dim} != hidden_size/num_attention_heads={hd}: not supported")
-    if abs(config.rms_norm_eps - NORM_EPS) > 1e-12:
-        raise ValueError(f"rms_norm_eps={config.rms_norm_eps}: megand uses {NORM_EPS}")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -56,7 +54,8 @@ def llama_like_config(config) -> dict:
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     return dict(arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
                 num_attention_heads=heads, num_query_groups=groups, seq_length=config.max_position_embeddings,
-                vocab_size=config.vocab_size, norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                vocab_size=config.vocab_size, norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu",
+                position_embedding="rope",
                 rope_theta=float(theta), tie_embeddings=bool(config.tie_word_embeddings),
                 init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
 

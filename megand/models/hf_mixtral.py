@@ -10,7 +10,7 @@ layout (what ``save_pretrained`` writes and Mistral's checkpoints use): per laye
 
 from __future__ import annotations
 
-from megand.models.hf import NORM_EPS, Rule, dims, experts_fc1_rule, experts_fc2_rule
+from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, norm_eps
 from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config
 
 MODEL_TYPE = "mixtral"
@@ -34,7 +34,7 @@ def hf_config(m: dict):
     return MixtralConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=expert_width(m),
                          num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                          head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
-                         initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
+                         initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                          rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
                          tie_word_embeddings=bool(m["tie_embeddings"]), sliding_window=None,
                          attention_dropout=m.get("attention_dropout", 0.0),

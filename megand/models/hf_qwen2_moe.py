@@ -14,7 +14,7 @@ layout (``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as ``save_pretrained``
 
 from __future__ import annotations
 
-from megand.models.hf import NORM_EPS, Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids
+from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
 from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules
 
 MODEL_TYPE = "qwen2_moe"
@@ -38,7 +38,7 @@ def hf_config(m: dict):
     return Qwen2MoeConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
                           num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                           hidden_act="silu", max_position_embeddings=m["seq_length"],
-                          initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
+                          initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                           rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
                           tie_word_embeddings=bool(m["tie_embeddings"]), use_sliding_window=False,
                           attention_dropout=m.get("attention_dropout", 0.0), decoder_sparse_step=1,

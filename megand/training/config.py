@@ -29,6 +29,7 @@ class ModelConfig:
     seq_length: int = 32  # tokens per sample
     vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked); padded to a multiple of tp internally
     norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5  # epsilon of every norm (Qwen's published models use 1e-6)
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
@@ -289,6 +290,8 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
                           f"{m.attention_dropout}: set it to 0")
+    if not m.norm_eps > 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
     validate_moe(cfg, sizes)
     validate_fault_keys(cfg)
 

@@ -21,9 +21,10 @@ BASE = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_
             rope_theta=10000.0, tie_embeddings=False, init_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
 # every Mixtral layer is MoE: ffn_hidden_size (dense layers' width) is imported as the experts' width
 MIXTRAL = dict(BASE, ffn_hidden_size=48, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=48)
-# layers 0 and 2 MoE, layer 1 dense; 2 shared experts behind their gate; q/k/v biases; no top-k renormalisation
+# layers 0 and 2 MoE, layer 1 dense; 2 shared experts behind their gate; as Qwen publishes them: q/k/v biases,
+# no top-k renormalisation, RMSNorm epsilon 1e-6
 QWEN2_MOE = dict(BASE, num_layers=3, num_experts=8, moe_top_k=3, moe_ffn_hidden_size=32, moe_shared_experts=2,
-                 moe_shared_expert_gate=True, moe_layer_freq=2, moe_norm_topk_prob=False, qkv_bias=True)
+                 moe_shared_expert_gate=True, moe_layer_freq=2, moe_norm_topk_prob=False, qkv_bias=True, norm_eps=1e-6)
 MODELS = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
