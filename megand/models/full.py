@@ -15,6 +15,7 @@ from megand.core.checkpointing.offline import (
     save_model_streaming,
     single_process_topology,
 )
+from megand.core.checkpointing.sharded import state_buffers
 from megand.core.sharding import ParamMeta, init_parameters, tile_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
@@ -40,18 +41,12 @@ def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     return {name: tuple(meta.full_shape) for name, meta in param_metas(model_cfg).items()}
 
 
-def persistent_buffers(model) -> dict[str, torch.Tensor]:
-    """The state a checkpoint holds beside the parameters (e.g. a MoE router's balancing bias), by name."""
-    return {name: buf for name, buf in model.state_dict(keep_vars=True).items()
-            if not isinstance(buf, torch.nn.Parameter)}
-
-
 def buffer_values(model_cfg) -> dict[str, torch.Tensor]:
     """Name -> initial value of every persistent buffer a checkpoint of ``model_cfg`` holds (small: built on
     the CPU with the model's parameters on the meta device)."""
     cfg = transformer_config(model_cfg)
     model = GPTModel(cfg, single_process_topology(torch.device("meta")), TensorParallelRNG(0, 0, torch.device("meta")))
-    return {name: torch.zeros(buf.shape, dtype=buf.dtype) for name, buf in persistent_buffers(model).items()}
+    return {name: torch.zeros(buf.shape, dtype=buf.dtype) for name, buf in state_buffers([model])}
 
 
 def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
@@ -104,7 +99,7 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
                     raise CheckpointError(f"tensor {key}: expected shape {tuple(param.meta.full_shape)}, "
                                           f"checkpoint has {tuple(tensors[key].shape)}")
                 param.copy_(tensors[key])
-            for name, buf in persistent_buffers(model).items():
+            for name, buf in state_buffers([model]):  # e.g. the MoE router's balancing bias
                 if name not in tensors:
                     raise CheckpointError(f"tensor {name} is missing from the checkpoint")
                 buf.copy_(tensors[name])

@@ -22,8 +22,7 @@ from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.transformer import TransformerConfig
-from megand.core.transformer import moe
+from megand.core.transformer import TransformerConfig, moe
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration

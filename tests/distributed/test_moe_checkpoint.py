@@ -47,3 +47,23 @@ def test_reshard_tp2_to_one_process(saved, tmp_path):
     proc, ref, run = continue_from_step5(saved, tmp_path, [], 1)
     assert "RNG state: no, layout changed" in proc.stdout
     assert_parity(ref, run, steps=5)
+
+
+def test_one_process_model_loads_the_expert_bias(saved):
+    """The tools' one-process model (generation, export) reads the balancing bias too."""
+    import torch.distributed as dist
+
+    from megand.core.checkpointing.offline import load_tensors
+    from megand.models.full import load_model
+
+    root, _ = saved
+    path = f"{root}/ckpt/iter_0000005"
+    try:
+        model, _ = load_model(path)
+        key = "layers.2.mlp.router.expert_bias"
+        stored = load_tensors(path, [key])[key]
+        assert stored.abs().sum() > 0  # five steps of balancing moved it
+        assert model.layers["2"].mlp.router.expert_bias.tolist() == stored.tolist()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -47,3 +47,16 @@ def test_logged_moe_metrics_match_the_routing(one_process_world):  # noqa: F811
     assert math.isclose(record["aux_loss"], sum(aux) / len(aux), rel_tol=1e-5)
     assert math.isclose(record["z_loss"], sum(z) / len(z), rel_tol=1e-5)
     assert math.isclose(record["expert_load_max_over_mean"], max(ratios), rel_tol=1e-6)
+
+
+def test_expert_biases_are_not_decayed(one_process_world):  # noqa: F811
+    """GPT-style experts have stacked biases ``[E, out]``: 2-D, but biases, so AdamW does not decay them."""
+    from megand.training.pretrain import Trainer
+
+    cfg = compose(["+experiment=tiny_gpt", "model.num_experts=4", "model.moe_shared_experts=1", "train.iters=1",
+                   "train.eval_iters=0", f"run_dir={one_process_world / 'run'}"])
+    trainer = Trainer(cfg)
+    decay = {piece.name: piece.decay for piece in trainer.optimizer.pieces}
+    assert decay["layers.0.mlp.experts.fc1.bias"] is False and decay["layers.0.mlp.experts.fc2.bias"] is False
+    assert decay["layers.0.mlp.experts.fc1.weight"] and decay["layers.0.mlp.router.weight"]
+    assert decay["layers.0.mlp.shared_experts.fc1.weight"] and not decay["layers.0.mlp.shared_experts.fc1.bias"]

@@ -43,8 +43,3 @@ def test_rehearsal_of_a_4_rank_layout_matches_the_estimator(layout, capsys):
 def test_bad_rank_is_one_line_before_work():
     with pytest.raises(SystemExit, match="--rank 9 is not in a world of 4 ranks"):
         main(["+experiment=tiny_llama", "--world-size", "4", "--rank", "9"])
-
-
-def test_moe_model_is_one_line_before_work():
-    with pytest.raises(SystemExit, match="rehearse: model.num_experts=4: .*tools/estimate.py"):
-        main(["+experiment=tiny_llama", "model=moe_tiny", "parallel.tp=2", "--world-size", "4"])

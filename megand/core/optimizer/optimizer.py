@@ -128,14 +128,16 @@ class Optimizer:
             for p, bucket, lo, hi in buf.pieces():
                 off = buf.offset[p]
                 s = segments[bucket.index] + lo - bucket.shard_start
+                name = name_of.get(p, f"<unnamed {tuple(p.shape)}>")
                 self.pieces.append(Piece(
-                    name=name_of.get(p, f"<unnamed {tuple(p.shape)}>"), param=p, lo=lo - off, hi=hi - off,
+                    name=name, param=p, lo=lo - off, hi=hi - off,
                     main=main[s: s + hi - lo] if separate else bucket.param_piece(lo, hi),
                     grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
                     exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
                     # hybrid sharding: the replicas of a shard hold the same slice; one of them counts it
-                    decay=p.ndim >= 2, counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
+                    # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
+                    decay=p.ndim >= 2 and not name.endswith(".bias"), counted=p.meta.counted_in_norm and self.ddp.replica_rank == 0,
                     separate_main=separate))
 
     def state_tensors(self):

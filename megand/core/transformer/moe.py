@@ -22,7 +22,6 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
@@ -139,8 +138,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             counts = torch.cat([counts[:-1], counts[-1:] + tail])
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    # the split points are read from a CPU tensor (on the CPU already: no device synchronisation)
-    parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
+    if type(offsets) is torch.Tensor:
+        # the split points are read from a CPU tensor (on the CPU already: no device synchronisation)
+        parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
+    else:  # fake tensors (a rehearsal) hold no counts: an even split has the same activation sizes
+        parts = torch.tensor_split(x, [rows * (e + 1) // weight.shape[0] for e in range(weight.shape[0])])
     outs = []
     for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
         outs.append(F.linear(parts[e], weight[e], None if bias is None else bias[e]))
