@@ -128,3 +128,22 @@ def test_cli_reports_total_and_active_parameters():
                          capture_output=True, text=True, check=True, env=env).stdout
     stage = json.loads(out)["memory"]["stages"][0]
     assert stage["moe_layers"] == 27 and stage["expert_params"] == 27 * 64 * 3 * 2048 * 1408
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.etp=1", "model.moe_shared_experts=1", "model.moe_layer_freq=2"],  # whole experts, a dense layer
+    ["train.precision=bf16", "optim.sharding=optim", "model.moe_shared_experts=2"],
+], ids=["etp1_shared_dense_layer", "bf16_zero1_shared"])
+def test_estimate_of_a_moe_rank_against_its_rehearsal(overrides, capsys):
+    """A rank of a MoE layout (tp=2 + sp) built and stepped on fake tensors holds what the estimator predicts,
+    with the tolerances of the dense rehearsal test (tests/unit/test_rehearse.py)."""
+    from megand.tools.rehearse import main
+
+    main(["+experiment=tiny_llama", "model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true", *overrides,
+          "--world-size", "4", "--rank", "1", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    peak = {name: ph["peak_bytes"] for name, ph in report["phases"].items()}
+    est = report["estimate_bytes"]
+    assert abs(peak["build"] / est["build"] - 1) <= 0.02, (peak, est)
+    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.35, (peak, est)
+    assert 1.0 <= peak["optimizer_step"] / est["optimizer_step"] <= 1.3, (peak, est)
