@@ -54,8 +54,9 @@ Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_fre
         activations (3 for swiglu, else 2)·e·f_e/etp and its output e·h (the combine's weight gradient):
         tokens x k x hidden twice, the "dispatch activations";
         the shared experts like a dense MLP of width moe_shared_experts·f_e (split over tp).
-    all-to-all bytes per step (per rank, sent): each MoE layer and micro-batch sends (ep-1)/ep of the
-        h·e bytes of each assignment it routes (T·k, / tp under sequence parallelism or etp = 1) out and gets them back in the combine, twice more in backward (4 passes;
+    all-to-all bytes per step (per rank, sent; ep > 1): each MoE layer and micro-batch sends (ep-1)/ep of the
+        h·e bytes of each assignment it routes (T·k, / tp under sequence parallelism or etp = 1) out
+        (with etp = tp under sequence parallelism also tp-1 copies of what arrived, over tp) and gets them back in the combine, twice more in backward (4 passes;
         5 with full recompute, which re-runs the dispatch and combine of forward: 6), times the
         stage's MoE layers and the micro-batches of a step.
 
@@ -371,10 +372,12 @@ def all_to_all_bytes_per_step(model: Mapping[str, Any], layout: Layout, stage: i
         return 0.0
     shape = Shape.from_config(model)
     tokens = layout.micro_batch_size * shape.seq / layout.cp
-    # the tokens this rank routes: its sequence shard under sp or etp = 1 (with etp = tp and sp the
-    # received tokens are then all-gathered over tp: not counted here)
+    # the tokens this rank routes: its sequence shard under sp or etp = 1
     routed = tokens * shape.top_k / (layout.tp if layout.sp or layout.expert_tp == 1 else 1)
-    per_pass = routed * shape.hidden * _activation_elem_bytes(layout) * (layout.ep - 1) / layout.ep
+    # experts split over tp with sp: the tokens that arrived are exchanged over tp too (every tp rank
+    # holds a slice of each local expert), and the partial outputs back
+    over_tp = layout.tp - 1 if layout.sp and layout.expert_tp > 1 else 0
+    per_pass = routed * shape.hidden * _activation_elem_bytes(layout) * ((layout.ep - 1) / layout.ep + over_tp)
     passes = 6 if layout.recompute == "full" else 4  # dispatch + combine in forward, their gradients in backward
     micro = layout.num_microbatches or layout.pp  # None: enough to fill the pipeline
     return stage_moe_layers(model, layout, stage) * micro * passes * per_pass

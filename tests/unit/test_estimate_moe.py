@@ -110,9 +110,12 @@ def test_all_to_all_bytes_per_step_by_hand():
     assert estimate_memory(SMALL, layout).stages[0].all_to_all_bytes_per_step == 2 * 3 * 4 * per_pass
     full = Layout(dp=4, ep=4, micro_batch_size=2, num_microbatches=3, recompute="full")
     assert all_to_all_bytes_per_step(SMALL, full, 0) == 2 * 3 * 6 * per_pass  # the forward runs twice
-    # sequence parallelism: each tp rank sends its own sequence shard
-    sp = Layout(tp=2, dp=4, ep=4, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
-    assert all_to_all_bytes_per_step(SMALL, sp, 0) == 2 * 3 * 4 * per_pass / 2
+    # sequence parallelism: each tp rank sends its own sequence shard; with experts split over tp
+    # (etp = tp) what arrived is also exchanged with the tp-1 other tp ranks, and the outputs back
+    sp_whole = Layout(tp=2, dp=4, ep=4, etp=1, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
+    assert all_to_all_bytes_per_step(SMALL, sp_whole, 0) == 2 * 3 * 4 * per_pass / 2
+    sp_split = Layout(tp=2, dp=4, ep=4, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
+    assert all_to_all_bytes_per_step(SMALL, sp_split, 0) == 2 * 3 * 4 * (per_pass / 2 + 64 * 2 * 64 * 2 / 2)
     assert all_to_all_bytes_per_step(SMALL, Layout(dp=4), 0) == 0
     assert all_to_all_bytes_per_step({**SMALL, "num_experts": None}, layout, 0) == 0
 
