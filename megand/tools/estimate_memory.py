@@ -54,11 +54,12 @@ Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_fre
         activations (3 for swiglu, else 2)·e·f_e/etp and its output e·h (the combine's weight gradient):
         tokens x k x hidden twice, the "dispatch activations";
         the shared experts like a dense MLP of width moe_shared_experts·f_e (split over tp).
-    all-to-all bytes per step (per rank, sent; ep > 1): each MoE layer and micro-batch sends (ep-1)/ep of the
-        h·e bytes of each assignment it routes (T·k, / tp under sequence parallelism or etp = 1) out
-        (with etp = tp under sequence parallelism also tp-1 copies of what arrived, over tp) and gets them back in the combine, twice more in backward (4 passes;
-        5 with full recompute, which re-runs the dispatch and combine of forward: 6), times the
-        stage's MoE layers and the micro-batches of a step.
+    all-to-all bytes per step (per rank, sent; ep > 1): per MoE layer and micro-batch, one pass sends
+        (ep-1)/ep of the h·e bytes of each assignment the rank routes (T·k; / tp under sequence
+        parallelism or etp = 1), plus, with etp = tp under sequence parallelism, tp-1 copies of what
+        arrived over tp. Dispatch and combine in forward and their gradients in backward make 4 passes
+        (6 with full recompute, which runs the forward twice), times the stage's MoE layers and the
+        micro-batches of a step.
 
 Extras: the first stage stores the embedding-dropout mask, the last stage the final-norm and output-layer
 inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
@@ -450,7 +451,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
                     f"{model_flops_per_token(model) / 1e9:,.2f} GFLOP/token (fwd+bwd)")
     head += [
         f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
-        + (f"ep={layout.ep} etp={layout.expert_tp} (experts sharded over edp={layout.edp}) " if moe else "")
+        + (f"ep={layout.ep} etp={layout.expert_tp} expert-dp={layout.edp} " if moe else "")
         + f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
         f"{layout.precision} recompute={layout.recompute} micro_batch={layout.micro_batch_size} "
         f"micro_batches={layout.num_microbatches if layout.num_microbatches is not None else 'auto'}"
