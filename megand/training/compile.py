@@ -13,6 +13,7 @@ import time
 import torch
 
 from megand.core.tensor_parallel.random import run_recompute_eagerly_under_compile
+from megand.core.transformer.moe import attach_losses_eagerly_under_compile
 
 
 class CompileTimer:
@@ -43,6 +44,7 @@ def compile_layers(chunks) -> CompileTimer:
     recomputation runs eagerly (its checkpoint replays the tensor-parallel RNG, which torch.compile
     cannot trace): under full recomputation the recomputed body of the layer is what is compiled."""
     run_recompute_eagerly_under_compile()
+    attach_losses_eagerly_under_compile()
     timer = CompileTimer()
     for chunk in chunks:
         for layer in chunk.layers.values():

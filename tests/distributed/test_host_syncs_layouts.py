@@ -1,5 +1,6 @@
 """One host read per training step between log lines also on multi-rank layouts (data parallel with the
-distributed optimizer and overlapped reduction; a pipeline; tensor parallel with sequence parallelism)."""
+distributed optimizer and overlapped reduction; a pipeline; tensor parallel with sequence parallelism, dense
+and MoE)."""
 
 import pytest
 
@@ -10,6 +11,9 @@ LAYOUTS = {
                                 "optim.overlap_param_gather=true"],
     "pp2": ["parallel.pp=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    # MoE: balancing statistics all-reduced and accumulated on the device, capacity, the bias update
+    "moe-tp2-sp": ["model=moe_tiny", "model.moe_router=sigmoid", "model.moe_capacity_factor=1.0", "parallel.tp=2",
+                   "parallel.sequence_parallel=true"],
 }
 
 

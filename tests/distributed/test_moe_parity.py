@@ -43,7 +43,7 @@ CASES = {  # name: (processes, reference overrides, run overrides)
                                            (*TP2_SP, "train.micro_batch_size=4", "optim.sharding=optim",
                                             "model.moe_layer_freq=2")),
 }
-DEFAULT = {"tp2_sp", "tp2", "dp4_zero3_sigmoid_shared", "pp2_sigmoid_shared"}
+DEFAULT = {"tp2", "dp4_zero3_sigmoid_shared", "pp2_sigmoid_shared"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in CASES])
@@ -58,6 +58,33 @@ def test_moe_layout_matches_one_process(reference, tmp_path, name):
             assert abs(r[key] - x[key]) <= 1e-4 * abs(r[key]), (key, r["iter"], x[key], r[key])
 
 
+def test_capacity_drops_match_one_process_when_experts_split_over_tp(reference, tmp_path):
+    """With a capacity factor, experts split over tp (etp = tp, sequence parallel) see the tp group's whole
+    micro-batch, as the one process does: the same assignments are dropped (each counted once, not once
+    per tp rank) and the run still matches."""
+    experiment, model = MOE
+    capacity = "model.moe_capacity_factor=1.0"
+    run_pretrain(tmp_path, [f"+experiment={experiment}", model, *TP2_SP, capacity], nproc=2)
+    run, ref = read_metrics(tmp_path), reference(experiment, model, capacity)
+    assert_parity(ref, run)
+    assert [r["tokens_dropped"] for r in run] == [r["tokens_dropped"] for r in ref]
+    assert all(r["tokens_dropped"] > 0 for r in ref)
+
+
+@pytest.mark.slow
+def test_capacity_drops_are_deterministic_with_etp1(tmp_path):
+    """etp = 1 drops per tp rank's own share (layout-dependent by nature): two runs are bit-identical."""
+    experiment, model = MOE
+    runs = []
+    for name in ("a", "b"):
+        run_pretrain(tmp_path / name, [f"+experiment={experiment}", model, "parallel.tp=2", "parallel.etp=1",
+                                       "train.micro_batch_size=4", "model.moe_capacity_factor=1.0"], nproc=4)
+        runs.append(read_metrics(tmp_path / name))
+    for key in ("loss", "grad_norm", "tokens_dropped"):
+        assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]], key
+    assert runs[0][0]["tokens_dropped"] > 0
+
+
 @pytest.mark.slow
 def test_moe_bf16_short_run_follows_fp32(reference, tmp_path):
     """bf16 (tp=2 + sp, sigmoid router and shared experts): 3 steps, losses near the fp32 run's."""
@@ -68,3 +95,23 @@ def test_moe_bf16_short_run_follows_fp32(reference, tmp_path):
     assert len(run) == 3
     for r, x in zip(ref, run):
         assert abs(x["loss"] - r["loss"]) <= 2e-2 * r["loss"], (x["loss"], r["loss"])
+
+
+# GPT style: tanh-GELU experts with biases (fc1's split over tp with its rows, fc2's added once after the
+# tp reduction; under ZeRO-3 the MoE block borrows it), tied embeddings
+GPT_MOE = ("model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_shared_experts=1",
+           "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001")
+GPT_CASES = {
+    "tp2_sp": (2, (), TP2_SP),
+    "tp2_etp1": (2, (), ("parallel.tp=2", "parallel.etp=1")),
+    "tp2_sp_dp2_zero3": (4, (ONE_MICROBATCH,), (*TP2_SP, "train.micro_batch_size=4",
+                                                "optim.sharding=optim_grads_params", "optim.bucket_size=4000")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GPT_CASES)
+def test_gpt_moe_layout_matches_one_process(reference, tmp_path, name):
+    nproc, ref_overrides, overrides = GPT_CASES[name]
+    run_pretrain(tmp_path, ["+experiment=tiny_gpt", *GPT_MOE, *overrides], nproc=nproc)
+    assert_parity(reference("tiny_gpt", *GPT_MOE, *ref_overrides), read_metrics(tmp_path))

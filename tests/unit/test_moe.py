@@ -91,11 +91,22 @@ def test_capacity_keep_matches_the_plain_rule():
         assert keep.tolist() == reference_capacity_keep(experts.tolist(), scores.tolist(), e, capacity), trial
 
 
+def expert_mlp(moe, e, token):
+    """Expert e on one token (SwiGLU or GPT's tanh-GELU with biases)."""
+    fc1, fc2 = moe.experts.fc1, moe.experts.fc2
+    h = fc1.weight[e] @ token + (0 if fc1.bias is None else fc1.bias[e])
+    if moe.cfg.activation == "swiglu":
+        h = h.view(-1, 2)
+        h = F.silu(h[:, 0]) * h[:, 1]
+    else:
+        h = F.gelu(h, approximate="tanh")
+    return fc2.weight[e] @ h + (0 if fc2.bias is None else fc2.bias[e])
+
+
 def reference_forward(moe, x):
     """Per token: route in fp32, run each chosen expert on its own, weight and sum; the shared experts."""
     cfg = moe.cfg
     w_r = moe.router.weight.float()
-    fc1, fc2 = moe.experts.fc1.weight, moe.experts.fc2.weight
     rows = []
     for token in x.reshape(-1, x.shape[-1]):
         logits = w_r @ token.float()
@@ -111,8 +122,7 @@ def reference_forward(moe, x):
             w = scores[chosen] / scores[chosen].sum()
         y = torch.zeros_like(token)
         for weight, e in zip(w, chosen):
-            h = (fc1[e] @ token).view(-1, 2)
-            y = y + weight * (fc2[e] @ (F.silu(h[:, 0]) * h[:, 1]))
+            y = y + weight * expert_mlp(moe, e, token)
         rows.append(y)
     out = torch.stack(rows).view_as(x)
     if moe.shared_experts is not None:
@@ -120,11 +130,18 @@ def reference_forward(moe, x):
     return out
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(moe_router="sigmoid"), dict(moe_norm_topk_prob=False),
-                                     dict(moe_shared_experts=2, moe_shared_expert_gate=True)],
-                         ids=["softmax", "sigmoid", "softmax-unnormalised", "shared-gated"])
+GPT = {"arch": "gpt", "norm": "layernorm", "activation": "gelu"}  # tanh-GELU experts with biases
+
+
+@pytest.mark.parametrize("changes", [{}, {"moe_router": "sigmoid"}, {"moe_norm_topk_prob": False},
+                                     {"moe_shared_experts": 2, "moe_shared_expert_gate": True}, GPT],
+                         ids=["softmax", "sigmoid", "softmax-unnormalised", "shared-gated", "gpt-biases"])
 def test_block_equals_the_per_token_reference(topo, changes):
     moe = build(topo, **changes).eval()
+    with torch.no_grad():  # biases drawn, not the init's zeros, so that a misplaced one shows
+        for p in (moe.experts.fc1.bias, moe.experts.fc2.bias):
+            if p is not None:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(8))
     if moe.router.expert_bias is not None:
         moe.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
     x = torch.randn(6, 3, 16, generator=torch.Generator().manual_seed(2))
@@ -168,14 +185,11 @@ def test_dropped_assignments_get_no_output(topo):
     capacity = math.ceil(0.5 * 8 * 2 / 4)
     keep = torch.tensor(reference_capacity_keep(experts.tolist(), scores.gather(1, experts).tolist(), 4, capacity))
     out = moe(x).reshape(-1, 16)
-    fc1, fc2 = moe.experts.fc1.weight, moe.experts.fc2.weight
     for t in range(8):
         y = torch.zeros(16)
         for j in range(2):
             if keep[t, j]:
-                e = experts[t, j]
-                h = (fc1[e] @ tokens[t]).view(-1, 2)
-                y = y + weights[t, j] * (fc2[e] @ (F.silu(h[:, 0]) * h[:, 1]))
+                y = y + weights[t, j] * expert_mlp(moe, experts[t, j], tokens[t])
         torch.testing.assert_close(out[t], y)
     assert moe.stats.dropped.item() == (~keep).sum().item() > 0
 
@@ -198,3 +212,24 @@ def test_fused_grouped_gemm_equals_the_loop_with_dropped_rows():
         results.append((out[:5], w.grad, b.grad, xx.grad))
     for loop, fused in zip(*results):
         torch.testing.assert_close(fused, loop)
+
+
+def test_balancing_losses_reach_the_router_in_compiled_layers(topo):
+    """``train.compile``: the layer is compiled, the balancing losses' gradient still reaches the router."""
+    from megand.core.tensor_parallel import TensorParallelRNG
+    from megand.core.transformer import TransformerLayer
+    from megand.training.compile import compile_layers
+
+    cfg = config(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.05, num_layers=1)
+    x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(7))
+    grads = []
+    for compiled in (False, True):
+        chunk = torch.nn.Module()
+        chunk.layers = torch.nn.ModuleDict({"0": TransformerLayer(cfg, topo, TensorParallelRNG(0, 0, topo.device))})
+        init_parameters(chunk, 3)
+        chunk.layers["0"].mlp.loss_scale = 0.5
+        if compiled:
+            compile_layers([chunk])
+        chunk.layers["0"](x).sum().backward()
+        grads.append(chunk.layers["0"].mlp.router.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0])

@@ -19,6 +19,7 @@ the gradient of their own share of the global loss, and the gradient reduction s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -199,13 +200,21 @@ class Experts(torch.nn.Module):
 
 
 class LocalDispatcher:
-    """Token dispatch at expert-parallel size 1: every expert is local. ``permute`` orders the
-    assignments by expert (stable: token order within an expert; dropped assignments last), ``unpermute``
-    puts the expert outputs back in assignment order and sums each token's k outputs times their weights.
-    An expert-parallel dispatcher adds an all-to-all between the two, over the same interface."""
+    """Token dispatch at expert-parallel size 1: every expert is local.
+
+    A dispatcher is called as ``dispatcher(tokens, experts, weights, keep, local_experts)`` and returns the
+    routed output ``[T, h]``. Here: ``permute`` orders the assignments by expert (stable: token order within
+    an expert; dropped assignments last), ``local_experts(tokens, counts, offsets)`` runs the grouped GEMM,
+    ``unpermute`` puts the outputs back in assignment order and sums each token's k outputs times their
+    weights. An expert-parallel dispatcher sends the permuted tokens to the ranks owning their experts (and
+    the outputs back) around ``local_experts``."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+
+    def __call__(self, tokens, experts, weights, keep, local_experts):
+        permuted, counts, offsets, order = self.permute(tokens, experts, keep)
+        return self.unpermute(local_experts(permuted, counts, offsets), order, weights, keep)
 
     def permute(self, x, experts, keep):
         """``x [T, h]``, ``experts [T, k]``, ``keep [T, k]`` bool or None -> ``(tokens [T*k, h] grouped by
@@ -273,6 +282,17 @@ class AddLossGradient(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+_attach_loss = AddLossGradient.apply
+
+
+def attach_losses_eagerly_under_compile() -> None:
+    """Keep :class:`AddLossGradient` out of ``torch.compile``d code (a compiled caller breaks its graph
+    there): traced, torch 2.13 drops the gradient it sends to ``loss`` (an input its forward does not
+    use) and the balancing losses silently stop training the router. Called when layers are compiled."""
+    global _attach_loss
+    _attach_loss = torch.compiler.disable(AddLossGradient.apply)
+
+
 def in_recompute() -> bool:
     """Whether this forward is activation recomputation (it runs inside a backward): its statistics were
     already counted by the original forward."""
@@ -284,8 +304,8 @@ class MoEStats:
 
     ``load [E]``: assignments per expert summed over the step's micro-batches and every rank of the
     micro-batch (identical on those ranks); ``aux``/``z``: sums of the unweighted losses; ``dropped``:
-    assignments this rank dropped for capacity, counted once per tp group when tp ranks route the same
-    tokens."""
+    assignments this rank dropped for capacity, counted once per tp group when its tp ranks apply the
+    capacity to the same tokens."""
 
     def __init__(self, num_experts, device):
         self.load = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -319,8 +339,9 @@ class MoE(torch.nn.Module):
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.stats = MoEStats(cfg.num_experts, topo.device)
         self.loss_scale = 1.0  # gradient of the balancing losses: loss scale / micro-batches of the step
-        # tp ranks that route the same tokens count their drops once
-        self.counts_dropped = self.sharded_tokens or topo.tp_rank == 0
+        # experts split over tp apply the capacity to the tp group's tokens, identically on every tp rank:
+        # one of them counts the drops
+        self.counts_dropped = not self.split_experts or topo.tp_rank == 0
 
     def borrowed_parameters(self):
         """fc2's bias, added here after the tp reduction when the experts are split over tp."""
@@ -334,10 +355,10 @@ class MoE(torch.nn.Module):
         s, b, h = local.shape
         tokens = local.reshape(s * b, h)
         logits, scores, experts, weights = self.router(tokens)
-        self._balance(logits, scores, experts, local.dtype)
+        balancing_loss = self._balance(logits, scores, experts)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            out = AddLossGradient.apply(out, self._loss, self.loss_scale)
+            out = _attach_loss(out, balancing_loss, self.loss_scale)
         out = out.view(s, b, h)
         if split_here:
             out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)
@@ -378,9 +399,7 @@ class MoE(torch.nn.Module):
         return out
 
     def _experts(self, tokens, experts, weights, keep, fc2_bias):
-        permuted, counts, offsets, order = self.dispatcher.permute(tokens, experts, keep)
-        out = self.experts(permuted, counts, offsets, fc2_bias=fc2_bias)
-        return self.dispatcher.unpermute(out, order, weights, keep)
+        return self.dispatcher(tokens, experts, weights, keep, functools.partial(self.experts, fc2_bias=fc2_bias))
 
     def _keep(self, experts, scores):
         """The capacity mask of the assignments routed here (None: dropless); counts the drops."""
@@ -393,9 +412,9 @@ class MoE(torch.nn.Module):
             self.stats.dropped += (~keep).sum()
         return keep
 
-    def _balance(self, logits, scores, experts, dtype):
-        """The micro-batch's aux loss and z-loss over its global tokens (``self._loss``, weighted by their
-        coefficients) and the step statistics."""
+    def _balance(self, logits, scores, experts):
+        """The micro-batch's aux loss and z-loss over its global tokens, weighted by their coefficients
+        (returned), and the step statistics."""
         cfg, topo = self.cfg, self.topo
         e, k = cfg.num_experts, cfg.moe_top_k
         counts = count_per_expert(experts.reshape(-1), e).float()
@@ -408,13 +427,13 @@ class MoE(torch.nn.Module):
         load, score_sum = sums[:e].detach(), sums[e: 2 * e]
         aux = e * ((load / (k * tokens)) * (score_sum / tokens)).sum()
         z = sums[2 * e] / tokens
-        self._loss = cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
         if self.training and not in_recompute():
             st = self.stats
             st.load += load
             st.aux += aux.detach()
             st.z += z.detach()
             st.microbatches += 1
+        return cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
 
 
 # ------------------------------------------------------------------------------- step-level helpers
