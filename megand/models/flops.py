@@ -12,6 +12,11 @@ Conventions (shared by every function here):
                                              FlopCounterMode.
     - output proj     2·h·h
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
+    - MoE layer       instead of the MLP: router 2·h·E, the k routed experts a token is sent to (each an
+                      MLP of width f_e = moe_ffn_hidden_size), the shared experts (one MLP of width
+                      moe_shared_experts·f_e) and the shared-expert gate 2·h. The E - k experts a token
+                      is not routed to cost it nothing: FLOPs (and MFU) follow the *active* parameters.
+                      Routing is counted dropless (a capacity factor only lowers the work actually done).
   plus the logits (output layer) 2·h·V per token, once per model. Given the tensor-parallel size, V
   is the padded vocabulary that the output layer really computes (``make_vocab_size_divisible_by`` x tp);
   without it, the model's vocabulary (an unpadded model such as transformers').
@@ -24,7 +29,8 @@ Conventions (shared by every function here):
   attention core (+4·s·h per token per layer).
 
 With these conventions ``model_flops_per_token ≈ 6·N + 12·L·h·s + 6·h·V`` where N counts the non-embedding
-matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term.
+matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; for MoE models N is the
+*active* count (``ParamCounts.active_non_embedding``), not the total.
 """
 
 from dataclasses import dataclass
@@ -61,6 +67,14 @@ class Shape:
     def padded_vocab(self, tp: int | None) -> int:
         """The vocabulary rows allocated and computed at tensor-parallel size ``tp`` (None: unpadded)."""
         return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
+    qkv_bias: bool = False     # biases on Q, K, V only (Qwen-style; implied by linear_bias)
+    # Mixture of Experts (experts == 0: every layer dense)
+    experts: int = 0           # routed experts E of a MoE layer
+    top_k: int = 0             # experts per token
+    moe_ffn: int = 0           # width f_e of one routed expert (of each of gate/up for swiglu)
+    shared_experts: int = 0    # always-on experts: one MLP of width shared_experts·f_e
+    shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x @ gate), gate [1, h]
+    moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +83,17 @@ class Shape:
     @property
     def kv_dim(self) -> int:
         return self.groups * self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer % self.moe_freq == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.layers))
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "Shape":
@@ -93,7 +118,20 @@ class Shape:
                                    "rope" if arch == "llama" else "learned") == "learned",
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
+            qkv_bias=bool(_get(model, "qkv_bias", False)),
+            **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
+
+
+def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
+    experts = int(_get(model, "num_experts", 0))
+    if not experts:
+        return {}
+    return dict(experts=experts, top_k=int(_get(model, "moe_top_k", 2)),
+                moe_ffn=int(_get(model, "moe_ffn_hidden_size", ffn)),
+                shared_experts=int(_get(model, "moe_shared_experts", 0)),
+                shared_gate=bool(_get(model, "moe_shared_expert_gate", False)),
+                moe_freq=int(_get(model, "moe_layer_freq", 1)))
 
 
 @dataclass(frozen=True)
@@ -109,33 +147,73 @@ class LayerParams:
     mlp_out_weight: int
     mlp_out_bias: int
     norms: int           # the two norms of the layer (weight, and bias for LayerNorm)
+    # MoE layers only (0 in dense layers; the mlp_* fields above are then the shared experts' MLP):
+    router: int = 0             # router weight [E, h], replicated over tp
+    shared_gate: int = 0        # shared-expert gate [1, h], replicated over tp
+    experts_split: int = 0      # all E routed experts: fc1 weight+bias and fc2 weight (split over ep and etp)
+    experts_replicated: int = 0  # all E routed experts: fc2 bias [E, h] (split over ep, replicated over etp)
+    top_k: int = 0
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return sum(vars(self).values())
+        return self.dense + self.experts_split + self.experts_replicated
 
-    def per_tp_rank(self, tp: int) -> float:
+    @property
+    def dense(self) -> int:
+        """Everything but the routed experts (what every token uses)."""
+        return (self.qkv_weight + self.qkv_bias + self.proj_weight + self.proj_bias + self.mlp_in_weight
+                + self.mlp_in_bias + self.mlp_out_weight + self.mlp_out_bias + self.norms + self.router
+                + self.shared_gate)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: the dense part and top_k of the E routed experts."""
+        if not self.experts:
+            return self.total
+        return self.dense + (self.experts_split + self.experts_replicated) * self.top_k // self.experts
+
+    def per_tp_rank(self, tp: int, ep: int = 1, etp: int | None = None) -> float:
         """Column-parallel (qkv, mlp_in) weights+biases and row-parallel weights are split over tp;
-        row-parallel biases and norms are replicated."""
+        row-parallel biases, norms, the router and the shared-expert gate are replicated. Routed experts
+        are split over ep (whole experts) and etp (expert tensor parallelism; default tp)."""
+        etp = tp if etp is None else etp
         split = (self.qkv_weight + self.qkv_bias + self.proj_weight
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
-        return split / tp + self.proj_bias + self.mlp_out_bias + self.norms
+        return (split / tp + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
+                + self.experts_split / (ep * etp) + self.experts_replicated / ep)
 
 
-def layer_params(shape: Shape) -> LayerParams:
-    h, f, kv = shape.hidden, shape.ffn, shape.kv_dim
+def _mlp_params(shape: Shape, width: int) -> dict:
+    """The four tensors of a (dense or shared-expert) MLP of ``width``."""
+    h, bias = shape.hidden, shape.linear_bias
+    mlp_in = (2 if shape.swiglu else 1) * h * width
+    return dict(mlp_in_weight=mlp_in, mlp_in_bias=(mlp_in // h) if bias and width else 0,
+                mlp_out_weight=width * h, mlp_out_bias=h if bias and width else 0)
+
+
+def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
+    """One layer's parameters: a dense layer, or (``moe``) a MoE layer of ``shape``."""
+    h, kv = shape.hidden, shape.kv_dim
     bias = shape.linear_bias
-    mlp_in = (2 if shape.swiglu else 1) * h * f
-    return LayerParams(
+    attention = dict(
         qkv_weight=h * (h + 2 * kv),
-        qkv_bias=(h + 2 * kv) if bias else 0,
+        qkv_bias=(h + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=h * h,
         proj_bias=h if bias else 0,
-        mlp_in_weight=mlp_in,
-        mlp_in_bias=(mlp_in // h) if bias else 0,
-        mlp_out_weight=f * h,
-        mlp_out_bias=h if bias else 0,
         norms=2 * norm_params(shape),
+    )
+    if not moe:
+        return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
+    E, fe = shape.experts, shape.moe_ffn
+    expert_in = (2 if shape.swiglu else 1) * fe
+    return LayerParams(
+        **attention, **_mlp_params(shape, shape.shared_experts * fe),
+        router=E * h,
+        shared_gate=h if shape.shared_gate and shape.shared_experts else 0,
+        experts_split=E * (expert_in * h + (expert_in if bias else 0) + h * fe),
+        experts_replicated=E * h if bias else 0,
+        top_k=shape.top_k, experts=E,
     )
 
 
@@ -147,47 +225,69 @@ def norm_params(shape: Shape) -> int:
 class ParamCounts:
     total: int
     non_embedding: int   # every parameter except word/position embeddings and an untied output layer
-    per_layer: int
+    per_layer: int       # a dense layer
     word_embedding: int
     position_embedding: int
     output_layer: int    # 0 when tied to the word embedding
     final_norm: int
+    # Mixture of Experts (equal to the totals / 0 for a dense model)
+    active: int = 0                # parameters one token uses: top_k of the routed experts of each MoE layer
+    active_non_embedding: int = 0
+    per_moe_layer: int = 0         # a MoE layer, all experts
+    moe_layers: int = 0
 
 
 def param_counts(model: Mapping[str, Any]) -> ParamCounts:
     shape = Shape.from_config(model)
-    per_layer = layer_params(shape).total
+    dense, moe = layer_params(shape), layer_params(shape, moe=True)
     word = shape.vocab * shape.hidden
     pos = shape.seq * shape.hidden if shape.learned_positions else 0
     out = 0 if shape.tied else shape.vocab * shape.hidden
     final_norm = norm_params(shape)
-    non_embedding = shape.layers * per_layer + final_norm
+    n_dense, n_moe = shape.dense_layers, shape.moe_layers
+    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm
+    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm
     return ParamCounts(total=non_embedding + word + pos + out, non_embedding=non_embedding,
-                       per_layer=per_layer, word_embedding=word, position_embedding=pos,
-                       output_layer=out, final_norm=final_norm)
+                       per_layer=dense.total, word_embedding=word, position_embedding=pos,
+                       output_layer=out, final_norm=final_norm,
+                       active=active_non_embedding + word + pos + out, active_non_embedding=active_non_embedding,
+                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe)
 
 
 @dataclass(frozen=True)
 class ForwardFlopsPerToken:
     """Forward matmul FLOPs for one token (see the module docstring)."""
 
-    layer_dense: int      # QKV, output projection and MLP of one layer
+    layer_dense: int      # QKV, output projection and MLP of one dense layer
     layer_attention: int  # attention core (scores + context) of one layer
     logits: int
     layers: int
+    moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
+    layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
+
+    @property
+    def layers_matmul(self) -> int:
+        """Every layer's matmuls except the attention core."""
+        return (self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
 
     @property
     def total(self) -> int:
-        return self.layers * (self.layer_dense + self.layer_attention) + self.logits
+        return self.layers_matmul + self.layers * self.layer_attention + self.logits
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
     """``tp``: the logits span the vocabulary padded for that tensor-parallel size (None: unpadded)."""
     s = Shape.from_config(model)
     h = s.hidden
-    dense = 2 * h * (h + 2 * s.kv_dim) + 2 * h * h + (6 if s.swiglu else 4) * h * s.ffn
+    mlp = 6 if s.swiglu else 4  # per h·width of one MLP
+    attention = 2 * h * (h + 2 * s.kv_dim) + 2 * h * h
+    dense = attention + mlp * h * s.ffn
+    moe = 0
+    if s.moe_layers:
+        moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
+               + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * h,
-                                logits=2 * h * s.padded_vocab(tp), layers=s.layers)
+                                logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
@@ -201,7 +301,7 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     extra = {
         "none": 0,
         "selective": fwd.layers * fwd.layer_attention,
-        "full": fwd.layers * (fwd.layer_dense + fwd.layer_attention),
+        "full": fwd.layers_matmul + fwd.layers * fwd.layer_attention,
     }
     if recompute not in extra:
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")

@@ -37,8 +37,16 @@ def param_metas(model_cfg) -> dict[str, ParamMeta]:
 
 
 def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-    """Name -> full (unpadded) shape of every tensor a checkpoint of ``model_cfg`` holds."""
+    """Name -> full (unpadded) shape of every parameter a checkpoint of ``model_cfg`` holds."""
     return {name: tuple(meta.full_shape) for name, meta in param_metas(model_cfg).items()}
+
+
+def buffer_values(model_cfg) -> dict[str, torch.Tensor]:
+    """Name -> initial value of every persistent buffer a checkpoint of ``model_cfg`` holds (small: built on
+    the CPU with the model's parameters on the meta device)."""
+    cfg = transformer_config(model_cfg)
+    model = GPTModel(cfg, single_process_topology(torch.device("meta")), TensorParallelRNG(0, 0, torch.device("meta")))
+    return {name: torch.zeros(buf.shape, dtype=buf.dtype) for name, buf in state_buffers([model])}
 
 
 def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
@@ -58,6 +66,13 @@ def save_random_model(save_dir: str, model_cfg: dict, dtype: torch.dtype = torch
         return noise.to(dtype)
 
     shapes = {name: (tuple(meta.full_shape), dtype) for name, meta in metas.items()}
+    buffers = buffer_values(model_cfg)  # as initialised (the router bias: zeros), in their own dtype
+    shapes.update({name: (tuple(b.shape), b.dtype) for name, b in buffers.items()})
+    produce_param = produce
+
+    def produce(name):
+        return buffers[name] if name in buffers else produce_param(name)
+
     config_yaml = OmegaConf.to_yaml({"model": dict(model_cfg)})
     return save_model_streaming(save_dir, shapes, produce, config_yaml, dict(model_cfg))
 
@@ -85,8 +100,9 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
                                           f"checkpoint has {tuple(tensors[key].shape)}")
                 unpadded(param, param.meta).copy_(tensors[key][param.meta.local_slice()])  # padding rows stay zero
             for name, buf in state_buffers([model]):  # e.g. the MoE router's balancing bias
-                if name in tensors:
-                    buf.copy_(tensors[name])
+                if name not in tensors:
+                    raise CheckpointError(f"tensor {name} is missing from the checkpoint")
+                buf.copy_(tensors[name])
     return model.eval()
 
 

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
 
-An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_gpt2`) is the one place that knows how
+An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
+:mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
 :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
 of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
@@ -15,7 +16,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-NORM_EPS = 1e-5
+NORM_EPS = 1e-5  # megand's default norm epsilon (model.norm_eps)
+
+
+def norm_eps(m: Mapping[str, Any]) -> float:
+    return float(m.get("norm_eps") or NORM_EPS)
 
 
 def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
@@ -46,10 +51,37 @@ def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
     return h, heads, m.get("num_query_groups") or heads, h // heads
 
 
-def _adapters():
-    from megand.models import hf_gpt2, hf_llama
+def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:
+    """Routed experts' fc1 ``[E, 2f, h]`` (each expert's rows fused as ``fuse_swiglu`` does) <-> one gate
+    and one up ``[f, h]`` tensor per expert (HF order: expert 0's gate, up, expert 1's gate, up, ...)."""
+    from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
 
-    return (hf_llama, hf_gpt2)
+    def to_hf(t):
+        return tuple(piece for expert in t for piece in split_swiglu(expert))
+
+    def from_hf(*pieces):
+        return torch.stack([fuse_swiglu(g, u) for g, u in zip(pieces[0::2], pieces[1::2])])
+
+    return Rule(name, tuple(n for pair in zip(gate, up) for n in pair), to_hf, from_hf)
+
+
+def experts_fc2_rule(name: str, down: list[str]) -> Rule:
+    """Routed experts' fc2 ``[E, h, f]`` <-> one down ``[h, f]`` tensor per expert."""
+    return Rule(name, tuple(down), lambda t: tuple(t.unbind(0)), lambda *pieces: torch.stack(pieces))
+
+
+def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
+    """The MoE layers of a megand ``model`` config: layer i when i % moe_layer_freq == 0."""
+    if not m.get("num_experts"):
+        return []
+    freq = m.get("moe_layer_freq") or 1
+    return [i for i in range(m["num_layers"]) if i % freq == 0]
+
+
+def _adapters():
+    from megand.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe
+
+    return (hf_llama, hf_gpt2, hf_mixtral, hf_qwen2_moe)
 
 
 def adapter_for(m: Mapping[str, Any]):
@@ -57,9 +89,19 @@ def adapter_for(m: Mapping[str, Any]):
     for adapter in _adapters():
         if adapter.matches(m):
             return adapter
+    if m.get("num_experts"):
+        raise ValueError(
+            f"no Hugging Face architecture for this MoE model: arch={m['arch']} num_experts={m['num_experts']} "
+            f"moe_router={m.get('moe_router', 'softmax')} moe_shared_experts={m.get('moe_shared_experts', 0)} "
+            f"moe_shared_expert_gate={m.get('moe_shared_expert_gate', False)} "
+            f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
+            f"qkv_bias={m.get('qkv_bias', False)} (mixtral: llama-style, softmax router, renormalised top-k, "
+            "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
+            "shared experts with their gate)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
-                     f"(llama: rmsnorm+swiglu+rope; gpt: layernorm+gelu+learned, multi-head)")
+                     f"qkv_bias={m.get('qkv_bias', False)} "
+                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; gpt: layernorm+gelu+learned, multi-head)")
 
 
 def adapter_for_hf(config):
@@ -67,7 +109,7 @@ def adapter_for_hf(config):
     for adapter in _adapters():
         if adapter.MODEL_TYPE == config.model_type:
             return adapter
-    raise ValueError(f"model_type={config.model_type!r}: only llama and gpt2 can be imported")
+    raise ValueError(f"model_type={config.model_type!r}: only llama, gpt2, mixtral and qwen2_moe can be imported")
 
 
 def _require_transformers():
@@ -78,17 +120,20 @@ def _require_transformers():
     return transformers
 
 
-def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa"):
-    """A ``LlamaConfig`` (arch=llama) or ``GPT2Config`` (arch=gpt) of the same shape (the mapping that
-    checkpoint export uses too)."""
+def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa", experts_implementation: str | None = None):
+    """The ``transformers`` config of the same shape (``LlamaConfig``, ``GPT2Config``, ``MixtralConfig`` or
+    ``Qwen2MoeConfig``: the mapping that checkpoint export uses too)."""
     _require_transformers()
     cfg = adapter_for(model).hf_config(dict(model))
     cfg._attn_implementation = attn_implementation
+    if experts_implementation is not None:  # MoE models: "eager" loops over experts with visible matmuls
+        cfg._experts_implementation = experts_implementation
     return cfg
 
 
-def build_hf_model(model: Mapping[str, Any], attn_implementation: str = "sdpa"):
-    """A freshly initialised ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` on the CPU (benchmark baseline)."""
+def build_hf_model(model: Mapping[str, Any], attn_implementation: str = "sdpa",
+                   experts_implementation: str | None = None):
+    """A freshly initialised ``transformers`` model of the same shape on the CPU (benchmark baseline)."""
     tf = _require_transformers()
-    cfg = hf_config(model, attn_implementation)
+    cfg = hf_config(model, attn_implementation, experts_implementation)
     return getattr(tf, adapter_for(model).MODEL_CLASS)(cfg)

@@ -2,7 +2,7 @@
 
 GPT-2's ``c_attn`` is ``[Q | K | V]`` (megand's fused QKV with one query group per head, regrouped), and
 its Conv1D layers store ``[in, out]``: every GPT-2 linear weight is the transpose of megand's. Both use
-tanh-GELU (``gelu_new``) and LayerNorm epsilon 1e-5.
+tanh-GELU (``gelu_new``); LayerNorm's epsilon is ``model.norm_eps``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
-from megand.models.hf import NORM_EPS, Rule, dims
+from megand.models.hf import Rule, dims, norm_eps
 
 MODEL_TYPE = "gpt2"
 MODEL_CLASS = "GPT2LMHeadModel"
@@ -29,7 +29,7 @@ def hf_config(m: dict):
     return GPT2Config(vocab_size=m["vocab_size"], n_positions=m["seq_length"], n_embd=h, n_layer=m["num_layers"],
                       n_head=heads, n_inner=m["ffn_hidden_size"], activation_function="gelu_new",
                       resid_pdrop=m.get("hidden_dropout", 0.0), embd_pdrop=m.get("hidden_dropout", 0.0),
-                      attn_pdrop=m.get("attention_dropout", 0.0), layer_norm_epsilon=NORM_EPS,
+                      attn_pdrop=m.get("attention_dropout", 0.0), layer_norm_epsilon=norm_eps(m),
                       initializer_range=m.get("init_std", 0.02), tie_word_embeddings=bool(m["tie_embeddings"]),
                       bos_token_id=None, eos_token_id=None)
 
@@ -39,13 +39,12 @@ def model_config(config) -> dict:
     h, heads = config.n_embd, config.n_head
     if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"activation_function={config.activation_function!r}: megand's GPT uses tanh-GELU")
-    if abs(config.layer_norm_epsilon - NORM_EPS) > 1e-12:
-        raise ValueError(f"layer_norm_epsilon={config.layer_norm_epsilon}: megand uses {NORM_EPS}")
     if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
         raise ValueError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
     return dict(arch="gpt", num_layers=config.n_layer, hidden_size=h, ffn_hidden_size=config.n_inner or 4 * h,
                 num_attention_heads=heads, num_query_groups=None, seq_length=config.n_positions,
-                vocab_size=config.vocab_size, norm="layernorm", activation="gelu", position_embedding="learned",
+                vocab_size=config.vocab_size, norm="layernorm", norm_eps=float(config.layer_norm_epsilon),
+                activation="gelu", position_embedding="learned",
                 rope_theta=10000.0, tie_embeddings=bool(config.tie_word_embeddings),
                 init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
 

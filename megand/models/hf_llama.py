@@ -1,22 +1,27 @@
 """State-dict adapter: megand LLaMA-style models <-> ``transformers`` ``LlamaForCausalLM``.
 
 Separate ``q_proj``/``k_proj``/``v_proj`` are megand's fused QKV, ``gate_proj``/``up_proj`` its fused
-SwiGLU fc1; both use the rotate-half RoPE and RMSNorm epsilon 1e-5.
+SwiGLU fc1; both use the rotate-half RoPE; RMSNorm's epsilon is ``model.norm_eps``.
 """
 
 from __future__ import annotations
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
 from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
-from megand.models.hf import NORM_EPS, Rule, dims
+from megand.models.hf import Rule, dims, norm_eps
 
 MODEL_TYPE = "llama"
 MODEL_CLASS = "LlamaForCausalLM"
 
 
-def matches(m) -> bool:
+def llama_like(m) -> bool:
+    """The shape every LLaMA-family architecture shares: RMSNorm, SwiGLU, RoPE, no linear biases."""
     return (m["arch"] == "llama" and m["norm"] == "rmsnorm" and m["activation"] == "swiglu"
             and m["position_embedding"] == "rope")
+
+
+def matches(m) -> bool:
+    return llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias")
 
 
 def hf_config(m: dict):
@@ -26,24 +31,21 @@ def hf_config(m: dict):
     return LlamaConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
                        num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                        head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
-                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=NORM_EPS,
+                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                        rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
                        tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False, mlp_bias=False,
                        attention_dropout=m.get("attention_dropout", 0.0),
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def model_config(config) -> dict:
-    """The megand ``model`` config of a ``LlamaConfig``; ValueError for what megand does not implement."""
+def llama_like_config(config) -> dict:
+    """The megand ``model`` keys of a LLaMA-family ``transformers`` config (attention, norms, RoPE,
+    embeddings); ValueError for what megand does not implement."""
     h, heads, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     groups = config.num_key_value_heads or heads
     hd = h // heads
-    if getattr(config, "head_dim", hd) != hd:
+    if (getattr(config, "head_dim", None) or hd) != hd:
         raise ValueError(f"head_dim={config.head_dim} != hidden_size/num_attention_heads={hd}: not supported")
-    if abs(config.rms_norm_eps - NORM_EPS) > 1e-12:
-        raise ValueError(f"rms_norm_eps={config.rms_norm_eps}: megand uses {NORM_EPS}")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ValueError("attention_bias / mlp_bias are not supported for llama models")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -52,27 +54,54 @@ def model_config(config) -> dict:
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     return dict(arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
                 num_attention_heads=heads, num_query_groups=groups, seq_length=config.max_position_embeddings,
-                vocab_size=config.vocab_size, norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                vocab_size=config.vocab_size, norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu",
+                position_embedding="rope",
                 rope_theta=float(theta), tie_embeddings=bool(config.tie_word_embeddings),
                 init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def rules(m: dict) -> list[Rule]:
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``LlamaConfig``; ValueError for what megand does not implement."""
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ValueError("attention_bias / mlp_bias are not supported for llama models")
+    return llama_like_config(config)
+
+
+def attention_rules(m: dict, p: str, q: str) -> list[Rule]:
+    """Attention and the two norms of layer prefix ``p`` (megand) / ``q`` (HF) in a LLaMA-family model;
+    with ``model.qkv_bias`` also the q/k/v biases (Qwen2)."""
     _, heads, groups, _ = dims(m)
-    out = [Rule("embedding.word.weight", ("model.embed_tokens.weight",))]
+    names = {kind: tuple(q + f"self_attn.{x}_proj.{kind}" for x in "qkv") for kind in ("weight", "bias")}
+    out = [Rule(p + "attention.qkv.weight", names["weight"],
+                lambda t: split_qkv(t, heads, groups), lambda wq, wk, wv: fuse_qkv(wq, wk, wv, groups))]
+    if m.get("qkv_bias"):
+        out.append(Rule(p + "attention.qkv.bias", names["bias"],
+                        lambda t: split_qkv(t, heads, groups), lambda bq, bk, bv: fuse_qkv(bq, bk, bv, groups)))
+    return out + [
+        Rule(p + "attention.proj.weight", (q + "self_attn.o_proj.weight",)),
+        Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
+        Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",)),
+    ]
+
+
+def mlp_rules(p: str, q: str) -> list[Rule]:
+    """A SwiGLU MLP: megand's fused fc1 and fc2 under ``p`` <-> gate/up/down projections under ``q``."""
+    return [Rule(p + "fc1.weight", (q + "gate_proj.weight", q + "up_proj.weight"), split_swiglu, fuse_swiglu),
+            Rule(p + "fc2.weight", (q + "down_proj.weight",))]
+
+
+def embedding_rules(m: dict) -> tuple[list[Rule], list[Rule]]:
+    """(first, last) rules of a LLaMA-family model: the word embedding; the final norm and output layer."""
+    last = [Rule("final_norm.weight", ("model.norm.weight",))]
+    if not m["tie_embeddings"]:
+        last.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    return [Rule("embedding.word.weight", ("model.embed_tokens.weight",))], last
+
+
+def rules(m: dict) -> list[Rule]:
+    first, last = embedding_rules(m)
+    out = first
     for i in range(m["num_layers"]):
         p, q = f"layers.{i}.", f"model.layers.{i}."
-        out += [
-            Rule(p + "attention.qkv.weight",
-                 (q + "self_attn.q_proj.weight", q + "self_attn.k_proj.weight", q + "self_attn.v_proj.weight"),
-                 lambda t: split_qkv(t, heads, groups), lambda wq, wk, wv: fuse_qkv(wq, wk, wv, groups)),
-            Rule(p + "attention.proj.weight", (q + "self_attn.o_proj.weight",)),
-            Rule(p + "mlp.fc1.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"), split_swiglu, fuse_swiglu),
-            Rule(p + "mlp.fc2.weight", (q + "mlp.down_proj.weight",)),
-            Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
-            Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",)),
-        ]
-    out.append(Rule("final_norm.weight", ("model.norm.weight",)))
-    if not m["tie_embeddings"]:
-        out.append(Rule("output_layer.weight", ("lm_head.weight",)))
-    return out
+        out += attention_rules(m, p, q) + mlp_rules(p + "mlp.", q + "mlp.")
+    return out + last

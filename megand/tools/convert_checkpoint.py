@@ -1,9 +1,9 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
-        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama) or
-        GPT2LMHeadModel (gpt): safetensors shards (+ model.safetensors.index.json when there are several)
-        and config.json
+        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama),
+        GPT2LMHeadModel (gpt), MixtralForCausalLM or Qwen2MoeForCausalLM (MoE models): safetensors shards
+        (+ model.safetensors.index.json when there are several) and config.json
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
         local transformers directory (safetensors) -> megand checkpoint (model only, iteration 0), loadable
         at any layout with `checkpoint.load=ckpts/imported`
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="local transformers directory (llama or gpt2, safetensors)")
+    i.add_argument("--hf", required=True, help="local transformers directory (llama, gpt2, mixtral or qwen2_moe; safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
     i.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")

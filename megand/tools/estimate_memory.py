@@ -39,6 +39,28 @@ Pipeline: 1F1B keeps min(pp - r, m) micro-batches in flight on stage r (stage 0 
 the interleaved schedule with v virtual stages keeps min(2·(pp - r - 1) + (v - 1)·pp + 1, m·v) model
 chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0.
 
+Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_freq == 0):
+    weights: the routed experts ``[E, ...]`` are split over ``ep`` (whole experts) and ``etp`` (expert
+        tensor parallelism, 1 or tp); they are replicated over the expert-data-parallel group of
+        edp = tp·dp·cp / (ep·etp) ranks (Megatron's expert layout; edp = dp·cp/ep when etp = tp), which
+        is the group the sharding levels shard their states over (dense weights: dp·cp as above).
+        The router, the shared-expert gate and the norms are replicated; the shared experts are a
+        tp-parallel MLP of width moe_shared_experts·f_e.
+    activations of a MoE layer, instead of the dense MLP's, per micro-batch on one rank (routing assumed
+        balanced; a capacity factor c > 1 scales the routed part by c, its bound):
+        router logits and scores in fp32, 8·E bytes per token (/tp with sequence parallelism);
+        the dispatched tokens: A = T·k assignments (T = micro·s/cp tokens; / tp when etp = 1, where
+        the tp ranks route disjoint tokens), each storing its input e·h, the expert's inner
+        activations (3 for swiglu, else 2)·e·f_e/etp and its output e·h (the combine's weight gradient):
+        tokens x k x hidden twice, the "dispatch activations";
+        the shared experts like a dense MLP of width moe_shared_experts·f_e (split over tp).
+    all-to-all bytes per step (per rank, sent; ep > 1): per MoE layer and micro-batch, one pass sends
+        (ep-1)/ep of the h·e bytes of each assignment the rank routes (T·k; / tp under sequence
+        parallelism or etp = 1), plus, with etp = tp under sequence parallelism, tp-1 copies of what
+        arrived over tp. Dispatch and combine in forward and their gradients in backward make 4 passes
+        (6 with full recompute, which runs the forward twice), times the stage's MoE layers and the
+        micro-batches of a step.
+
 Extras: the first stage stores the embedding-dropout mask, the last stage the final-norm and output-layer
 inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
 those is alive on the last stage. Not counted: temporary buffers, communication buffers, allocator
@@ -78,6 +100,8 @@ class Layout:
     micro_batch_size: int = 1
     num_microbatches: Optional[int] = None  # per dp rank and step; None: enough to fill the pipeline
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
+    ep: int = 1                        # expert-parallel size (carved out of dp·cp)
+    etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -90,6 +114,10 @@ class Layout:
             raise ValueError(f"sharding must be {'|'.join(SHARDING_LEVELS)}, got {self.sharding!r}")
         if self.dp_shard is not None and (self.dp_shard < 1 or (self.dp * self.cp) % self.dp_shard):
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp*cp = {self.dp * self.cp}")
+        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp = {self.dp * self.cp}")
+        if self.etp not in (None, 1, self.tp):
+            raise ValueError(f"etp={self.etp} must be 1 or tp={self.tp}")
 
     @classmethod
     def from_config(cls, parallel: Mapping[str, Any], train: Mapping[str, Any], optim: Mapping[str, Any],
@@ -104,6 +132,7 @@ class Layout:
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
         return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
+                   ep=int(parallel.get("ep") or 1), etp=parallel.get("etp"),
                    sequence_parallel=bool(parallel.get("sequence_parallel", False)),
                    sharding=optim.get("sharding") or "none", dp_shard=parallel.get("dp_shard"),
                    bucket_size=int(optim.get("bucket_size") or 40_000_000),
@@ -123,6 +152,20 @@ class Layout:
         return 1 if self.level == "none" else (self.dp_shard or self.dp * self.cp)
 
     @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same expert shard (expert data parallelism): tp·dp·cp / (ep·etp)."""
+        return self.tp * self.dp * self.cp // (self.ep * self.expert_tp)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks one expert state is sharded over (1: replicated): the expert-data-parallel group."""
+        return 1 if self.level == "none" else self.edp
+
+    @property
     def interleaved(self) -> bool:
         return self.pp > 1 and (self.vpp or 1) > 1
 
@@ -132,10 +175,10 @@ class Layout:
         return self.sequence_parallel and self.tp > 1
 
 
-def state_bytes_per_param(layout: Layout) -> dict:
+def state_bytes_per_param(layout: Layout, shards: Optional[int] = None) -> dict:
     """Bytes per locally held parameter: params, grads, optimizer (main params + Adam m, v), each divided
-    by the shard group size when the sharding level shards it."""
-    d, level = layout.shards, layout.level
+    by the shard group size (``shards``, default the dense one) when the sharding level shards it."""
+    d, level = layout.shards if shards is None else shards, layout.level
     params, optimizer = (4.0, 8.0) if layout.precision == "fp32" else (2.0, 12.0)
     return {"params": params / (d if level == "optim_grads_params" else 1),
             "grads": 4.0 / (d if level in ("optim_grads", "optim_grads_params") else 1),
@@ -164,8 +207,32 @@ def _dropout(model: Mapping[str, Any], key: str) -> bool:
     return float(model.get(key, 0.0) or 0.0) > 0.0
 
 
-def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None) -> float:
-    """Bytes one layer stores for backward for one micro-batch on one rank (see the module docstring)."""
+def routed_assignments(model: Mapping[str, Any], layout: Layout) -> float:
+    """Token-expert assignments one rank's experts process per MoE layer and micro-batch (balanced routing)."""
+    shape = Shape.from_config(model)
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
+    return tokens * shape.top_k / (layout.tp if layout.expert_tp == 1 else 1)
+
+
+def moe_block_activation_bytes(model: Mapping[str, Any], layout: Layout) -> float:
+    """What a MoE block stores beyond its input for one micro-batch on one rank: router scores, the
+    dispatched tokens through the routed experts, the shared experts (see the module docstring)."""
+    shape = Shape.from_config(model)
+    e = _activation_elem_bytes(layout)
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
+    seq_split = layout.tp if layout.sp else 1
+    inner = 3 if shape.swiglu else 2
+    capacity = max(1.0, float(model.get("moe_capacity_factor") or 1.0))
+    routed = capacity * routed_assignments(model, layout) * (2 * e * shape.hidden
+                                                             + inner * e * shape.moe_ffn / layout.expert_tp)
+    shared = tokens * inner * e * shape.shared_experts * shape.moe_ffn / layout.tp
+    return tokens * 8 * shape.experts / seq_split + routed + shared
+
+
+def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None,
+                           moe: bool = False) -> float:
+    """Bytes one layer (``moe``: a MoE layer) stores for backward for one micro-batch on one rank (see the
+    module docstring)."""
     shape = Shape.from_config(model)
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
@@ -176,13 +243,14 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
         return tokens * e * h / seq_split
     masks = 2 * h if _dropout(model, "hidden_dropout") else 0
     replicated = 4 * e * h + masks
-    split = e * (h + kv) + e * kv + e * h + (3 if shape.swiglu else 2) * e * f
+    split = e * (h + kv) + e * kv + e * h + (0 if moe else (3 if shape.swiglu else 2) * e * f)
     core = a * s * ((2 * e + 1) if _dropout(model, "attention_dropout") else e)
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
     if recompute == "selective":
         core = 0
-    return tokens * (replicated / seq_split + (split + core) / layout.tp)
+    block = moe_block_activation_bytes(model, layout) if moe else 0.0
+    return tokens * (replicated / seq_split + (split + core) / layout.tp) + block
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
@@ -208,11 +276,38 @@ def microbatches_in_flight(layout: Layout, stage: int) -> int:
     return inflight if layout.num_microbatches is None else min(inflight, layout.num_microbatches)
 
 
-def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
-    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (even layer split, rounded up)."""
+def stage_layers(num_layers: int, layout: Layout, stage: int) -> list:
+    """The layer ids of pipeline ``stage`` (even split: contiguous runs, or interleaved chunks with vpp)."""
+    if layout.interleaved:
+        chunk = math.ceil(num_layers / (layout.pp * layout.vpp))
+        starts = [(v * layout.pp + stage) * chunk for v in range(layout.vpp)]
+        return [i for start in starts for i in range(start, min(start + chunk, num_layers))]
+    per_stage = math.ceil(num_layers / layout.pp)
+    ids = list(range(stage * per_stage, min((stage + 1) * per_stage, num_layers)))
+    return ids or list(range(per_stage))  # more stages than layers: count one stage's worth
+
+
+def stage_moe_layers(model: Mapping[str, Any], layout: Layout, stage: int) -> int:
     shape = Shape.from_config(model)
+    return sum(shape.is_moe(i) for i in stage_layers(shape.layers, layout, stage))
+
+
+def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Routed-expert parameters held by one rank of pipeline ``stage`` (its share over ep and etp)."""
+    shape = Shape.from_config(model)
+    moe = layer_params(shape, moe=True)
+    return stage_moe_layers(model, layout, stage) * (moe.experts_split / (layout.ep * layout.expert_tp)
+                                                      + moe.experts_replicated / layout.ep)
+
+
+def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (even layer split, rounded up),
+    routed experts included (their share over ep and etp)."""
+    shape = Shape.from_config(model)
+    n_moe = stage_moe_layers(model, layout, stage)
     layers = math.ceil(shape.layers / layout.pp)
-    params = layers * layer_params(shape).per_tp_rank(layout.tp)
+    params = ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
+              + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
     # vocab-parallel embedding / output layer, padding rows included (they are allocated)
     word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
@@ -228,7 +323,7 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
 @dataclass
 class StageMemory:
     stage: int
-    params: float
+    params: float                          # every parameter this rank holds, its routed-expert share included
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
@@ -238,6 +333,9 @@ class StageMemory:
     extra_activation_bytes: float          # embedding / final norm / logits
     gathered_bytes: float                  # ZeRO-2/3: gathered parameter and gradient buckets
     recompute_working_bytes: float         # full recompute: one layer's activations during backward
+    expert_params: float = 0.0             # of ``params``: routed experts (split over ep, etp; sharded over edp)
+    moe_layers: int = 0                    # MoE layers on this stage
+    all_to_all_bytes_per_step: float = 0.0  # expert-parallel dispatch + combine, sent by this rank per step
     total_bytes: float = field(init=False)
 
     def __post_init__(self):
@@ -272,26 +370,51 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     return extra
 
 
+def all_to_all_bytes_per_step(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Bytes one rank of ``stage`` sends in expert-parallel all-to-alls per step (see the module docstring)."""
+    if layout.ep == 1:
+        return 0.0
+    shape = Shape.from_config(model)
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
+    # the tokens this rank routes: its sequence shard under sp or etp = 1
+    routed = tokens * shape.top_k / (layout.tp if layout.sp or layout.expert_tp == 1 else 1)
+    # experts split over tp with sp: the tokens that arrived are exchanged over tp too (every tp rank
+    # holds a slice of each local expert), and the partial outputs back
+    over_tp = layout.tp - 1 if layout.sp and layout.expert_tp > 1 else 0
+    per_pass = routed * shape.hidden * _activation_elem_bytes(layout) * ((layout.ep - 1) / layout.ep + over_tp)
+    passes = 6 if layout.recompute == "full" else 4  # dispatch + combine in forward, their gradients in backward
+    micro = layout.num_microbatches or layout.pp  # None: enough to fill the pipeline
+    return stage_moe_layers(model, layout, stage) * micro * passes * per_pass
+
+
 def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
     """Per-rank memory of ``stages`` (default: the first and the last pipeline stage)."""
     shape = Shape.from_config(model)
-    per_param = state_bytes_per_param(layout)
+    dense_bytes, expert_bytes = state_bytes_per_param(layout), state_bytes_per_param(layout, layout.expert_shards)
     wanted = sorted({0, layout.pp - 1} if stages is None else set(stages))
     stages = []
     for stage in wanted:
         params = stage_params(model, layout, stage)
-        per_layer = layer_activation_bytes(model, layout)
+        experts = stage_expert_params(model, layout, stage)
+        held = {k: (params - experts) * dense_bytes[k] + experts * expert_bytes[k] for k in dense_bytes}
+        ids = stage_layers(shape.layers, layout, stage)
+        n_moe = sum(shape.is_moe(i) for i in ids)
+        # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
+        per_layer = ((len(ids) - n_moe) * layer_activation_bytes(model, layout)
+                     + n_moe * layer_activation_bytes(model, layout, moe=True)) / len(ids)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
-        working = layer_activation_bytes(model, layout, recompute="none") if layout.recompute == "full" else 0.0
+        working = 0.0
+        if layout.recompute == "full":
+            working = layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0)
         stages.append(StageMemory(
             stage=stage, params=params,
-            param_bytes=params * per_param["params"], grad_bytes=params * per_param["grads"],
-            optimizer_bytes=params * per_param["optimizer"],
+            param_bytes=held["params"], grad_bytes=held["grads"], optimizer_bytes=held["optimizer"],
             activation_bytes_per_layer=per_layer, layer_microbatches_in_flight=inflight,
             layer_activation_bytes=per_layer * inflight,
             extra_activation_bytes=_extra_activation_bytes(model, layout, stage),
             gathered_bytes=gathered_bytes(params, layout),
-            recompute_working_bytes=working))
+            recompute_working_bytes=working, expert_params=experts, moe_layers=n_moe,
+            all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage)))
     return MemoryEstimate(stages=stages)
 
 
@@ -314,14 +437,25 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
 
     shape = Shape.from_config(model)
     counts = param_counts(model)
+    moe = shape.moe_layers > 0
     head = [
         f"model   {shape.arch}: {shape.layers} layers, hidden {shape.hidden}, ffn {shape.ffn} "
         f"({'swiglu' if shape.swiglu else 'gelu'}), heads {shape.heads}/{shape.groups} kv, seq {shape.seq}, "
         f"vocab {shape.vocab} (padded {shape.padded_vocab(layout.tp)}), {'tied' if shape.tied else 'untied'}",
-        f"        {_count(counts.total)} parameters ({_count(counts.non_embedding)} non-embedding), "
-        f"{model_flops_per_token(model, layout.tp) / 1e9:,.2f} GFLOP/token (fwd+bwd)",
+    ]
+    if moe:
+        head.append(f"        MoE: {shape.moe_layers} of {shape.layers} layers, {shape.experts} experts of ffn "
+                    f"{shape.moe_ffn}, top-{shape.top_k}, {shape.shared_experts} shared")
+        head.append(f"        {_count(counts.total)} parameters, {_count(counts.active)} active per token "
+                    f"({_count(counts.non_embedding)} / {_count(counts.active_non_embedding)} non-embedding), "
+                    f"{model_flops_per_token(model, layout.tp) / 1e9:,.2f} GFLOP/token (fwd+bwd, active parameters)")
+    else:
+        head.append(f"        {_count(counts.total)} parameters ({_count(counts.non_embedding)} non-embedding), "
+                    f"{model_flops_per_token(model, layout.tp) / 1e9:,.2f} GFLOP/token (fwd+bwd)")
+    head += [
         f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
-        f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
+        + (f"ep={layout.ep} etp={layout.expert_tp} expert-dp={layout.edp} " if moe else "")
+        + f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
         f"{layout.precision} recompute={layout.recompute} micro_batch={layout.micro_batch_size} "
         f"micro_batches={layout.num_microbatches if layout.num_microbatches is not None else 'auto'}"
         f"{' fused_attention' if layout.fused_attention else ''}",
@@ -331,6 +465,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
     cols = [f"stage {st.stage} ({'only' if layout.pp == 1 else names[st.stage]})" for st in estimate.stages]
     rows = [
         ("parameters per rank", lambda st: _count(st.params)),
+        *([("  of which routed experts", lambda st: _count(st.expert_params))] if moe else []),
         ("  params", lambda st: _gib(st.param_bytes)),
         ("  grads", lambda st: _gib(st.grad_bytes)),
         ("  optimizer (main params + Adam)", lambda st: _gib(st.optimizer_bytes)),
@@ -341,6 +476,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  embedding / logits activations", lambda st: _gib(st.extra_activation_bytes)),
         ("  full-recompute working set", lambda st: _gib(st.recompute_working_bytes)),
         ("total", lambda st: _gib(st.total_bytes)),
+        *([("all-to-all sent per step (ep)", lambda st: _gib(st.all_to_all_bytes_per_step))] if moe else []),
     ]
     width = max(len(r[0]) for r in rows) + 2
     colw = max(20, *(len(c) + 2 for c in cols))

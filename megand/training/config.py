@@ -32,9 +32,11 @@ class ModelConfig:
     vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked)
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # the embedding and output layer are padded to a multiple of this x tp rows (aligned logits GEMM); padding is never predicted nor saved
     norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5  # epsilon of every norm (Qwen's published models use 1e-6)
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
+    qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
     hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
@@ -312,6 +314,8 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
                           f"{m.attention_dropout}: set it to 0")
+    if not m.norm_eps > 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
     validate_moe(cfg, sizes)
     validate_fault_keys(cfg)
 

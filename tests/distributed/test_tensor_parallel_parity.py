@@ -17,3 +17,10 @@ LAYOUTS = {
 def test_layout_matches_one_process(reference, launch, experiment, layout):
     nproc, overrides = LAYOUTS[layout]
     assert_parity(reference(experiment), launch(experiment, nproc, *overrides))
+
+
+def test_qkv_bias_matches_one_process(reference, launch):
+    """``model.qkv_bias`` (Qwen2's biases on q/k/v only): the bias follows the fused QKV rows over tp."""
+    bias = "model.qkv_bias=true"
+    assert_parity(reference("tiny_llama", bias),
+                  launch("tiny_llama", 2, bias, "parallel.tp=2", "parallel.sequence_parallel=true"))

@@ -38,6 +38,7 @@ def check(overrides, world_size=1):
     (["optim.sharding=optim_grads_params", "parallel.dp_shard=3"], 4, r"parallel.dp_shard=3 must be a positive divisor of dp\*cp = 4\*1 = 4"),
     (["parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 shards nothing with optim.sharding=none"),
     (["model.make_vocab_size_divisible_by=0"], 1, r"model.make_vocab_size_divisible_by=0 must be positive"),
+    (["model.norm_eps=0"], 1, r"model.norm_eps=0.0 must be > 0"),
 ])
 def test_invalid_values_are_named(overrides, world_size, message):
     with pytest.raises(ConfigError, match=message):

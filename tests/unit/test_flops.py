@@ -80,3 +80,83 @@ def test_logits_count_the_padded_vocabulary():
     assert flops.forward_flops_per_token(dict(cfg, make_vocab_size_divisible_by=12), tp=2).logits == 2 * 64 * 264
     assert flops.flops_per_iteration(cfg, 1, tp=4)["model_flops"] == 32 * flops.model_flops_per_token(cfg, tp=4)
     assert flops.param_counts(cfg).output_layer == 250 * 64  # parameter counts are the real ones
+
+
+# --- Mixture of Experts: FLOPs and MFU follow the active parameters ------------------------------------
+
+MIXTRAL_8X7B = dict(arch="llama", num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                    num_query_groups=8, seq_length=4096, vocab_size=32000, norm="rmsnorm", activation="swiglu",
+                    position_embedding="rope", tie_embeddings=False, num_experts=8, moe_top_k=2)
+MIXTRAL_TINY = dict(LLAMA, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=48)
+# Qwen2-MoE-like: gated shared experts, q/k/v biases, every other layer dense, no top-k renormalisation
+QWEN_MOE_TINY = dict(LLAMA, num_layers=3, num_experts=8, moe_top_k=3, moe_ffn_hidden_size=32, moe_shared_experts=2,
+                     moe_shared_expert_gate=True, moe_layer_freq=2, qkv_bias=True, moe_norm_topk_prob=False)
+
+
+def test_mixtral_8x7b_total_and_active_parameters():
+    h, f, kv, E, V, L = 4096, 14336, 8 * 128, 8, 32000, 32
+    attention = h * (h + 2 * kv) + h * h           # 41,943,040
+    expert = 3 * h * f                            # 176,160,768 (gate, up, down)
+    layer_rest = attention + E * h + 2 * h        # + router + two RMSNorms
+    embeddings = 2 * V * h + h                    # untied embedding and output layer, final norm
+    counts = flops.param_counts(MIXTRAL_8X7B)
+    assert counts.total == L * (layer_rest + E * expert) + embeddings == 46_702_792_704    # "46.7B"
+    assert counts.active == L * (layer_rest + 2 * expert) + embeddings == 12_879_925_248   # "12.9B"
+    assert counts.moe_layers == 32 and counts.per_moe_layer == layer_rest + E * expert
+    # forward FLOPs per token: attention projections, router, two of the eight experts (dropless)
+    fwd = flops.forward_flops_per_token(MIXTRAL_8X7B)
+    assert fwd.layer_moe == 2 * attention + 2 * h * E + 2 * 2 * expert
+    assert fwd.total == L * (fwd.layer_moe + 4 * 4096 * h) + 2 * h * V
+    # 6 x active non-embedding matmul weights + attention + logits (the norms are no matmuls)
+    n_active_matmul = counts.active_non_embedding - L * 2 * h - h
+    assert flops.model_flops_per_token(MIXTRAL_8X7B) == 6 * n_active_matmul + 12 * L * h * 4096 + 6 * h * V
+
+
+def test_small_moe_counts_by_hand():
+    h, kv, fe, E, k, V = 64, 32, 32, 8, 3, 256
+    attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 2 * h   # with q/k/v biases; two norms
+    dense_layer = attention + 3 * h * 96
+    shared = 3 * h * 2 * fe + h                                   # the shared MLP (2 x fe wide) and its gate
+    moe_layer = attention + E * h + shared + E * 3 * h * fe
+    counts = flops.param_counts(QWEN_MOE_TINY)
+    assert counts.moe_layers == 2                                 # layers 0 and 2 (i % 2 == 0)
+    assert counts.total == 2 * moe_layer + dense_layer + h + 2 * V * h
+    assert counts.active == 2 * (moe_layer - (E - k) * 3 * h * fe) + dense_layer + h + 2 * V * h
+    fwd = flops.forward_flops_per_token(QWEN_MOE_TINY)
+    proj = 2 * h * (h + 2 * kv) + 2 * h * h
+    assert fwd.layer_moe == proj + 2 * h * E + k * 6 * h * fe + 6 * h * 2 * fe + 2 * h
+    assert fwd.layers_matmul == 2 * fwd.layer_moe + fwd.layer_dense
+    # full recompute re-runs every layer's matmuls once more (not the logits)
+    assert (flops.hardware_flops_per_token(QWEN_MOE_TINY, "full")
+            == flops.model_flops_per_token(QWEN_MOE_TINY) + fwd.total - fwd.logits)
+    # a dense model's active count is its total
+    assert flops.param_counts(LLAMA).active == flops.param_counts(LLAMA).total
+
+
+@pytest.mark.parametrize("cfg", [MIXTRAL_TINY, QWEN_MOE_TINY], ids=["mixtral", "qwen2_moe"])
+def test_moe_counts_match_transformers(cfg):
+    from megand.models.hf import build_hf_model
+    # eager experts: a loop of visible matmuls over the tokens routed to each expert
+    model = build_hf_model(cfg, attn_implementation="eager", experts_implementation="eager")
+    assert flops.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"]), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert flops.flops_per_iteration(cfg, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+
+
+def test_training_logs_tflops_of_the_active_parameters(tmp_path):
+    """The trainer's TFLOP/s (and so MFU) of a MoE run: the model FLOPs of the routed top-k, not of every expert."""
+    from omegaconf import OmegaConf
+
+    from tests.harness import read_metrics, run_pretrain
+
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", "model=moe_tiny", "train.iters=1"])
+    record = read_metrics(tmp_path)[0]
+    model = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml").model, resolve=True)
+    batch = OmegaConf.load(tmp_path / "config.yaml").train.global_batch_size
+    logged = record["tflops_per_s"] * 1e12 * record["iter_time_ms"] / 1e3
+    active = flops.flops_per_iteration(model, batch, tp=1)["model_flops"]
+    every_expert = flops.flops_per_iteration(dict(model, moe_top_k=model["num_experts"]), batch, tp=1)["model_flops"]
+    assert logged == pytest.approx(active, rel=1e-9) and active < every_expert

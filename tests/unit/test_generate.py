@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megand.core.checkpointing import files, offline
+from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.kv_cache import KVCache
 from megand.models import full
 from megand.tools import generate
@@ -101,3 +101,28 @@ def test_missing_tokenizer_file_is_one_line(tmp_path, capsys):
     assert generate.main(["--load", str(tmp_path / "ckpts" / "run"), "--tokenizer", missing, "--prompt", "Hi"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and missing in err[0]
+
+
+def test_full_model_routes_with_the_checkpoints_balancing_bias(topo, tmp_path):
+    """A sigmoid-router checkpoint holds each router's aux-loss-free bias (a persistent buffer,
+    ``mlp.router.expert_bias``): the one-process model that generation uses loads it, and a checkpoint
+    without it is refused like a missing weight."""
+    m = dict(LLAMA, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_router="sigmoid")
+    shapes = {n: (tuple(meta.full_shape), torch.float32) for n, meta in full.param_metas(m).items()}
+    biases = {f"layers.{i}.mlp.router.expert_bias": torch.tensor([0.0, 5.0, -5.0, 5.0 * i]) for i in range(2)}
+    generator = torch.Generator().manual_seed(0)
+
+    def produce(name):
+        return biases[name].clone() if name in biases else 0.02 * torch.randn(shapes[name][0], generator=generator)
+
+    offline.save_model_streaming(str(tmp_path / "ckpt"), {**shapes, **{n: ((4,), torch.float32) for n in biases}},
+                                 produce, "model: {}\n", m)
+    from omegaconf import OmegaConf
+    (tmp_path / "ckpt" / "iter_0000000" / "config.yaml").write_text(OmegaConf.to_yaml({"model": m}))
+    model, _ = full.load_model(str(tmp_path / "ckpt"), topo)
+    for name, bias in biases.items():
+        assert torch.equal(model.get_buffer(name), bias)
+    tensors = offline.load_full_tensors(str(tmp_path / "ckpt"))
+    del tensors["layers.1.mlp.router.expert_bias"]
+    with pytest.raises(CheckpointError, match="layers.1.mlp.router.expert_bias"):
+        full.build_full_model(m, tensors)

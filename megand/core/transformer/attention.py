@@ -50,7 +50,8 @@ class Attention(torch.nn.Module):
         qkv_size = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std, **common)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
+                                        **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 

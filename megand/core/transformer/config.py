@@ -24,6 +24,7 @@ class TransformerConfig:
     activation: str = "gelu"
     position_embedding: str = "learned"
     rope_theta: float = 10000.0
+    qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); gpt has biases everywhere
     tie_embeddings: bool = True
     init_std: float = 0.02
     hidden_dropout: float = 0.0
