@@ -103,3 +103,21 @@ def test_kernel_choice_from_device_and_dtype():
     assert not flash_supported(fake("cpu", torch.bfloat16))  # CPU keeps the explicit math
     assert isinstance(blocks_for(torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)), ExplicitBlocks)
     assert isinstance(blocks_for(torch.zeros(1, 4, 8, 64)), ExplicitBlocks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's flash kernel (run by make gpu-check)")
+@pytest.mark.parametrize("sq,sk,causal", [(128, 128, True), (128, 256, True), (128, 128, False)])
+def test_cuda_flash_blocks_match_explicit_math(sq, sk, causal):
+    from megand.core.context_parallel.block_kernels import CUDA_FLASH
+
+    q, k, v = (t.cuda() for t in _tensors(8, 2, sq, sk, dtype=torch.bfloat16))
+    assert isinstance(blocks_for(q), FusedBlocks)
+    dout = torch.randn(q.shape, device="cuda").bfloat16()
+    fused, explicit = FusedBlocks(CUDA_FLASH), ExplicitBlocks()
+    out, lse = explicit.forward(q, k, v, 0.25, causal)
+    delta = (dout.float() * out).sum(-1)
+    mine = (*fused.forward(q, k, v, 0.25, causal), *fused.backward(dout, q, k, v, out, lse, delta, 0.25, causal))
+    ref = (out, lse, *explicit.backward(dout, q, k, v, out, lse, delta, 0.25, causal))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, ref):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)  # bf16 inputs and outputs
