@@ -49,10 +49,17 @@ def _sums_of_squares(tensors):
     return torch.stack([t.float().pow(2).sum() for t in tensors])
 
 
+def clip_coefficient(grad_norm: float, max_norm: float) -> float | None:
+    """The factor that brings the global norm down to ``max_norm``; None when no clipping is needed
+    (``max_norm`` 0: never)."""
+    if max_norm <= 0:
+        return None
+    coef = max_norm / (grad_norm + 1e-6)
+    return coef if coef < 1.0 else None
+
+
 def clip_grads(grads, grad_norm: float, max_norm: float) -> None:
     """Scale ``grads`` in place so that the global norm is at most ``max_norm`` (0: no clipping)."""
-    if max_norm <= 0 or not grads:
-        return
-    coef = max_norm / (grad_norm + 1e-6)
-    if coef < 1.0:
+    coef = clip_coefficient(grad_norm, max_norm)
+    if coef is not None and grads:
         torch._foreach_mul_(grads, coef)

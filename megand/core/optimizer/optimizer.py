@@ -31,7 +31,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from megand.core.distributed import DataParallel, DataParallelConfig
 from megand.core.optimizer.config import OptimizerConfig
-from megand.core.optimizer.grad_norm import clip_grads, grad_stats, read_grad_stats
+from megand.core.optimizer.grad_norm import clip_coefficient, clip_grads, grad_stats, read_grad_stats
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
 
@@ -187,8 +187,11 @@ class Optimizer:
 
     def update(self, grad_norm: float, lr: float) -> None:
         """Clip, AdamW, write the updated slices back and start their all-gather."""
-        clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
-        self._adamw(lr)
+        if self.fused:  # the fused kernel clips as it reads each gradient (its grad_scale divides): no extra pass
+            self._adamw(lr, clip_coefficient(grad_norm, self.clip_grad))
+        else:
+            clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
+            self._adamw(lr)
         self.steps += 1
         for state in self.flat:  # write the updated slices back into the parameter buffer
             if state["main"] is not None:
@@ -197,7 +200,8 @@ class Optimizer:
                     bucket.data_shard.copy_(state["main"][s: s + bucket.shard_end - bucket.shard_start])
         self.ddp.start_param_sync()
 
-    def _adamw(self, lr):
+    def _adamw(self, lr, clip: float | None = None):
+        """``clip``: the fused kernel's factor on the gradients (the others are clipped before)."""
         c = self.cfg
         for decay in (True, False):
             group = [x for x in self.pieces if x.decay == decay]
@@ -208,10 +212,12 @@ class Optimizer:
                 apex_group = self._apex.param_groups[0 if decay else 1]
                 apex_group["lr"] = lr
                 continue
+            grad_scale = None if clip is None else torch.full((), 1.0 / clip, dtype=torch.float32,
+                                                              device=group[0].grad.device)
             functional_adamw([x.main for x in group], [x.grad for x in group], [x.exp_avg for x in group],
                              [x.exp_avg_sq for x in group], [], [x.step for x in group],
-                             foreach=not self.fused, fused=self.fused or None, amsgrad=False, beta1=c.beta1,
-                             beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, maximize=False)
+                             foreach=not self.fused, fused=self.fused or None, grad_scale=grad_scale, amsgrad=False,
+                             beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, maximize=False)
         if self.use_apex:
             for x in self.pieces:
                 x.main.grad = x.grad
