@@ -19,6 +19,7 @@ Checks (each records ok / failed / skipped, its seconds and its figures; a failu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -242,6 +243,10 @@ def run_check(name, args) -> dict:
         figures, status, error = {}, "skipped", str(e)
     except Exception as e:  # a failed check is reported; the others still run
         figures, status, error = {}, "failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+    # the check's models (their hooks make reference cycles) must not hold GPU memory through the next one
+    gc.collect()
+    if cuda():
+        torch.cuda.empty_cache()
     return {"name": name, "status": status, "seconds": round(time.perf_counter() - start, 2), "figures": figures,
             "error": error}
 
