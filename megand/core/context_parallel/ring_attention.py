@@ -5,9 +5,10 @@ Every cp rank holds its tokens in the load-balanced layout of ``sequence.py`` (c
 are communicated; locally the query heads of one group are folded into the row dimension
 (``[b, ng, nh/ng * s, d]``), so K/V are never copied nh/ng times.
 
-Block attention is explicit math in fp32: one block's score matrix (at most s_local x s_local) is the
-only quadratic temporary. Backward recomputes it from the saved q, k, v, output and log-sum-exp (as
-flash attention does), so what is saved for backward is O(s_local).
+Block attention (``block_kernels.py``) runs on a fused flash kernel in the model's dtype on CUDA (bf16/fp16)
+and as explicit fp32 math otherwise, where one block's score matrix (at most s_local x s_local) is the
+only quadratic temporary. Either way backward recomputes each block from the saved q, k, v, the final
+output and log-sum-exp (as flash attention does), so what is saved for backward is O(s_local).
 
 Documents (``document_ids [b, s]`` of the whole sequence): a query sees a key of its own document that
 is not later. A block with no such pair is skipped (neither computed nor communicated for backward work);
@@ -18,54 +19,10 @@ all-gather variant also cuts each query chunk's keys to start at the earliest do
 import torch
 import torch.distributed as dist
 
+from megand.core.context_parallel.block_kernels import blocks_for
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 
 # ---------------------------------------------------------------- block attention (no communication)
-
-
-def _scores(q, k, scale, causal, allowed=None):
-    """Scaled scores of q [b, nh, sq, d] against k [b, ng, sk, d] as [b, ng, nh/ng*sq, sk].
-
-    ``causal`` masks with the diagonal aligned to the bottom-right corner: query i sees key j iff
-    j <= i + sk - sq (the last query is the last key's token).
-    """
-    b, nh, sq, d = q.shape
-    ng, sk = k.shape[1], k.shape[2]
-    scores = torch.matmul(q.reshape(b, ng, nh // ng * sq, d), k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
-        scores.view(b, ng, nh // ng, sq, sk).masked_fill_(future, float("-inf"))
-    if allowed is not None:  # [b, sq, sk] document mask
-        scores.view(b, ng, nh // ng, sq, sk).masked_fill_(~allowed[:, None, None], float("-inf"))
-    return scores
-
-
-def _block_forward(q, k, v, scale, causal, allowed=None):
-    """Attention of q over one K/V block: (out [b, nh, sq, d], lse [b, nh, sq]). Without ``allowed`` every
-    query must see a key; with it, a row that sees none gives out 0 and lse -inf."""
-    b, nh, sq, d = q.shape
-    scores = _scores(q, k, scale, causal, allowed)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    if allowed is not None:
-        row_max.masked_fill_(row_max == float("-inf"), 0.0)
-    unnormalised = scores.sub_(row_max).exp_()  # in place: one score-sized buffer, one exp pass
-    row_sum = unnormalised.sum(dim=-1, keepdim=True)
-    out = torch.matmul(unnormalised, v).div_(row_sum if allowed is None else row_sum.clamp_min(1e-30))
-    lse = row_max.add_(row_sum.log_()).squeeze(-1)
-    return out.view(b, nh, sq, d), lse.view(b, nh, sq)
-
-
-def _block_backward(dout, q, k, v, lse, delta, scale, causal, allowed=None):
-    """(dq, dk, dv) of one block, from the *final* lse and delta = rowsum(dout * out) of the whole attention."""
-    b, nh, sq, d = q.shape
-    ng = k.shape[1]
-    probs = _scores(q, k, scale, causal, allowed).sub_(lse.reshape(b, ng, -1, 1)).exp_()
-    dout = dout.reshape(b, ng, -1, d)
-    dv = torch.matmul(probs.transpose(-1, -2), dout)  # the matmul also sums over the nh/ng heads of a group
-    dscores = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.reshape(b, ng, -1, 1)).mul_(probs).mul_(scale)
-    dq = torch.matmul(dscores, k).view(b, nh, sq, d)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.reshape(b, ng, -1, d))
-    return dq, dk, dv
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -132,19 +89,20 @@ class _RingAttention(torch.autograd.Function):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
-        q32 = q.float()
-        out = torch.zeros_like(q32)
+        blocks = blocks_for(q)
+        qb = blocks.prepare(q)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # the block that travels, in the input dtype
         for step in range(cp_size):
             if step + 1 < cp_size:  # start moving the next block before computing on this one
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
-            block_k, block_v = kv.float().unbind(0)
+            block_k, block_v = blocks.prepare(kv).unbind(0)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
             for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
                 _merge(out[:, :, qs], lse[:, :, qs],
-                       *_block_forward(q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal, allowed))
+                       *blocks.forward(qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal, allowed))
             if step + 1 < cp_size:
                 for req in kv_reqs:
                     req.wait()
@@ -161,22 +119,23 @@ class _RingAttention(torch.autograd.Function):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
-        q32, dout32 = q.float(), dout.float()
-        delta = (dout32 * out).sum(-1)
-        dq = torch.zeros_like(q32)
+        blocks = blocks_for(q)
+        qb, doutb = blocks.prepare(q), blocks.prepare(dout)
+        delta = (dout.float() * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         # Second ring: K/V travel as in forward; the gradient of each block (fp32) travels one step behind
         # it, each rank adding its contribution, and after cp hops arrives back at the block's owner.
         for step in range(cp_size):
             if step + 1 < cp_size:
                 next_kv, kv_reqs = _ring_send_recv(kv, cp_group)
-            block_k, block_v = kv.float().unbind(0)
+            block_k, block_v = blocks.prepare(kv).unbind(0)
             block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
             for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
-                block_dq, block_dk, block_dv = _block_backward(
-                    dout32[:, :, qs], q32[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], lse[:, :, qs],
+                block_dq, block_dk, block_dv = blocks.backward(
+                    doutb[:, :, qs], qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], out[:, :, qs], lse[:, :, qs],
                     delta[:, :, qs], scale, causal, allowed)
                 dq[:, :, qs] += block_dq
                 block_dkv[0, :, :, ks] += block_dk
@@ -246,12 +205,13 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group, scale, ids):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
-        q32 = q.float()
-        out = torch.empty_like(q32)
+        blocks = blocks_for(q)
+        k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
+        qb = blocks.prepare(q)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
-            out[:, :, qs], lse[:, :, qs] = _block_forward(q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
+            out[:, :, qs], lse[:, :, qs] = blocks.forward(qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
                                                           causal, allowed)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
@@ -264,14 +224,16 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale, ids = ctx.cp_group, ctx.scale, ctx.ids
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
-        k_all, v_all = _all_gather_kv(torch.stack([k, v]), cp_group).float().unbind(0)
-        q32, dout32 = q.float(), dout.float()
-        delta = (dout32 * out).sum(-1)
-        dq = torch.empty_like(q32)
+        blocks = blocks_for(q)
+        k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
+        qb, doutb = blocks.prepare(q), blocks.prepare(dout)
+        delta = (dout.float() * out).sum(-1)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
         for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
-            dq[:, :, qs], dk, dv = _block_backward(dout32[:, :, qs], q32[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
-                                                   lse[:, :, qs], delta[:, :, qs], scale, causal, allowed)
+            dq[:, :, qs], dk, dv = blocks.backward(doutb[:, :, qs], qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
+                                                   out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal,
+                                                   allowed)
             dkv_all[0, :, :, ks] += dk
             dkv_all[1, :, :, ks] += dv
         # sum the contributions of all ranks and hand each rank the gradient of its own tokens

@@ -20,13 +20,21 @@ def grad_stats(counted, grads, topo, sharded: bool) -> torch.Tensor:
     a disjoint slice of every bucket, so the whole world sums (dp x cp x tp x pp). ``sharded`` asks for
     the world sum (also under expert parallelism, whose experts differ over ep: ``counted`` then holds
     each element on one rank only).
+
+    One read of every gradient: a tensor's sum of squares is not finite exactly when one of its elements
+    is not (or the sum overflows, which the step must skip too), so the per-tensor sums give both the norm
+    and the non-finite count (of tensors, not elements). An elementwise ``isfinite`` mask, summed, would
+    read every gradient twice more and widen a bool mask to int64: most of the cost of the pass.
     """
     device = grads[0].device if grads else topo.device
     acc = torch.zeros(2, dtype=torch.float32, device=device)  # [sum of squares, non-finite count]
+    counted_ids = {id(g) for g in counted}
+    sums = [_sums_of_squares(counted), _sums_of_squares([g for g in grads if id(g) not in counted_ids])]
     if counted:
-        acc[0] = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
-    if grads:
-        acc[1] = torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum().float()
+        acc[0] = sums[0].sum()
+    checked = [x for x in sums if x is not None]
+    if checked:
+        acc[1] = (~torch.isfinite(torch.cat(checked))).sum().float()
     if sharded and topo.world_size > 1:
         dist.all_reduce(acc)  # every rank of the job: dp x cp x tp x pp
     elif not sharded and topo.tp_size * topo.pp_size > 1:
@@ -34,10 +42,26 @@ def grad_stats(counted, grads, topo, sharded: bool) -> torch.Tensor:
     return acc
 
 
+def _sums_of_squares(tensors):
+    """Each tensor's sum of squares in fp32, stacked (None for no tensors). ``pow(2).sum()`` reduces
+    pairwise; a fused norm (``torch._foreach_norm``) is faster but accumulates sequentially, ~1e-5 off
+    on a large embedding gradient: too far for the 1e-5 agreement of grad norms across layouts."""
+    if not tensors:
+        return None
+    return torch.stack([t.float().pow(2).sum() for t in tensors])
+
+
+def clip_coefficient(grad_norm: float, max_norm: float) -> float | None:
+    """The factor that brings the global norm down to ``max_norm``; None when no clipping is needed
+    (``max_norm`` 0: never)."""
+    if max_norm <= 0:
+        return None
+    coef = max_norm / (grad_norm + 1e-6)
+    return coef if coef < 1.0 else None
+
+
 def clip_grads(grads, grad_norm: float, max_norm: float) -> None:
     """Scale ``grads`` in place so that the global norm is at most ``max_norm`` (0: no clipping)."""
-    if max_norm <= 0 or not grads:
-        return
-    coef = max_norm / (grad_norm + 1e-6)
-    if coef < 1.0:
+    coef = clip_coefficient(grad_norm, max_norm)
+    if coef is not None and grads:
         torch._foreach_mul_(grads, coef)

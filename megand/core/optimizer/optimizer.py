@@ -11,7 +11,8 @@ its bucket (the whole parameter without the distributed optimizer). Each piece h
 
 So the optimizer holds 12 bytes per owned element for bf16 (main + m + v) and 8 for fp32, and the
 distributed optimizer owns 1/(dp x cp) of the elements. The update itself is torch's functional AdamW
-(fused on CUDA, foreach elsewhere; apex's FusedAdam when installed on CUDA) on the piece views.
+(fused on CUDA and CPU: one pass over parameter, gradient and moments instead of a foreach
+kernel per term, about 3x faster on CPU; foreach elsewhere; apex's FusedAdam when installed on CUDA) on the piece views.
 
 One step: finish the gradient sync (idempotent) -> unscale (fp16) -> global norm and inf/nan check in
 one all-reduce -> skip (loss scaler backs off) or clip, AdamW, write back, all-gather the updated slices.
@@ -30,7 +31,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from megand.core.distributed import DataParallel, DataParallelConfig
 from megand.core.optimizer.config import OptimizerConfig
-from megand.core.optimizer.grad_norm import clip_grads, grad_stats, read_grad_stats
+from megand.core.optimizer.grad_norm import clip_coefficient, clip_grads, grad_stats, read_grad_stats
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
 
@@ -38,6 +39,10 @@ try:  # optional: apex's multi-tensor Adam (CUDA only); torch's fused AdamW is u
     from apex.optimizers import FusedAdam as ApexFusedAdam
 except Exception:  # noqa: BLE001 - any import problem means "not available"
     ApexFusedAdam = None
+
+
+# torch's fused AdamW kernel: elementwise, so its result does not depend on how the state is cut into pieces
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
 @dataclass
@@ -101,7 +106,7 @@ class Optimizer:
         self._build_state()
         device = topo.device
         self.use_apex = ApexFusedAdam is not None and device.type == "cuda"
-        self.fused = device.type == "cuda" and not self.use_apex
+        self.fused = device.type in FUSED_ADAMW_DEVICES and not self.use_apex
         if self.use_apex:
             self._apex = self._make_apex()
 
@@ -185,8 +190,11 @@ class Optimizer:
 
     def update(self, grad_norm: float, lr: float) -> None:
         """Clip, AdamW, write the updated slices back and start their all-gather."""
-        clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
-        self._adamw(lr)
+        if self.fused:  # the fused kernel clips as it reads each gradient (its grad_scale divides): no extra pass
+            self._adamw(lr, clip_coefficient(grad_norm, self.clip_grad))
+        else:
+            clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
+            self._adamw(lr)
         self.steps += 1
         for state in self.flat:  # write the updated slices back into the parameter buffer
             if state["main"] is not None:
@@ -195,7 +203,8 @@ class Optimizer:
                     bucket.data_shard.copy_(state["main"][s: s + bucket.shard_end - bucket.shard_start])
         self.ddp.start_param_sync()
 
-    def _adamw(self, lr):
+    def _adamw(self, lr, clip: float | None = None):
+        """``clip``: the fused kernel's factor on the gradients (the others are clipped before)."""
         c = self.cfg
         for decay in (True, False):
             group = [x for x in self.pieces if x.decay == decay]
@@ -206,10 +215,12 @@ class Optimizer:
                 apex_group = self._apex.param_groups[0 if decay else 1]
                 apex_group["lr"] = lr
                 continue
+            grad_scale = None if clip is None else torch.full((), 1.0 / clip, dtype=torch.float32,
+                                                              device=group[0].grad.device)
             functional_adamw([x.main for x in group], [x.grad for x in group], [x.exp_avg for x in group],
                              [x.exp_avg_sq for x in group], [], [x.step for x in group],
-                             foreach=not self.fused, fused=self.fused or None, amsgrad=False, beta1=c.beta1,
-                             beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, maximize=False)
+                             foreach=not self.fused, fused=self.fused or None, grad_scale=grad_scale, amsgrad=False,
+                             beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=wd, eps=c.eps, maximize=False)
         if self.use_apex:
             for x in self.pieces:
                 x.main.grad = x.grad

@@ -7,6 +7,7 @@ vocab are masked out, so they are never predicted.
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -53,4 +54,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, target, tp_group, vocab_start: int, vocab_size: int):
     """Per-token loss ``[...]`` from local logits ``[..., V_local]`` and global target ids ``[...]``."""
+    if dist.get_world_size(tp_group) == 1:
+        # the whole vocabulary on one rank: torch's fused log-softmax and its one-pass backward (the
+        # explicit max / exp / sum / divide above reads the logits five times); padding columns are cut off
+        full = logits[..., :vocab_size].float()
+        loss = F.cross_entropy(full.reshape(-1, full.shape[-1]), target.reshape(-1), reduction="none")
+        return loss.view(target.shape)
     return VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megand.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first, copy_to_tp
 
 
 def fuse_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -16,25 +17,70 @@ def split_swiglu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_swiglu`: (gate, up), each ``[ffn, hidden]``."""
     pairs = fc1.reshape(-1, 2, *fc1.shape[1:])
     return pairs[:, 0], pairs[:, 1]
-class SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` of the fc1 output ``[..., f, 2]`` (gate, up), saving only that input for backward
-    and recomputing the silu there: autograd on the plain expression would also keep ``silu(gate)``, one
-    more f-wide activation per layer and micro-batch."""
+def _interleaved(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows of a fused fc1 weight ``[f * 2, hidden]`` (or bias ``[f * 2]``): strided views,
+    no copy (a matrix whose rows are ``2 * hidden`` apart is still a valid GEMM operand)."""
+    pairs = weight.view(-1, 2, *weight.shape[1:])
+    return pairs[:, 0], pairs[:, 1]
+
+
+class SwiGLULinear(torch.autograd.Function):
+    """``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)`` from the fused fc1 weight (gate and up rows
+    interleaved), as two GEMMs on strided views of it. One GEMM into the interleaved ``[..., f, 2]`` output
+    would leave silu and its backward on stride-2 views, which are not vectorised on CPU (several times
+    slower than on the contiguous gate and up this produces).
+
+    Saves its input, the gate and the up product (the f-wide tensors the expression needs; silu is
+    recomputed in backward). Under sequence parallelism ``x`` is this rank's sequence shard: it is
+    all-gathered here, only the shard is saved, and backward gathers it again and reduce-scatters the
+    input gradient (as :class:`~megand.core.tensor_parallel.layers.SequenceParallelLinear`)."""
 
     @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return F.silu(h[..., 0]) * h[..., 1]
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        full = _gather_first(x, group) if sequence_parallel else x
+        flat = full.reshape(-1, full.shape[-1])
+        (w_gate, w_up), (b_gate, b_up) = _interleaved(weight), _interleaved(bias) if bias is not None else (None, None)
+        gate = flat.matmul(w_gate.t()) if b_gate is None else torch.addmm(b_gate, flat, w_gate.t())
+        up = flat.matmul(w_up.t()) if b_up is None else torch.addmm(b_up, flat, w_up.t())
+        ctx.save_for_backward(x, weight, gate, up)
+        return (F.silu(gate) * up).view(*full.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        gate, up = h[..., 0], h[..., 1]
-        out = torch.empty_like(h)  # [..., f, 2], written in place: no stack of the two halves
+        x, weight, gate, up = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
         # silu's own backward kernel: silu'(x) = sig(x) (1 + x (1 - sig(x))) in one pass
-        torch.ops.aten.silu_backward(grad * up, gate, grad_input=out[..., 0])
-        torch.mul(grad, F.silu(gate), out=out[..., 1])
-        return out
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        grad_up = grad * F.silu(gate)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w_gate, w_up = _interleaved(weight)
+            grad_x = grad_gate.matmul(w_gate).addmm_(grad_up, w_up)
+            if ctx.sequence_parallel:
+                grad_x = _reduce_scatter_first(grad_x.view(-1, *x.shape[1:]), ctx.group)
+            else:
+                grad_x = grad_x.view_as(x)
+        if ctx.needs_input_grad[1]:
+            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
+            flat = full.reshape(-1, full.shape[-1])
+            grad_weight = torch.empty_like(weight)
+            g_gate, g_up = _interleaved(grad_weight)  # each GEMM writes its rows in place
+            torch.mm(grad_gate.t(), flat, out=g_gate)
+            torch.mm(grad_up.t(), flat, out=g_up)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = torch.stack([grad_gate.sum(0), grad_up.sum(0)], dim=-1).view(-1)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+class SwiGLUColumnParallelLinear(ColumnParallelLinear):
+    """The SwiGLU fc1: a column-parallel linear (same parameters, so the same checkpoints and hooks) whose
+    output is already activated, ``silu(gate) * up`` ``[..., f / tp]``."""
+
+    def forward(self, x):
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.tp_group)
+        return SwiGLULinear.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
 
 
 class MLP(torch.nn.Module):
@@ -50,14 +96,13 @@ class MLP(torch.nn.Module):
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
+        fc1 = SwiGLUColumnParallelLinear if self.swiglu else ColumnParallelLinear
+        self.fc1 = fc1(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 
     def forward(self, x):
-        h = self.fc1(x)
-        if self.swiglu:
-            h = SwiGLU.apply(h.unflatten(-1, (-1, 2)))
-        else:
+        h = self.fc1(x)  # SwiGLU: already activated
+        if not self.swiglu:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)

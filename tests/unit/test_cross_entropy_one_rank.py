@@ -1,0 +1,29 @@
+"""At tp=1 the loss takes torch's fused cross entropy: the same per-token loss and logits gradient as the
+vocab-parallel math, padding columns (logits wider than the vocabulary) never predicted nor given a gradient."""
+
+import torch
+import torch.distributed as dist
+
+from megand.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from tests.unit.test_trainer_wandb import one_process_world  # noqa: F401  (fixture)
+
+
+def test_one_rank_matches_the_vocab_parallel_math(one_process_world):  # noqa: F811
+    from megand.core.parallel_state import init_distributed
+
+    init_distributed()
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(0)
+    for vocab, width in ((13, 13), (13, 16)):  # unpadded; padded (3 columns the model never predicts)
+        logits = torch.randn(6, 3, width, generator=gen, dtype=torch.float64) * 3
+        logits[..., vocab:] = 1e4  # huge: must be cut off
+        target = torch.randint(0, vocab, (6, 3), generator=gen)
+        grad = torch.rand(6, 3, generator=gen, dtype=torch.float64)
+        mine, ref = logits.clone().requires_grad_(), logits[..., :vocab].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, target, group, 0, vocab)
+        expected = VocabParallelCrossEntropy.apply(ref, target, group, 0, vocab)
+        torch.testing.assert_close(loss, expected.to(loss.dtype), rtol=1e-6, atol=1e-6)
+        (loss * grad).sum().backward()
+        (expected * grad).sum().backward()
+        torch.testing.assert_close(mine.grad[..., :vocab], ref.grad.to(mine.grad.dtype), rtol=1e-6, atol=1e-6)
+        assert not mine.grad[..., vocab:].any()
