@@ -450,3 +450,34 @@ class Planner:
                         best = (tp * pp * dp, g.memory_gib, f"tp={tp} pp={pp} dp={dp}, ZeRO-3, full recompute")
                         break
         return best
+
+
+def candidate_from_config(cfg, world_size: int) -> Candidate:
+    """The layout a composed training config describes, for ``world_size`` ranks (``parallel.dp: null``
+    takes what is left), to predict a given run (``predict_config``)."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp * p.cp)
+    return Candidate(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp, sequence_parallel=bool(p.sequence_parallel),
+                     sharding=o.sharding, dp_shard=p.dp_shard, micro_batch_size=t.micro_batch_size,
+                     recompute=t.recompute, cp_comm=p.cp_comm, precision=t.precision,
+                     pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
+                     overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
+                     reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
+                     order=p.order)
+
+
+def predict_config(cfg, cluster, world_size: int):
+    """The prediction for the run ``cfg`` describes on ``cluster`` (its stages on the groups in order of
+    decreasing memory, as many stages per group as fit): the planner's cost model for a pinned run."""
+    from omegaconf import OmegaConf
+
+    c = candidate_from_config(cfg, world_size)
+    groups = sorted(cluster.groups, key=lambda g: -g.memory_gib)
+    stage_groups = []
+    for g in groups:
+        stage_groups += [g] * min(g.devices // c.stage_size, c.pp - len(stage_groups))
+    if len(stage_groups) < c.pp:
+        raise PlanError(f"{c.pp} pipeline stages of {c.stage_size} ranks do not fit the cluster's "
+                        f"{cluster.devices} devices")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return predict(model, c, int(cfg.train.global_batch_size), stage_groups)
