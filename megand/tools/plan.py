@@ -116,10 +116,15 @@ def verify(user_overrides, plan) -> str:
                      microbatches=None)
     cfg, world, _ = prepare_config(args)
     result = rehearse(cfg, world, rank)
-    measured = max(ph["peak_bytes"] for ph in result["phases"].values()) / 2**30
-    predicted = pr.mem_peak_gib[stage]
-    return (f"verify: rank {rank} (stage {stage}) rehearsed on this CPU: peak {measured:,.2f} GiB measured, "
-            f"{predicted:,.2f} GiB predicted (ratio {measured / predicted:.2f}; device memory {pr.memory_gib[stage]:g} GiB)")
+    measured = max(ph["peak_bytes"] for ph in result["phases"].values())
+    predicted = pr.mem_peak_gib[stage] * 2**30
+    return (f"verify: rank {rank} (stage {stage}) rehearsed on this CPU: peak {_size(measured)} measured, "
+            f"{_size(predicted)} predicted (measured / predicted {measured / predicted:.2f}; device memory "
+            f"{pr.memory_gib[stage]:g} GiB)")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
 
 
 def main(argv=None) -> int:

@@ -29,9 +29,12 @@ def test_plan_prints_a_table_and_writes_the_plans(tmp_path):
     cluster.write_text(CLUSTER)
     out = tmp_path / "plans.json"
     overrides = ["+experiment=tiny_llama", "train.global_batch_size=8"]
-    r = _run(*overrides, "--cluster", str(cluster), "--top", "3", "--json", str(out))
+    r = _run(*overrides, "--cluster", str(cluster), "--top", "3", "--json", str(out), "--verify")
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout and "best: append to pretrain_gpt.py: parallel.tp=" in r.stdout
+    verify = [line for line in r.stdout.splitlines() if line.startswith("verify: rank 0 (stage 0)")]
+    ratio = float(verify[0].split("measured / predicted ")[1].split(";")[0])
+    assert 0.5 < ratio < 2.0  # the rehearsal's measured peak against the estimator's prediction
     plans = json.loads(out.read_text())
     assert len(plans) == 3
     for plan in plans:

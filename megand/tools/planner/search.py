@@ -420,6 +420,16 @@ class Planner:
         if self.rejected:
             c, message = self.rejected[0]
             return f"every layout that fits was refused by the config's validate(), e.g.: {message}"
+        if self.validate_fn is not None and self.pinned:  # the pins alone may break a rule of validate()
+            p = self.pinned
+            pinned = Candidate(**{**self._base(), **{
+                field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
+                                                 ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
+                                                 ("parallel.sequence_parallel", "sequence_parallel"),
+                                                 ("parallel.cp_comm", "cp_comm")) if key in p}})
+            message = self.validate_fn(pinned.with_(dp=1))
+            if message and "global_batch_size" not in message:
+                return f"the pinned keys break a rule of the config: {message}"
         needed = self.smallest_fit()
         have = ", ".join(f"{g.name}: {g.devices} x {g.memory_gib:g} GiB" for g in self.cluster.groups)
         pins = " ".join(f"{k}={override_value(v)}" for k, v in sorted(self.pinned.items()))
