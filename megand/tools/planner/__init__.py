@@ -6,5 +6,8 @@ defaults.py  the shipped profiles of common GPUs, with their sources
 cluster.py   the cluster file (groups of identical nodes)
 simulate.py  the pipeline schedules replayed on per-stage forward/backward times
 cost.py      the predicted step time and memory of one layout
-search.py    the layouts worth running, homogeneous and heterogeneous
+layout.py    a candidate layout, its config overrides, and which link each of its process groups spans
+search.py    the layouts worth running, homogeneous and heterogeneous; ``predict_config(cfg, cluster,
+             world_size)`` predicts one given run (a composed training config)
+published.py published large-scale runs against the cost model (the README's table)
 """
