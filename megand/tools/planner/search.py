@@ -10,19 +10,12 @@ timing; the rest are timed in order of a lower bound (the busiest rank's compute
 one can enter the top k (branch and bound), and a plan is kept only if the training config's own
 ``validate()`` accepts it.
 
-Heterogeneous (several groups; H2's HeteroAuto): stages are homogeneous (each on one group) and tp,
-cp and dp are uniform (megand's grid), so every stage has S = tp*cp*dp ranks. A depth-first search
-over dp and over how many stages each group hosts (groups in order of decreasing device memory, so the
-early stages, which hold the most micro-batches in flight under 1F1B, get the largest memories; a large
-group split into several stages) chooses, for each assignment, the per-stage layer counts that
-minimise the slowest stage's time under each stage's memory (a bisection on the stage time, exact for
-that objective), emitted as ``parallel.pipeline_layout``. Assignments whose lower bound cannot beat the
-best plans so far are pruned.
+Heterogeneous (several groups): hetero.py, a depth-first search over dp, the stages each group hosts
+and the per-stage layer split; its candidates go through the same memory check, bound and validate().
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -297,106 +290,11 @@ class Planner:
             scored.append((times.lower_bound(c.pp), c, groups, times))
         return self.best(scored, top)
 
-    # --- heterogeneous --------------------------------------------------------------------------
+    # --- heterogeneous (hetero.py) ----------------------------------------------------------
     def plan_heterogeneous(self, top: int = 5) -> list:
-        groups = sorted(self.cluster.groups, key=lambda g: -g.memory_gib)  # larger memory: earlier stages
-        L = self.shape.layers
-        dpn = min(g.devices_per_node for g in groups)
-        scored = []
-        for tp in self.tp_domain(dpn):
-            for cp in self.cp_domain(tp):
-                max_dp = max(g.devices for g in groups) // (tp * cp)
-                dps = [d for d in range(1, max_dp + 1) if self.gbs % d == 0]
-                for dp in self._dom("parallel.dp", dps):
-                    size = tp * cp * dp
-                    caps = [self._stages_on(g, size) for g in groups]
-                    for counts in self._assignments(caps, L):
-                        stage_groups = [g for g, n in zip(groups, counts) for _ in range(n)]
-                        pp = len(stage_groups)
-                        if pp < 2 or len({g.name for g in stage_groups}) < 2:
-                            continue  # one group only: the homogeneous search covers it
-                        if "parallel.pp" in self.pinned and self.pinned["parallel.pp"] != pp:
-                            continue
-                        for mbs in self.microbatch_domain(dp):
-                            for opts in self.options(tp, cp, dp, pp, dpn):
-                                c = Candidate(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=mbs, **opts,
-                                              **self._base())
-                                if not self._quick_valid(c):
-                                    continue
-                                entry = self._split(c, stage_groups)
-                                if entry:
-                                    scored.append(entry)
-        return self.best(scored, top)
+        from megand.tools.planner.hetero import plan_heterogeneous
 
-    def _stages_on(self, group, size: int) -> int:
-        """Stages of ``size`` ranks a group can host on whole nodes (a stage within a node, or whole nodes)."""
-        dpn = group.devices_per_node
-        if size % dpn and dpn % size:
-            return 0
-        return group.devices // size
-
-    def _assignments(self, caps, L: int, prefix=()):
-        """Depth-first: stages per group (each up to its capacity, pp <= layers)."""
-        if len(prefix) == len(caps):
-            if sum(prefix) >= 1:
-                yield prefix
-            return
-        used = sum(prefix)
-        for n in range(min(caps[len(prefix)], L - used), -1, -1):
-            yield from self._assignments(caps, L, prefix + (n,))
-
-    def _split(self, c: Candidate, stage_groups):
-        """The layer split balancing stage time under memory, with the least recompute that fits:
-        (lower bound, candidate, groups, memory, times), or None if nothing fits."""
-        pinned = self.pinned.get("parallel.pipeline_layout")
-        for recompute in self._dom("train.recompute", RECOMPUTE):
-            base = c.with_(recompute=recompute)
-            layout = tuple(pinned) if pinned else self._balanced_layout(base, stage_groups)
-            if layout is None or len(layout) != c.pp:
-                continue
-            trial = base.with_(pipeline_layout=layout)
-            if self.fits(trial, stage_groups):
-                times = stage_times(self.model, trial, self.gbs, stage_groups)
-                return times.lower_bound(c.pp), trial, list(stage_groups), times
-        return None
-
-    def _balanced_layout(self, c: Candidate, stage_groups):
-        """Layers per stage minimising the slowest stage's time (forward + backward of one micro-batch)
-        subject to each stage's memory; None when the layers cannot fit."""
-        L, pp = self.shape.layers, c.pp
-        if pp > L:
-            return None
-        m = self.gbs // (c.micro_batch_size * c.dp)
-        # per-stage time and memory as a + b * layers, from the model at two layer counts
-        one = c.with_(pipeline_layout=tuple([1] * pp))
-        two = c.with_(pipeline_layout=tuple([2] * pp))
-        t1, t2 = stage_times(self.model, one, self.gbs, stage_groups), stage_times(self.model, two, self.gbs, stage_groups)
-        m1, m2 = stage_memory_gib(self.model, one, m), stage_memory_gib(self.model, two, m)
-        slope = [t2.forward[r] + t2.backward[r] - t1.forward[r] - t1.backward[r] for r in range(pp)]
-        fixed = [t1.forward[r] + t1.backward[r] - slope[r] for r in range(pp)]
-        caps = []
-        for r, g in enumerate(stage_groups):
-            per_layer = m2[r] - m1[r]
-            room = g.memory_gib - (m1[r] - per_layer)
-            caps.append(int(math.floor(room / per_layer + 1e-9)) if per_layer > 0 else L)
-        if sum(min(cap, L) for cap in caps) < L or min(caps) < 1:
-            return None
-
-        def counts(limit):
-            return [max(0, min(caps[r], int(math.floor((limit - fixed[r]) / slope[r] + 1e-9)))) for r in range(pp)]
-
-        lo, hi = 0.0, max(fixed[r] + slope[r] * L for r in range(pp))
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if sum(counts(mid)) >= L and min(counts(mid)) >= 1:
-                hi = mid
-            else:
-                lo = mid
-        n = counts(hi)
-        while sum(n) > L:  # give back layers from the stages that would be slowest
-            r = max((r for r in range(pp) if n[r] > 1), key=lambda r: fixed[r] + slope[r] * n[r])
-            n[r] -= 1
-        return tuple(n) if sum(n) == L and min(n) >= 1 else None
+        return plan_heterogeneous(self, top)
 
     # --- everything ----------------------------------------------------------------------------
     def plan(self, top: int = 5) -> list:
