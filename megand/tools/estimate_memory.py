@@ -37,7 +37,8 @@ query seeing all s keys (all-gather semantics, an upper bound for ring attention
 
 Pipeline: 1F1B keeps min(pp - r, m) micro-batches in flight on stage r (stage 0 is the most loaded);
 the interleaved schedule with v virtual stages keeps min(2·(pp - r - 1) + (v - 1)·pp + 1, m·v) model
-chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0.
+chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0. An uneven
+``parallel.pipeline_layout`` counts each stage's own layers (its chunks at their mean size).
 
 Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_freq == 0):
     weights: the routed experts ``[E, ...]`` are split over ``ep`` (whole experts) and ``etp`` (expert
@@ -102,6 +103,7 @@ class Layout:
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
     ep: int = 1                        # expert-parallel size (carved out of dp·cp)
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
+    pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -139,7 +141,8 @@ class Layout:
                    reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    micro_batch_size=micro,
-                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None)
+                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
+                   pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None)
 
     @property
     def level(self) -> str:
@@ -253,19 +256,28 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     return tokens * (replicated / seq_split + (split + core) / layout.tp) + block
 
 
+def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:
+    """Transformer layers held by pipeline ``stage`` (all its model chunks): from
+    ``layout.pipeline_layout`` when set, else the even split."""
+    if layout.pipeline_layout is not None:
+        return float(sum(layout.pipeline_layout[stage::layout.pp]))
+    return num_layers / layout.pp
+
+
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
     """Layers × micro-batches whose activations are alive at once on pipeline ``stage`` (peak)."""
     pp, m = layout.pp, layout.num_microbatches
     if pp == 1:
         return float(num_layers)  # one micro-batch at a time through every layer
+    layers = stage_layer_count(num_layers, layout, stage)
     if not layout.interleaved:
         inflight = pp - stage if m is None else min(pp - stage, m)
-        return inflight * num_layers / pp
+        return inflight * layers
     v = layout.vpp
     chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1
     if m is not None:
         chunks = min(chunks, m * v)
-    return chunks * num_layers / (pp * v)
+    return chunks * layers / v  # chunks of uneven sizes: counted at this stage's mean chunk size
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:
@@ -277,7 +289,13 @@ def microbatches_in_flight(layout: Layout, stage: int) -> int:
 
 
 def stage_layers(num_layers: int, layout: Layout, stage: int) -> list:
-    """The layer ids of pipeline ``stage`` (even split: contiguous runs, or interleaved chunks with vpp)."""
+    """The layer ids of pipeline ``stage``: virtual stages ``stage, stage + pp, ...`` of
+    ``layout.pipeline_layout`` when set; else the even split (contiguous runs, or interleaved chunks with vpp)."""
+    if layout.pipeline_layout is not None:
+        bounds = [0]
+        for n in layout.pipeline_layout:
+            bounds.append(bounds[-1] + n)
+        return [i for j in range(stage, len(layout.pipeline_layout), layout.pp) for i in range(bounds[j], bounds[j + 1])]
     if layout.interleaved:
         chunk = math.ceil(num_layers / (layout.pp * layout.vpp))
         starts = [(v * layout.pp + stage) * chunk for v in range(layout.vpp)]
@@ -301,11 +319,12 @@ def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) ->
 
 
 def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
-    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (even layer split, rounded up),
-    routed experts included (their share over ep and etp)."""
+    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
+    the even split rounded up), routed experts included (their share over ep and etp)."""
     shape = Shape.from_config(model)
     n_moe = stage_moe_layers(model, layout, stage)
-    layers = math.ceil(shape.layers / layout.pp)
+    layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
+              else math.ceil(shape.layers / layout.pp))
     params = ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
               + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
     # vocab-parallel embedding / output layer, padding rows included (they are allocated)
