@@ -136,7 +136,8 @@ def default_sizes(device_type: str, args):
     while size <= max_bytes:
         messages.append(size)
         size *= 4
-    memory = [1 << 16, 1 << 20] if args.quick else ([1 << 22, 1 << 26] if cuda else [1 << 16, 1 << 20, 1 << 22])
+    # CPU: the sizes of a CPU-sized model's activations (cache-resident, as they are in its steps)
+    memory = [1 << 16, 1 << 20] if args.quick else ([1 << 22, 1 << 26] if cuda else [1 << 16, 1 << 18, 1 << 20])
     return gemm, messages, memory
 
 
