@@ -37,7 +37,8 @@ query seeing all s keys (all-gather semantics, an upper bound for ring attention
 
 Pipeline: 1F1B keeps min(pp - r, m) micro-batches in flight on stage r (stage 0 is the most loaded);
 the interleaved schedule with v virtual stages keeps min(2·(pp - r - 1) + (v - 1)·pp + 1, m·v) model
-chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0.
+chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0. An uneven
+``parallel.pipeline_layout`` counts each stage's own layers (its chunks at their mean size).
 
 Extras: the first stage stores the embedding-dropout mask, the last stage the final-norm and output-layer
 inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
@@ -76,6 +77,7 @@ class Layout:
     micro_batch_size: int = 1
     num_microbatches: Optional[int] = None  # per dp rank and step; None: enough to fill the pipeline
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
+    pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -108,7 +110,8 @@ class Layout:
                    reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    micro_batch_size=micro,
-                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None)
+                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
+                   pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None)
 
     @property
     def level(self) -> str:
@@ -183,19 +186,28 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     return tokens * (replicated / seq_split + (split + core) / layout.tp)
 
 
+def stage_layers(num_layers: int, layout: Layout, stage: int) -> float:
+    """Transformer layers held by pipeline ``stage`` (all its model chunks): from
+    ``layout.pipeline_layout`` when set, else the even split."""
+    if layout.pipeline_layout is not None:
+        return float(sum(layout.pipeline_layout[stage::layout.pp]))
+    return num_layers / layout.pp
+
+
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
     """Layers × micro-batches whose activations are alive at once on pipeline ``stage`` (peak)."""
     pp, m = layout.pp, layout.num_microbatches
     if pp == 1:
         return float(num_layers)  # one micro-batch at a time through every layer
+    layers = stage_layers(num_layers, layout, stage)
     if not layout.interleaved:
         inflight = pp - stage if m is None else min(pp - stage, m)
-        return inflight * num_layers / pp
+        return inflight * layers
     v = layout.vpp
     chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1
     if m is not None:
         chunks = min(chunks, m * v)
-    return chunks * num_layers / (pp * v)
+    return chunks * layers / v  # chunks of uneven sizes: counted at this stage's mean chunk size
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:
@@ -207,9 +219,11 @@ def microbatches_in_flight(layout: Layout, stage: int) -> int:
 
 
 def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
-    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (even layer split, rounded up)."""
+    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
+    the even split rounded up)."""
     shape = Shape.from_config(model)
-    layers = math.ceil(shape.layers / layout.pp)
+    layers = (stage_layers(shape.layers, layout, stage) if layout.pipeline_layout is not None
+              else math.ceil(shape.layers / layout.pp))
     params = layers * layer_params(shape).per_tp_rank(layout.tp)
     word = shape.vocab * shape.hidden / layout.tp  # vocab-parallel embedding / output layer
     if stage == 0:

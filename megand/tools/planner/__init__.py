@@ -1,0 +1,10 @@
+"""The layout planner: a cost model of megand's step (compute, communication, the pipeline schedule,
+memory) and a search over layouts for a homogeneous or heterogeneous cluster.
+
+profile.py   device profiles (GEMM efficiency curve, bandwidths, collectives, overheads) and their file format
+defaults.py  the shipped profiles of common GPUs, with their sources
+cluster.py   the cluster file (groups of identical nodes)
+simulate.py  the pipeline schedules replayed on per-stage forward/backward times
+cost.py      the predicted step time and memory of one layout
+search.py    the layouts worth running, homogeneous and heterogeneous
+"""

@@ -1,0 +1,306 @@
+"""The predicted step time and memory of one layout on its devices.
+
+Per virtual stage and micro-batch, a forward and a backward time:
+
+- compute: every GEMM of the stage's layers at its real shape on this rank (tokens of one micro-batch
+  on this cp rank x the tp shard of the weight), at the profile's peak times the efficiency measured
+  for that shape (profile.gemm_efficiency); the backward is two such products per forward product
+  (input and weight gradients); recomputation adds what it runs again (``full``: the layers' forward,
+  ``selective``: the attention core); the output layer on the last stage;
+- memory-bound work (norms, residual adds, activation function, RoPE, the vocab-parallel loss) as bytes
+  over the profile's ``memory_gbps``;
+- tensor-parallel collectives (two all-reduces per layer and direction, or with sequence parallelism an
+  all-gather and a reduce-scatter each: the same bytes), never overlapped in megand;
+- context-parallel attention: the ring (p2p) overlaps each K/V transfer with a block of attention, so
+  only what exceeds the attention time shows; all_gather and a2a (Ulysses) are not overlapped;
+- ZeRO-2 reduce-scatters per micro-batch and ZeRO-3 parameter gathers, prefetched under the module's
+  compute: only the excess over it shows (at least one bucket);
+- the profile's fixed overheads (per layer and micro-batch, per micro-batch).
+
+The pipeline (simulate.py) replays megand's schedule on those times with the p2p time of each stage
+boundary; then each rank's gradient reduction over dp x cp (all-reduce, or reduce-scatter plus the
+replica all-reduce under hybrid sharding) hides under its last backwards when
+``optim.overlap_grad_reduce`` is on; the optimizer step is memory-bound; the parameter all-gather of
+``optim``/``optim_grads`` hides under the next forward with ``optim.overlap_param_gather``. The step
+is the slowest rank's. Memory per stage is megand/tools/estimate_memory.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megand.models.flops import Shape, flops_per_iteration
+from megand.tools.estimate_memory import Layout, estimate_memory, stage_params
+from megand.tools.planner.layout import Candidate, place, spanned_links
+from megand.tools.planner.profile import collective_time, gemm_time
+from megand.tools.planner.simulate import simulate
+
+GIB = 2 ** 30
+ADAM_BYTES_PER_MAIN_PARAM = 36  # read fp32 grad, param, m, v; write param, m, v; model copy; grad norm read
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float      # hardware FLOP/s per device (recomputation included, as Megatron counts)
+    mfu: float                    # model FLOPs (no recomputation) over the devices' summed peak
+    bubble_fraction: float
+    mem_peak_gib: list            # per pipeline stage
+    memory_gib: list              # per pipeline stage: the device memory
+    parts: dict = field(default_factory=dict)  # seconds of the step's pieces, for people
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= cap for m, cap in zip(self.mem_peak_gib, self.memory_gib))
+
+    def as_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+                "bubble_fraction": self.bubble_fraction, "mem_peak_gib": self.mem_peak_gib}
+
+
+def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
+    """The estimator's layout for a candidate (16-bit runs use SDPA's flash kernel: no s x s stored)."""
+    return Layout(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sequence_parallel,
+                  sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
+                  reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
+                  micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout)
+
+
+def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
+    """Peak GiB of each pipeline stage's most loaded rank."""
+    est = estimate_memory(model, memory_layout(c, num_microbatches), stages=range(c.pp))
+    return [st.total_bytes / GIB for st in est.stages]
+
+
+def virtual_stage_layers(num_layers: int, c: Candidate) -> list:
+    stages = c.pp * (c.vpp or 1)
+    if c.pipeline_layout is not None:
+        return list(c.pipeline_layout)
+    return [num_layers / stages] * stages
+
+
+def _elem(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass
+class LayerTimes:
+    """One transformer layer, one micro-batch, on one rank: seconds by kind."""
+
+    gemm_fwd: float
+    attn_fwd: float        # the attention core's products (part of what recomputation reruns)
+    mem_fwd: float
+    tp_fwd: float
+    cp_fwd: float
+    cp_bwd: float
+    overhead: float
+
+    def forward(self) -> float:
+        return self.gemm_fwd + self.attn_fwd + self.mem_fwd + self.tp_fwd + self.cp_fwd + self.overhead / 3
+
+    def backward(self, recompute: str) -> float:
+        t = 2 * (self.gemm_fwd + self.attn_fwd + self.mem_fwd) + self.tp_fwd + self.cp_bwd + 2 * self.overhead / 3
+        if recompute == "full":
+            t += self.gemm_fwd + self.attn_fwd + self.mem_fwd + self.tp_fwd + self.cp_fwd
+        elif recompute == "selective":
+            t += self.attn_fwd
+        return t
+
+
+def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str) -> LayerTimes:
+    h, f, kv, s, e = shape.hidden, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
+    tp, cp = c.tp, c.cp
+    tokens = c.micro_batch_size * s / cp
+    mlp_in = (2 if shape.swiglu else 1) * f
+    gemm = (gemm_time(profile, tokens, (h + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, h / tp)
+            + gemm_time(profile, tokens, mlp_in / tp, h) + gemm_time(profile, tokens, h, f / tp))
+    # attention core: scores and context, 4*s*h FLOPs per token over the local heads (flops.py's count),
+    # run as batched [s/cp, d] x [d, s] products
+    heads = shape.heads / tp
+    attn_flops = 4.0 * tokens * s * h / tp
+    unit = gemm_time(profile, s / cp, s, shape.head_dim)  # one head's scores product
+    unit_flops = 2.0 * (s / cp) * s * shape.head_dim
+    attn = attn_flops * unit / unit_flops if unit_flops else 0.0
+    split = tp if c.sequence_parallel and tp > 1 else 1
+    act = (3 if shape.swiglu else 2) * f / tp
+    rope = 4 * (h + kv) / tp if not shape.learned_positions else 0
+    mem_bytes = e * tokens * ((4 * h + 6 * h) / split + act + rope)  # norms r/w, residual adds, activation, rope
+    if not c.fused:  # s x s scores written, softmax read and written, probabilities read by the context product
+        mem_bytes += 4 * e * tokens * heads * s
+    mem = mem_bytes / (profile.memory_gbps * 1e9)
+    act_bytes = tokens * h * e  # one full activation of the micro-batch on this cp rank
+    if tp > 1:
+        if c.sequence_parallel:
+            tp_fwd = 2 * (collective_time(profile, "all_gather", act_bytes, tp, tp_link)
+                          + collective_time(profile, "reduce_scatter", act_bytes, tp, tp_link))
+        else:
+            tp_fwd = 2 * collective_time(profile, "all_reduce", act_bytes, tp, tp_link)
+    else:
+        tp_fwd = 0.0
+    cp_fwd = cp_bwd = 0.0
+    if cp > 1:
+        kv_bytes = 2 * tokens * kv / tp * e  # this rank's K and V
+        if c.cp_comm == "p2p":  # ring: cp-1 transfers, each under a block of attention
+            ring = (cp - 1) * collective_time(profile, "p2p", kv_bytes, 2, cp_link)
+            cp_fwd = max(0.0, ring - attn)
+            cp_bwd = max(0.0, 2 * ring - 2 * attn)  # K/V again and their gradients
+        elif c.cp_comm == "all_gather":
+            cp_fwd = collective_time(profile, "all_gather", cp * kv_bytes, cp, cp_link)
+            cp_bwd = collective_time(profile, "reduce_scatter", cp * kv_bytes, cp, cp_link) + cp_fwd
+        else:  # a2a: q, k, v in and the context out, re-sharded between heads and sequence
+            moved = tokens * (2 * h + 2 * kv) / tp * e
+            cp_fwd = collective_time(profile, "all_to_all", moved, cp, cp_link) + 3 * profile.collectives[cp_link]["all_to_all"]["alpha_s"]
+            cp_bwd = cp_fwd
+    overhead = profile.overhead_s.get("per_layer_step", 0.0)
+    return LayerTimes(gemm_fwd=gemm, attn_fwd=attn, mem_fwd=mem, tp_fwd=tp_fwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd,
+                      overhead=overhead)
+
+
+def _edge_times(shape: Shape, c: Candidate, profile, tp_link: str, first: bool, last: bool):
+    """Forward and backward seconds of the embedding (first stage) and output layer + loss (last stage)."""
+    tokens = c.micro_batch_size * shape.seq / c.cp
+    e, h, tp = _elem(c.precision), shape.hidden, c.tp
+    fwd = bwd = 0.0
+    act_bytes = tokens * h * e
+    if first:
+        fwd += 2 * act_bytes / (profile.memory_gbps * 1e9)
+        bwd += 2 * act_bytes / (profile.memory_gbps * 1e9)
+        if tp > 1:  # vocab-parallel embedding: all-reduce (or reduce-scatter under sp) of its output
+            fwd += collective_time(profile, "all_reduce", act_bytes, tp, tp_link)
+    if last:
+        logits = gemm_time(profile, tokens, shape.vocab / tp, h)
+        loss_bytes = 4 * tokens * shape.vocab / tp * 3  # fp32 logits: softmax read/write, gradient
+        fwd += logits + loss_bytes / 2 / (profile.memory_gbps * 1e9)
+        bwd += 2 * logits + loss_bytes / 2 / (profile.memory_gbps * 1e9)
+        if tp > 1:
+            bwd += collective_time(profile, "all_reduce", act_bytes, tp, tp_link)
+    return fwd, bwd
+
+
+def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> Prediction:
+    """The step of candidate ``c`` with pipeline stage r on cluster group ``stage_groups[r]``."""
+    shape = Shape.from_config(model)
+    m = global_batch_size // (c.micro_batch_size * c.dp)
+    v = c.vpp or 1
+    stages = c.pp * v
+    placement = place(c, stage_groups)
+    links = spanned_links(c, placement)
+    layers = virtual_stage_layers(shape.layers, c)
+    elem = _elem(c.precision)
+    forward, backward = [], []
+    for s in range(stages):
+        r = s % c.pp
+        prof = stage_groups[r].profile
+        lt = layer_times(shape, c, prof, links["tp"][r], links["cp"][r])
+        f = layers[s] * lt.forward()
+        b = layers[s] * lt.backward(c.recompute)
+        ef, eb = _edge_times(shape, c, prof, links["tp"][r], s == 0, s == stages - 1)
+        f, b = f + ef, b + eb
+        if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
+            f += prof.overhead_s.get("per_microbatch", 0.0)
+        f, b = _add_sharded_comm(model, c, prof, links, r, s, layers[s], f, b, elem)
+        forward.append(f)
+        backward.append(b)
+    p2p = []
+    tokens = c.micro_batch_size * shape.seq / c.cp
+    act_bytes = tokens * shape.hidden * elem / (c.tp if c.sequence_parallel and c.tp > 1 else 1)
+    for s in range(stages - 1):
+        r, nxt = s % c.pp, (s + 1) % c.pp
+        link = links["pp"][r] if nxt == r + 1 else _wrap_link(links, c)
+        p2p.append(max(collective_time(stage_groups[r].profile, "p2p", act_bytes, 2, link),
+                       collective_time(stage_groups[nxt].profile, "p2p", act_bytes, 2, link)))
+    timeline = simulate(c.pp, c.vpp, m, forward, backward, p2p)
+
+    ends, opt_times = [], []
+    for r in range(c.pp):
+        prof = stage_groups[r].profile
+        grad_exposed, param_exposed, opt = _data_parallel_tail(model, c, prof, links, r, timeline, forward, m)
+        ends.append(timeline.finish[r] + grad_exposed)
+        opt_times.append(opt + param_exposed)
+    world = c.world_size
+    norm_sync = collective_time(stage_groups[0].profile, "all_reduce", 8, world,
+                                "inter_node" if len(placement.nodes) > 1 else "intra_node")
+    per_step = max(g.profile.overhead_s.get("per_step", 0.0) for g in stage_groups)
+    step = max(ends) + max(opt_times) + norm_sync + per_step
+    flops = flops_per_iteration(model, global_batch_size, c.recompute)
+    peak_sum = sum(g.profile.peak_tflops for g in stage_groups) * c.stage_size * 1e12
+    mem = stage_memory_gib(model, c, m)
+    return Prediction(
+        step_time_s=step, tokens_per_s=flops["tokens"] / step,
+        tflops_per_device=flops["hardware_flops"] / step / world / 1e12,
+        mfu=flops["model_flops"] / step / peak_sum, bubble_fraction=timeline.bubble_fraction,
+        mem_peak_gib=mem, memory_gib=[g.memory_gib for g in stage_groups],
+        parts={"pipeline_s": timeline.makespan, "grad_sync_exposed_s": max(ends) - timeline.makespan,
+               "optimizer_s": max(opt_times), "microbatches": m,
+               "forward_s": forward, "backward_s": backward})
+
+
+def _wrap_link(links, c: Candidate) -> str:
+    """Interleaving sends from the last rank back to the first between model chunks."""
+    return "inter_node" if "inter_node" in links["pp"] else "intra_node"
+
+
+def _dp_size(c: Candidate) -> int:
+    return c.dp * c.cp
+
+
+def _chunk_params(model: dict, c: Candidate, layers: float) -> float:
+    shape = Shape.from_config(model)
+    from megand.models.flops import layer_params
+
+    return layers * layer_params(shape).per_tp_rank(c.tp)
+
+
+def _add_sharded_comm(model, c: Candidate, prof, links, r: int, s: int, layers: float, f: float, b: float, elem):
+    """ZeRO-2's per-micro-batch gradient reduce-scatter and ZeRO-3's parameter gathers, prefetched
+    under the chunk's compute: only their excess (at least one bucket) adds to the chunk's time."""
+    d = c.dp_shard or _dp_size(c)
+    if d <= 1 or c.sharding not in ("optim_grads", "optim_grads_params"):
+        return f, b
+    link = links["dp_shard"][r]
+    params = _chunk_params(model, c, layers)
+    bucket = min(1.0, c.bucket_size / max(params, 1.0))
+    rs = collective_time(prof, "reduce_scatter", 4 * params, d, link)
+    b_comm = rs
+    f_comm = 0.0
+    if c.sharding == "optim_grads_params":
+        ag = collective_time(prof, "all_gather", elem * params, d, link)
+        f_comm = ag
+        if c.reshard_after_forward:
+            b_comm += ag
+    f += max(f_comm * bucket, f_comm - f)
+    b += max(b_comm * bucket, b_comm - b)
+    return f, b
+
+
+def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, forward, m: int):
+    """(exposed gradient reduction after the last backward, exposed parameter gather, optimizer seconds)."""
+    layout = memory_layout(c, m)
+    params = stage_params(model, layout, r)
+    d = _dp_size(c)
+    shard = c.dp_shard or d
+    level = c.sharding if d > 1 else "none"
+    main_params = params / (shard if level != "none" else 1)
+    opt = main_params * ADAM_BYTES_PER_MAIN_PARAM / (prof.memory_gbps * 1e9)
+    if d <= 1:
+        return 0.0, 0.0, opt
+    bucket = min(1.0, c.bucket_size / max(params, 1.0))
+    grad_bytes = 4 * params
+    if level == "none":
+        reduce = collective_time(prof, "all_reduce", grad_bytes, d, links["dp_cp"][r])
+    else:
+        reduce = 0.0 if level in ("optim_grads", "optim_grads_params") else \
+            collective_time(prof, "reduce_scatter", grad_bytes, shard, links["dp_shard"][r])
+        if shard < d:  # hybrid sharding: the shard's gradient is all-reduced over the replicas
+            reduce += collective_time(prof, "all_reduce", grad_bytes / shard, d // shard, links["dp_replica"][r])
+    window = timeline.last_backward[r] if c.overlap_grad_reduce else 0.0
+    grad_exposed = max(reduce * bucket, reduce - window) if c.overlap_grad_reduce else reduce
+    param_exposed = 0.0
+    if level in ("optim", "optim_grads"):
+        gather = collective_time(prof, "all_gather", _elem(c.precision) * params, shard, links["dp_shard"][r])
+        first_forward = sum(forward[s] for s in range(r, len(forward), c.pp))
+        param_exposed = max(gather * bucket, gather - first_forward) if c.overlap_param_gather else gather
+    return grad_exposed, param_exposed, opt

@@ -1,0 +1,109 @@
+"""Replay megand's pipeline schedules on per-stage forward/backward times.
+
+Each pipeline rank runs its forwards and backwards in exactly the order of
+megand/core/pipeline_parallel/schedules.py (1F1B: ``pp - r - 1`` warm-up forwards, then one forward and
+one backward, then the remaining backwards; interleaved: Megatron's chunk order over groups of pp
+micro-batches). An operation starts when its rank is free and its input has arrived: the previous
+virtual stage's forward of the same micro-batch (plus the p2p time of that boundary), or the next
+virtual stage's backward. The step's pipeline time, each rank's busy time and the bubble come out of
+the replay, so uneven stages, interleaving and slow links are accounted as they happen, not by the
+equal-stage formula ``(p - 1) / (m + p - 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def rank_operations(pp: int, vpp: int | None, m: int, rank: int) -> list:
+    """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F or B).
+
+    Virtual stage ``c * pp + rank`` is this rank's chunk ``c`` (megand/core/pipeline_parallel/layout.py).
+    """
+    v = vpp or 1
+    if pp == 1 or v == 1:
+        warmup = min(pp - rank - 1, m)
+        ops = [("F", rank, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            ops += [("F", rank, warmup + i), ("B", rank, i)]
+        ops += [("B", rank, i) for i in range(m - warmup, m)]
+        return ops
+    if m % pp:
+        raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of pp={pp}")
+    total = m * v
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+
+    def chunk(k, forward):
+        c = (k % (pp * v)) // pp
+        return c if forward else v - 1 - c
+
+    def micro(k):
+        return (k // (pp * v)) * pp + k % pp
+
+    ops = [("F", chunk(k, True) * pp + rank, micro(k)) for k in range(warmup)]
+    for k in range(total - warmup):
+        fk = k + warmup
+        ops += [("F", chunk(fk, True) * pp + rank, micro(fk)), ("B", chunk(k, False) * pp + rank, micro(k))]
+    ops += [("B", chunk(k, False) * pp + rank, micro(k)) for k in range(total - warmup, total)]
+    return ops
+
+
+@dataclass
+class Timeline:
+    makespan: float              # first operation's start to the last one's end, over all ranks
+    busy: list                   # per rank: seconds spent in forwards and backwards
+    finish: list                 # per rank: when its last backward ends
+    last_backward: list          # per rank: seconds of its backwards after its last forward (the
+                                 # window in which overlapped gradient reduction can hide)
+    ops: dict                    # (kind, virtual_stage, microbatch) -> (start, end)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over ranks of the time a rank waits, as a fraction of the pipeline time."""
+        if self.makespan <= 0:
+            return 0.0
+        return sum(1.0 - b / self.makespan for b in self.busy) / len(self.busy)
+
+
+def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None) -> Timeline:
+    """Replay the schedule. ``forward[s]``/``backward[s]``: seconds of one micro-batch on virtual stage
+    ``s`` (``pp * vpp`` entries); ``p2p[s]``: seconds to send an activation (or its gradient) across
+    the boundary between virtual stages ``s`` and ``s + 1`` (the sender does not wait for it)."""
+    stages = pp * (vpp or 1)
+    if len(forward) != stages or len(backward) != stages:
+        raise ValueError(f"need {stages} forward and backward times, got {len(forward)} and {len(backward)}")
+    p2p = list(p2p) if p2p is not None else [0.0] * max(stages - 1, 0)
+    orders = [rank_operations(pp, vpp, m, r) for r in range(pp)]
+    position, free = [0] * pp, [0.0] * pp
+    busy, done = [0.0] * pp, {}
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                kind, s, i = orders[r][position[r]]
+                if kind == "F":
+                    dep = ("F", s - 1, i) if s > 0 else None
+                    ready = 0.0 if dep is None else (done[dep][1] + p2p[s - 1] if dep in done else None)
+                    cost = forward[s]
+                else:
+                    dep = ("B", s + 1, i) if s < stages - 1 else ("F", s, i)
+                    extra = p2p[s] if s < stages - 1 else 0.0
+                    ready = done[dep][1] + extra if dep in done else None
+                    cost = backward[s]
+                if ready is None:
+                    break
+                start = max(free[r], ready)
+                done[(kind, s, i)] = (start, start + cost)
+                free[r] = start + cost
+                busy[r] += cost
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule replay deadlocked (pp={pp}, vpp={vpp}, m={m}): a bug")
+    last_backward = []
+    for r in range(pp):
+        last_f = max(i for i, op in enumerate(orders[r]) if op[0] == "F")
+        last_backward.append(sum(done[op][1] - done[op][0] for op in orders[r][last_f + 1:]))
+    return Timeline(makespan=max(free), busy=busy, finish=list(free), last_backward=last_backward, ops=done)
