@@ -128,23 +128,41 @@ def report(rows, top_label, log=print) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", required=True, help="profile JSON from tools/calibrate.py")
+    p.add_argument("--profile", default=None, help="profile JSON from tools/calibrate.py (needed for predictions)")
     p.add_argument("--rounds", type=int, default=2, help="measurements of each layout (median)")
     p.add_argument("--only", nargs="*", default=None, help="a subset of the layouts (labels)")
+    p.add_argument("--measured", default=None,
+                   help="a JSON of earlier measurements ({label: [seconds per round]}): reused, and the new ones "
+                        "added to it (to iterate on the cost model without measuring again)")
     p.add_argument("--json", default=None, help="write the rows and the summary here")
     args = p.parse_args(argv)
-    cluster = cluster_of(args.profile)
     layouts = {k: v for k, v in LAYOUTS.items() if args.only is None or k in args.only}
-    top = top_plan(cluster, MODEL)
-    top_label = next((k for k, v in layouts.items() if predicted_same(v, top)), None)
-    if top_label is None:
-        top_label = "planner top"
-        layouts[top_label] = top
-    print(f"planner's top plan: {' '.join(top)} ({top_label}); load average {load_average()}")
-    runs = {label: [*MODEL, *RUN, *overrides] for label, overrides in layouts.items()}
-    times = measure_rounds(runs, args.rounds, WORLD)
-    rows = [{"label": label, "overrides": layouts[label], "rounds_s": times[label],
-             "measured_s": statistics.median(times[label]),
+    cluster = top = None
+    if args.profile:
+        cluster = cluster_of(args.profile)
+        top = top_plan(cluster, MODEL)
+        top_label = next((k for k, v in layouts.items() if predicted_same(v, top)), "planner top")
+        layouts.setdefault(top_label, top)
+        print(f"planner's top plan: {' '.join(top)} ({top_label}); load average {load_average()}")
+    known = {}
+    if args.measured and os.path.exists(args.measured):
+        with open(args.measured) as f:
+            known = json.load(f)
+    todo = {label: [*MODEL, *RUN, *o] for label, o in layouts.items()
+            if label not in known or (label == "planner top" and known.get("planner top overrides") != o)}
+    print(f"measuring {len(todo)} layouts x {args.rounds} rounds on {WORLD} ranks; load average {load_average()}")
+    known.update(measure_rounds(todo, args.rounds, WORLD))
+    if "planner top" in todo:
+        known["planner top overrides"] = layouts["planner top"]
+    if args.measured:
+        with open(args.measured, "w") as f:
+            json.dump(known, f, indent=1)
+    if cluster is None:
+        for label in layouts:
+            print(f"{label:<20} {statistics.median(known[label]) * 1e3:10.1f} ms  rounds {known[label]}")
+        return 0
+    rows = [{"label": label, "overrides": layouts[label], "rounds_s": known[label],
+             "measured_s": statistics.median(known[label]),
              "predicted_s": predicted_step_s([*MODEL, *layouts[label]], cluster)} for label in layouts]
     summary = report(rows, top_label)
     if args.json:

@@ -179,31 +179,20 @@ def measure_collectives(device, messages, quick: bool) -> tuple[dict, dict, list
     return fitted, raw, notes
 
 
-def gemm_rate_near(points, m: int, n: int, k: int) -> float:
-    """TFLOP/s of the measured point nearest to (m, n, k) in log space (the overhead fit's compute model)."""
-    import math
+def modelled_compute_s(cfg, gemm_points, memory_gbps: float, collectives: dict) -> float:
+    """The planner's step time of a one-process overhead run on this rank's figures, overheads left out:
+    what the fitted overheads must add to it is the framework's cost."""
+    from megand.tools.calibration.predict import one_device_group, predict_config
+    from megand.tools.planner.profile import Profile
 
-    def distance(p):
-        return sum((math.log(p[d]) - math.log(v)) ** 2 for d, v in (("m", m), ("n", n), ("k", k)))
-
-    return min(points, key=distance)["tflops"]
-
-
-def modelled_compute_s(model_cfg, layers: int, microbatches: int, micro_batch_size: int, gemm_points) -> float:
-    """The matmul time of a one-process step of the overhead runs: hardware FLOPs at the rate of the
-    measured GEMM nearest to the layer's shape (the framework costs are what is left beyond it)."""
-    from megand.models.flops import flops_per_iteration
-
-    model = {**model_cfg, "num_layers": layers}
-    flops = flops_per_iteration(model, microbatches * micro_batch_size)["hardware_flops"]
-    tokens, hidden = micro_batch_size * int(model["seq_length"]), int(model["hidden_size"])
-    return flops / (gemm_rate_near(gemm_points, tokens, hidden, hidden) * 1e12)
+    profile = Profile.from_dict({"name": "this rank, no overheads", "peak_tflops": max(p["tflops"] for p in gemm_points),
+                                 "gemm": gemm_points, "memory_gbps": memory_gbps, "collectives": collectives})
+    return predict_config(cfg, 1, [one_device_group(profile)]).step_time_s
 
 
-def measure_overheads(overrides, gemm_points, quick: bool) -> tuple[dict, list[dict]]:
+def measure_overheads(overrides, gemm_points, memory_gbps: float, collectives: dict, quick: bool) -> tuple[dict, list[dict]]:
     """Fitted overheads and the runs behind them (each rank runs the same design, all at once)."""
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
     from megand.tools.calibration import overheads as oh
     from megand.tools.calibration.fit import fit_overheads
@@ -217,14 +206,13 @@ def measure_overheads(overrides, gemm_points, quick: bool) -> tuple[dict, list[d
             cfg = compose(run)
             dist.barrier()  # every rank's run at the same time: the contention of a job of this size
             measured = oh.one_process_step_seconds(run, workdir)
-            model = OmegaConf.to_container(cfg.model, resolve=True)
-            modelled = modelled_compute_s(model, layers, microbatches, int(cfg.train.micro_batch_size), gemm_points)
+            modelled = modelled_compute_s(cfg, gemm_points, memory_gbps, collectives)
             samples.append({"layers": layers, "microbatches": microbatches, "measured_s": measured,
                             "modelled_s": modelled})
     return fit_overheads(samples), samples
 
 
-def rank_measurements(args, device, dtype_name: str) -> dict:
+def rank_measurements(args, device, dtype_name: str, collectives: dict) -> dict:
     """This rank's compute figures: GEMM points, memory-bound bandwidth, overheads."""
     import torch
 
@@ -238,7 +226,8 @@ def rank_measurements(args, device, dtype_name: str) -> dict:
     if args.no_overheads:
         overheads, runs = {"per_layer_step": 0.0, "per_microbatch": 0.0, "per_step": 0.0}, []
     else:
-        overheads, runs = measure_overheads(args.overrides, gemm, args.quick)
+        memory_gbps = statistics.median(p["gbps"] for p in bandwidth)
+        overheads, runs = measure_overheads(args.overrides, gemm, memory_gbps, collectives, args.quick)
     return {"gemm": gemm, "bandwidth": bandwidth, "overheads": overheads, "overhead_runs": runs}
 
 
@@ -298,8 +287,8 @@ def calibrate(args) -> int:
         dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
         _, messages, _ = default_sizes(device.type, args)
         start_load = load_average()
-        mine = rank_measurements(args, device, dtype)
         collectives, raw, notes = measure_collectives(device, messages, args.quick)
+        mine = rank_measurements(args, device, dtype, collectives)
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         if args.per_rank:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from megand.tools.calibrate import build_profile, gemm_rate_near, rank_path
+from megand.tools.calibrate import build_profile, modelled_compute_s, rank_path
 from megand.tools.calibration.fit import (bus_factor, fit_alpha_beta, fit_overheads, nonnegative_lstsq,
                                           predict_overheads)
 from megand.tools.calibration.overheads import DESIGN, steady_step_seconds
@@ -125,10 +125,35 @@ def test_profile_in_the_planner_format():
     json.dumps(profile)  # plain JSON
 
 
-def test_gemm_rate_near_picks_the_closest_shape_in_log_space():
-    points = rank_figures(1)["gemm"]
-    assert gemm_rate_near(points, 32, 128, 64) == 0.01
-    assert gemm_rate_near(points, 256, 1024, 512) == 0.1
+def flat_profile_dict(tflops=0.05, overheads=None):
+    coll = {link: {op: {"alpha_s": 1e-5, "gbps": 1.0} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p",
+                                                                  "all_to_all")} for link in ("intra_node", "inter_node")}
+    gemm = [{"m": m, "n": n, "k": k, "tflops": tflops} for m in (32, 2048) for n in (32, 2048) for k in (32, 2048)]
+    return {"name": "flat", "peak_tflops": tflops, "gemm": gemm, "memory_gbps": 20.0, "collectives": coll,
+            "overhead_s": overheads or {}}
+
+
+def test_fitted_overheads_are_the_ones_the_planner_adds():
+    """Steps 'measured' as the planner's prediction with known overheads: the fit, on the planner's
+    prediction without them, recovers those overheads (the fit's formula is how the planner applies them)."""
+    from megand.tools.calibration.overheads import run_overrides
+    from megand.tools.calibration.predict import one_device_group, predict_config
+    from megand.tools.planner.profile import Profile
+    from megand.training.config import compose
+
+    truth = {"per_layer_step": 7e-4, "per_microbatch": 3e-4, "per_step": 2e-3}
+    with_overheads = one_device_group(Profile.from_dict(flat_profile_dict(overheads=truth)))
+    bare = flat_profile_dict()
+    runs = []
+    for layers, m in DESIGN:
+        cfg = compose(run_overrides(layers, m))
+        modelled = modelled_compute_s(cfg, bare["gemm"], bare["memory_gbps"], bare["collectives"])
+        measured = predict_config(cfg, 1, [with_overheads]).step_time_s
+        assert modelled > 0 and measured > modelled
+        runs.append({"layers": layers, "microbatches": m, "measured_s": measured, "modelled_s": modelled})
+    fit = fit_overheads(runs)
+    for key, value in truth.items():
+        assert fit[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (key, fit)
 
 
 def test_rank_paths():

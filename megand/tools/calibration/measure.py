@@ -37,16 +37,20 @@ def gemm_shapes(sizes) -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in sizes for n in sizes for k in sizes]
 
 
-def measure_gemm(device: torch.device, dtype: torch.dtype, shapes, min_time: float = 0.05) -> list[dict]:
-    """TFLOP/s of ``(m x k) @ (k x n)`` for each shape (2 m n k FLOPs)."""
-    points = []
-    for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds = time_call(lambda: torch.mm(a, b, out=out), device, min_time)
-        points.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
-    return points
+def measure_gemm(device: torch.device, dtype: torch.dtype, shapes, min_time: float = 0.05, passes: int = 3) -> list[dict]:
+    """TFLOP/s of ``(m x k) @ (k x n)`` for each shape (2 m n k FLOPs): the median of ``passes`` sweeps
+    over the whole grid, so that a busy period of a shared machine spreads over every shape instead of
+    slowing a block of neighbouring ones."""
+    shapes = list(shapes)
+    seconds = [[] for _ in shapes]
+    for _ in range(passes):
+        for i, (m, n, k) in enumerate(shapes):
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            seconds[i].append(time_call(lambda: torch.mm(a, b, out=out), device, min_time / passes))
+    return [{"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / statistics.median(t) / 1e12}
+            for (m, n, k), t in zip(shapes, seconds)]
 
 
 def memory_bound_ops(numel: int, device: torch.device, dtype: torch.dtype):
