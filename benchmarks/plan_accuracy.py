@@ -26,7 +26,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_runs import ROOT, load_average, measure_rounds, spearman  # noqa: E402
+from plan_runs import ROOT, load_average, measure_rounds, run_ranks, spearman, wait_for_quiet  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
@@ -65,36 +65,23 @@ def cluster_of(profile_path: str, devices: int = WORLD, memory_gib: float = 8.0)
     return parse_cluster(data, profile=Profile.load(profile_path))
 
 
-def candidate_of(cfg, world: int):
-    """The planner's Candidate for a composed run config."""
-    from megand.core.parallel_state import ParallelSizes
-    from megand.tools.planner.layout import Candidate
-
-    p, t, o = cfg.parallel, cfg.train, cfg.optim
-    sizes = ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Candidate(tp=sizes.tp, pp=sizes.pp, vpp=p.vpp, cp=sizes.cp, dp=sizes.dp,
-                     sequence_parallel=bool(p.sequence_parallel), sharding=o.sharding, dp_shard=p.dp_shard,
-                     micro_batch_size=t.micro_batch_size, recompute=t.recompute, cp_comm=p.cp_comm,
-                     precision=t.precision,
-                     pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout is not None else None,
-                     overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
-                     reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order)
-
-
 def predicted_step_s(overrides, cluster, stage_groups=None) -> float:
     """The planner's step time for a run config (stage r on ``stage_groups[r]``; default: the first group)."""
-    from omegaconf import OmegaConf
-
-    from megand.tools.planner.cost import predict
+    from megand.tools.calibration.predict import candidate_of, predict_config
     from megand.training.config import compose, validate
 
     cfg = compose(overrides)
     validate(cfg, WORLD)
-    c = candidate_of(cfg, WORLD)
-    groups = stage_groups or [cluster.groups[0]] * c.pp
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    return predict(model, c, int(cfg.train.global_batch_size), groups).step_time_s
+    groups = stage_groups or [cluster.groups[0]] * candidate_of(cfg, WORLD).pp
+    return predict_config(cfg, WORLD, groups).step_time_s
+
+
+def calibrate(profile: str, quiet) -> None:
+    """``tools/calibrate.py`` on WORLD local ranks (the launcher of the measured runs), into ``profile``."""
+    wait_for_quiet(quiet)
+    print(f"calibrating into {profile}; load average {load_average()}", flush=True)
+    run_ranks(["-m", "megand.tools.calibrate", "--output", profile], WORLD)
+    print(f"calibrated; load average {load_average()}", flush=True)
 
 
 def top_plan(cluster, pinned) -> list[str]:
@@ -128,39 +115,44 @@ def report(rows, top_label, log=print) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", default=None, help="profile JSON from tools/calibrate.py (needed for predictions)")
+    p.add_argument("--profile", required=True, help="profile JSON from tools/calibrate.py")
+    p.add_argument("--calibrate", action="store_true", help="calibrate first (2 ranks), writing --profile")
     p.add_argument("--rounds", type=int, default=2, help="measurements of each layout (median)")
     p.add_argument("--only", nargs="*", default=None, help="a subset of the layouts (labels)")
+    p.add_argument("--quiet", type=int, default=2,
+                   help="before each run wait (30 s at most) until at most this many processes are runnable "
+                        "(shared machines); -1: never wait")
     p.add_argument("--measured", default=None,
                    help="a JSON of earlier measurements ({label: [seconds per round]}): reused, and the new ones "
-                        "added to it (to iterate on the cost model without measuring again)")
+                        "added to it after each run (iterate on the cost model without measuring again)")
     p.add_argument("--json", default=None, help="write the rows and the summary here")
     args = p.parse_args(argv)
+    quiet = None if args.quiet < 0 else args.quiet
+    if args.calibrate:
+        calibrate(args.profile, quiet)
+    cluster = cluster_of(args.profile)
     layouts = {k: v for k, v in LAYOUTS.items() if args.only is None or k in args.only}
-    cluster = top = None
-    if args.profile:
-        cluster = cluster_of(args.profile)
-        top = top_plan(cluster, MODEL)
-        top_label = next((k for k, v in layouts.items() if predicted_same(v, top)), "planner top")
-        layouts.setdefault(top_label, top)
-        print(f"planner's top plan: {' '.join(top)} ({top_label}); load average {load_average()}")
+    top = top_plan(cluster, MODEL)
+    top_label = next((k for k, v in layouts.items() if predicted_same(v, top)), "planner top")
+    layouts.setdefault(top_label, top)
+    print(f"planner's top plan: {' '.join(top)} ({top_label}); load average {load_average()}")
     known = {}
     if args.measured and os.path.exists(args.measured):
         with open(args.measured) as f:
             known = json.load(f)
-    todo = {label: [*MODEL, *RUN, *o] for label, o in layouts.items()
-            if label not in known or (label == "planner top" and known.get("planner top overrides") != o)}
-    print(f"measuring {len(todo)} layouts x {args.rounds} rounds on {WORLD} ranks; load average {load_average()}")
-    known.update(measure_rounds(todo, args.rounds, WORLD))
-    if "planner top" in todo:
-        known["planner top overrides"] = layouts["planner top"]
-    if args.measured:
-        with open(args.measured, "w") as f:
-            json.dump(known, f, indent=1)
-    if cluster is None:
-        for label in layouts:
-            print(f"{label:<20} {statistics.median(known[label]) * 1e3:10.1f} ms  rounds {known[label]}")
-        return 0
+    if known.get("planner top overrides") != layouts.get("planner top"):
+        known.pop("planner top", None)
+    todo = {label: [*MODEL, *RUN, *o] for label, o in layouts.items() if label not in known}
+
+    def record(times):
+        if args.measured:
+            with open(args.measured, "w") as f:
+                json.dump({**known, **{k: v for k, v in times.items() if v},
+                           "planner top overrides": layouts.get("planner top")}, f, indent=1)
+
+    print(f"measuring {len(todo)} layouts x {args.rounds} rounds on {WORLD} ranks; load average {load_average()}",
+          flush=True)
+    known.update(measure_rounds(todo, args.rounds, WORLD, quiet=quiet, record=record))
     rows = [{"label": label, "overrides": layouts[label], "rounds_s": known[label],
              "measured_s": statistics.median(known[label]),
              "predicted_s": predicted_step_s([*MODEL, *layouts[label]], cluster)} for label in layouts]

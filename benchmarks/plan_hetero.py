@@ -67,16 +67,12 @@ def plan(cluster):
 
 
 def predicted_step_s(overrides, stage_groups) -> float:
-    from plan_accuracy import candidate_of
-    from omegaconf import OmegaConf
-
-    from megand.tools.planner.cost import predict
+    from megand.tools.calibration.predict import predict_config
     from megand.training.config import compose, validate
 
     cfg = compose(overrides)
     validate(cfg, 2)
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    return predict(model, candidate_of(cfg, 2), int(cfg.train.global_batch_size), stage_groups).step_time_s
+    return predict_config(cfg, 2, stage_groups).step_time_s
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,30 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
+def runnable() -> int:
+    """Processes running or ready to run right now (the 4th field of /proc/loadavg, this one included)."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
+
+
+def wait_for_quiet(max_runnable: int | None, timeout: float = 60.0) -> None:
+    """On a shared machine: wait (at most ``timeout`` s) until the median of a few samples of the runnable
+    processes is at most ``max_runnable``, so that fewer measurements fall in other jobs' busy periods.
+    None: do not wait."""
+    import time
+
+    if max_runnable is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        samples = []
+        for _ in range(5):
+            samples.append(runnable())
+            time.sleep(0.2)
+        if statistics.median(samples) <= max_runnable:
+            return
+
+
 def free_port() -> int:
     import socket
 
@@ -78,18 +102,23 @@ def measure_step(overrides, nproc: int, cores=None, workdir: str | None = None) 
     return steady_step_s(run_dir)
 
 
-def measure_rounds(layouts: dict, rounds: int, nproc: int, cores_of=None, log=print) -> dict:
+def measure_rounds(layouts: dict, rounds: int, nproc: int, cores_of=None, log=print, quiet: int | None = None,
+                   record=None) -> dict:
     """{label: [seconds per round]}: every layout once per round, the order reversed every other round so
-    that a slow period of a shared machine does not fall on the same layouts each time."""
+    that a slow period of a shared machine does not fall on the same layouts each time. ``quiet``: see
+    wait_for_quiet (before each run); ``record(times)`` is called after each run (partial results)."""
     labels = list(layouts)
     times = {label: [] for label in labels}
     with tempfile.TemporaryDirectory(prefix="megand-plan-bench-") as workdir:
         for rnd in range(rounds):
             for label in (labels if rnd % 2 == 0 else labels[::-1]):
                 cores = cores_of(label) if cores_of else None
+                wait_for_quiet(quiet)
                 seconds = measure_step(layouts[label], nproc, cores, workdir)
                 times[label].append(seconds)
                 log(f"  round {rnd + 1} {label}: {seconds * 1e3:.1f} ms  (load {load_average()})")
+                if record:
+                    record(times)
     return times
 
 
