@@ -180,21 +180,40 @@ def _edge_times(shape: Shape, c: Candidate, profile, tp_link: str, first: bool, 
     return fwd, bwd
 
 
-def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> Prediction:
-    """The step of candidate ``c`` with pipeline stage r on cluster group ``stage_groups[r]``."""
+@dataclass
+class StageTimes:
+    """Per virtual stage: one micro-batch's forward and backward seconds; per boundary: p2p seconds."""
+
+    forward: list
+    backward: list
+    p2p: list
+    microbatches: int
+    links: dict
+    placement: object
+
+    def lower_bound(self, pp: int) -> float:
+        """The busiest rank's compute: no schedule can finish the step's pipeline faster."""
+        m = self.microbatches
+        return max(m * sum(self.forward[s] + self.backward[s] for s in range(r, len(self.forward), pp))
+                   for r in range(pp))
+
+
+def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
     shape = Shape.from_config(model)
     m = global_batch_size // (c.micro_batch_size * c.dp)
-    v = c.vpp or 1
-    stages = c.pp * v
+    stages = c.pp * (c.vpp or 1)
     placement = place(c, stage_groups)
     links = spanned_links(c, placement)
     layers = virtual_stage_layers(shape.layers, c)
     elem = _elem(c.precision)
-    forward, backward = [], []
+    forward, backward, per_group = [], [], {}
     for s in range(stages):
         r = s % c.pp
         prof = stage_groups[r].profile
-        lt = layer_times(shape, c, prof, links["tp"][r], links["cp"][r])
+        key = (stage_groups[r].name, links["tp"][r], links["cp"][r])
+        if key not in per_group:
+            per_group[key] = layer_times(shape, c, prof, links["tp"][r], links["cp"][r])
+        lt = per_group[key]
         f = layers[s] * lt.forward()
         b = layers[s] * lt.backward(c.recompute)
         ef, eb = _edge_times(shape, c, prof, links["tp"][r], s == 0, s == stages - 1)
@@ -212,8 +231,15 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> 
         link = links["pp"][r] if nxt == r + 1 else _wrap_link(links, c)
         p2p.append(max(collective_time(stage_groups[r].profile, "p2p", act_bytes, 2, link),
                        collective_time(stage_groups[nxt].profile, "p2p", act_bytes, 2, link)))
-    timeline = simulate(c.pp, c.vpp, m, forward, backward, p2p)
+    return StageTimes(forward=forward, backward=backward, p2p=p2p, microbatches=m, links=links, placement=placement)
 
+
+def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, times: StageTimes | None = None,
+            memory: list | None = None) -> Prediction:
+    """The step of candidate ``c`` with pipeline stage r on cluster group ``stage_groups[r]``."""
+    times = times or stage_times(model, c, global_batch_size, stage_groups)
+    m, links, forward = times.microbatches, times.links, times.forward
+    timeline = simulate(c.pp, c.vpp, m, times.forward, times.backward, times.p2p)
     ends, opt_times = [], []
     for r in range(c.pp):
         prof = stage_groups[r].profile
@@ -222,12 +248,12 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> 
         opt_times.append(opt + param_exposed)
     world = c.world_size
     norm_sync = collective_time(stage_groups[0].profile, "all_reduce", 8, world,
-                                "inter_node" if len(placement.nodes) > 1 else "intra_node")
+                                "inter_node" if len(times.placement.nodes) > 1 else "intra_node")
     per_step = max(g.profile.overhead_s.get("per_step", 0.0) for g in stage_groups)
     step = max(ends) + max(opt_times) + norm_sync + per_step
     flops = flops_per_iteration(model, global_batch_size, c.recompute)
     peak_sum = sum(g.profile.peak_tflops for g in stage_groups) * c.stage_size * 1e12
-    mem = stage_memory_gib(model, c, m)
+    mem = memory if memory is not None else stage_memory_gib(model, c, m)
     return Prediction(
         step_time_s=step, tokens_per_s=flops["tokens"] / step,
         tflops_per_device=flops["hardware_flops"] / step / world / 1e12,
@@ -235,7 +261,7 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> 
         mem_peak_gib=mem, memory_gib=[g.memory_gib for g in stage_groups],
         parts={"pipeline_s": timeline.makespan, "grad_sync_exposed_s": max(ends) - timeline.makespan,
                "optimizer_s": max(opt_times), "microbatches": m,
-               "forward_s": forward, "backward_s": backward})
+               "forward_s": forward, "backward_s": times.backward})
 
 
 def _wrap_link(links, c: Candidate) -> str:

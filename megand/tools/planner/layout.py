@@ -77,8 +77,21 @@ def override_value(value) -> str:
     return str(value)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _groups(tp: int, cp: int, dp: int, pp: int, order: str, dp_shard):
+    """megand's process groups of this grid, and the pipeline stage of every rank.
+
+    With pp slowest-varying (the default order), stage r's ranks are ``r*S .. r*S + S - 1`` (S = tp·cp·dp)
+    and its groups those of the one-stage grid shifted by r·S: only that grid is built, so the planner
+    stays fast on tens of thousands of ranks. Other orders build the whole grid.
+    """
+    if order.endswith("-pp") and pp > 1:
+        one, _ = _groups(tp, cp, dp, 1, order, dp_shard)
+        size = tp * cp * dp
+        groups = {kind: [[rank + r * size for rank in ranks] for r in range(pp) for ranks in lists]
+                  for kind, lists in one.items() if kind not in ("pp", "embedding", "mp")}
+        groups["pp"] = [[j + r * size for r in range(pp)] for j in range(size)]
+        return groups, [rank // size for rank in range(size * pp)]
     sizes = ParallelSizes(tp=tp, cp=cp, dp=dp, pp=pp)
     groups = rank_groups(sizes, order, dp_shard)
     stage_of = [rank_coords(r, sizes, order)["pp"] for r in range(sizes.world_size)]

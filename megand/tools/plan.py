@@ -1,0 +1,172 @@
+"""Plan the layout of a run: the fastest predicted layouts of a model on a cluster.
+
+    python tools/plan.py model=llama_70b model.seq_length=8192 train.global_batch_size=512 \\
+        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--verify]
+
+The overrides are the training config's (Hydra, as for ``pretrain_gpt.py``). Every ``key=value`` given
+is fixed: the model and the batch, and any ``parallel.*``, ``optim.*`` or ``train.*`` key you pin (so
+``parallel.tp=8 parallel.pp=8`` asks what that layout would do); the planner searches the rest: tp, pp,
+vpp, cp, dp, sequence parallelism, cp_comm, the pipeline layout, optim.sharding, dp_shard, the
+micro-batch size, recompute, the overlap flags and (unless pinned) the precision (bf16 on GPUs).
+
+The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster
+(each pipeline stage then runs on one group, with its own number of layers):
+
+    groups:
+      - name: h100
+        nodes: 8
+        devices_per_node: 8
+        device: h100             # optional: a known device (a100, a100-40gb, h100, h200, cpu) supplies the
+                                 # numbers below and its profile (GEMM efficiency, collectives)
+        peak_tflops: 989         # dense peak per device in the training precision
+        memory_gib: 80
+        intra_node_gbps: 450     # GB/s per device, one direction, inside a node (collectives' bus bandwidth)
+        inter_node_gbps: 50      # GB/s per device, one direction, across nodes
+        profile: h100.json       # optional: a profile measured by tools/calibrate.py
+
+Output: a table, best first (predicted step time, tokens/s, TFLOP/s per device, MFU, pipeline bubble,
+peak memory per stage against the device memory), the top plan's overrides to append to
+``pretrain_gpt.py`` and the node order to launch with; ``--json F`` writes the list of plans (each with
+``overrides``, ``world_size``, ``stage_groups``, ``predicted``). Every plan passes the training config's
+``validate()`` and fits the memory estimate on every stage. ``--verify`` rehearses the top plan's most
+loaded rank on this CPU (tools/rehearse.py) and prints its measured peak memory next to the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megand.tools.planner.cluster import ClusterError, load_cluster
+from megand.tools.planner.profile import Profile, ProfileError
+from megand.tools.planner.search import PlanError, Planner
+from megand.training.config import ConfigError, check_counts, compose, validate
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (key=value, model=NAME)")
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML, see above)")
+    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the plans, best first, as a JSON list")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a device profile from tools/calibrate.py for every group (overrides device:)")
+    p.add_argument("--verify", action="store_true",
+                   help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
+    return p.parse_intermixed_args(argv)
+
+
+def fail(message) -> int:
+    message = str(message).split("Config search path")[0]
+    print(f"plan: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def pinned_keys(overrides) -> set:
+    """The dotted keys the user set on the command line (not group choices such as ``model=NAME``)."""
+    keys = set()
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if "." in key:
+            keys.add(key)
+    return keys
+
+
+def make_validator(cfg):
+    """validate() of the training config with a candidate's keys set; the error message or None."""
+    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(trial, True)
+
+    def check(candidate):
+        for key, value in candidate.settings().items():
+            OmegaConf.update(trial, key, value, merge=False)
+        try:
+            validate(trial, candidate.world_size)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    return check
+
+
+def format_table(plans) -> str:
+    head = (f"{'#':>2} {'world':>6} {'tp':>3} {'pp':>3} {'vpp':>4} {'cp':>3} {'dp':>5} {'sp':>3} "
+            f"{'sharding':>18} {'mbs':>4} {'recompute':>9} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} "
+            f"{'MFU':>6} {'bubble':>7} {'mem GiB (max/cap)':>18}  stages")
+    lines = [head]
+    for i, p in enumerate(plans, 1):
+        c, pr = p.candidate, p.prediction
+        sharding = c.sharding + (f"/{c.dp_shard}" if c.dp_shard else "")
+        worst = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
+        stages = " ".join(f"{g.name}" for g in p.stage_groups) if len({g.name for g in p.stage_groups}) > 1 \
+            else f"{p.stage_groups[0].name} x{c.pp}"
+        if c.pipeline_layout:
+            stages += f" layers {list(c.pipeline_layout)}"
+        if c.cp > 1:
+            stages += f" cp_comm={c.cp_comm}"
+        lines.append(
+            f"{i:>2} {p.world_size:>6} {c.tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
+            f"{'on' if c.sequence_parallel else 'off':>3} {sharding:>18} {c.micro_batch_size:>4} {c.recompute:>9} "
+            f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
+            f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g}  {stages}")
+        if p.hetero_ratio is not None:
+            lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
+                         f"throughput of each group")
+    return "\n".join(lines)
+
+
+def verify(user_overrides, plan) -> str:
+    """Rehearse the top plan's most loaded rank (first rank of its fullest stage) on this CPU."""
+    from argparse import Namespace
+
+    from megand.tools.rehearse import prepare_config, rehearse
+
+    c, pr = plan.candidate, plan.prediction
+    stage = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
+    rank = stage * c.stage_size if c.order.endswith("pp") else 0
+    args = Namespace(overrides=list(user_overrides) + plan.overrides(), world_size=c.world_size, rank=rank,
+                     microbatches=None)
+    cfg, world, _ = prepare_config(args)
+    result = rehearse(cfg, world, rank)
+    measured = max(ph["peak_bytes"] for ph in result["phases"].values()) / 2**30
+    predicted = pr.mem_peak_gib[stage]
+    return (f"verify: rank {rank} (stage {stage}) rehearsed on this CPU: peak {measured:,.2f} GiB measured, "
+            f"{predicted:,.2f} GiB predicted (ratio {measured / predicted:.2f}; device memory {pr.memory_gib[stage]:g} GiB)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.top < 1:
+        return fail(f"--top {args.top} must be >= 1")
+    try:
+        profile = Profile.load(args.profile) if args.profile else None
+        cluster = load_cluster(args.cluster, profile=profile)
+    except (ClusterError, ProfileError) as e:
+        return fail(e)
+    try:
+        cfg = compose(args.overrides)
+        check_counts(cfg)
+    except (HydraException, OmegaConfBaseException, ConfigError) as e:
+        return fail(e)
+    planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=make_validator(cfg))
+    try:
+        plans = planner.plan(args.top)
+    except PlanError as e:
+        return fail(e)
+    print(format_table(plans))
+    best = plans[0]
+    print(f"\nbest: append to pretrain_gpt.py: {' '.join(best.overrides())}")
+    launch = best.launch()
+    print(f"launch: {len(launch['nodes'])} nodes in this order (node rank 0 first): {' '.join(launch['nodes'])}; "
+          f"stage groups {' '.join(launch['stages'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([p.as_dict() for p in plans], f, indent=1)
+    if args.verify:
+        print(verify(args.overrides, best))
+    return 0

@@ -1,0 +1,411 @@
+"""The search: every layout worth running on a cluster, best predicted throughput first.
+
+Homogeneous (one group): tp (a divisor of the heads, query groups and ffn width, inside a node), cp,
+pp (dividing what is left of the devices), vpp, the micro-batch size, the sharding level, hybrid
+sharding (one node's ranks per shard group), sequence parallelism (on with tp), cp_comm and the least
+recompute that fits; dp takes the devices left (the largest that divides the batch). Every pinned key
+(a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
+do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
+timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
+one can enter the top k (branch and bound), and a plan is kept only if the training config's own
+``validate()`` accepts it.
+
+Heterogeneous (several groups; H2's HeteroAuto): stages are homogeneous (each on one group) and tp,
+cp and dp are uniform (megand's grid), so every stage has S = tp*cp*dp ranks. A depth-first search
+over dp and over how many stages each group hosts (groups in order of decreasing device memory, so the
+early stages, which hold the most micro-batches in flight under 1F1B, get the largest memories; a large
+group split into several stages) chooses, for each assignment, the per-stage layer counts that
+minimise the slowest stage's time under each stage's memory (a bisection on the stage time, exact for
+that objective), emitted as ``parallel.pipeline_layout``. Assignments whose lower bound cannot beat the
+best plans so far are pruned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megand.models.flops import Shape
+from megand.tools.planner.cost import Prediction, predict, stage_memory_gib, stage_times
+from megand.tools.planner.layout import Candidate, override_value, place
+
+SHARDING = ("none", "optim", "optim_grads", "optim_grads_params")
+RECOMPUTE = ("none", "selective", "full")
+CP_COMM = ("p2p", "all_gather", "a2a")
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+VPP = (2, 3, 4, 6, 8)
+CP = (1, 2, 4, 8, 16, 32)
+
+# the config keys the planner chooses (a pinned one keeps the user's value)
+SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
+            "parallel.sequence_parallel", "parallel.dp_shard", "parallel.cp_comm", "parallel.pipeline_layout",
+            "parallel.order", "optim.sharding", "optim.overlap_grad_reduce", "optim.overlap_param_gather",
+            "optim.reshard_after_forward", "optim.bucket_size", "train.micro_batch_size", "train.recompute",
+            "train.precision")
+
+
+class PlanError(ValueError):
+    """No plan: the message says why in one line."""
+
+
+@dataclass
+class Plan:
+    candidate: Candidate
+    stage_groups: tuple
+    prediction: Prediction
+    hetero_ratio: Optional[float] = None  # plan throughput / summed best homogeneous throughput per group
+    notes: list = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.candidate.world_size
+
+    def overrides(self) -> list:
+        return [f"{k}={override_value(v)}" for k, v in self.candidate.settings().items()]
+
+    def launch(self) -> dict:
+        placement = place(self.candidate, self.stage_groups)
+        return {"stages": [g.name for g in self.stage_groups],
+                "nodes": [f"{name}:{index}" for name, index in placement.nodes],
+                "nproc_per_node": [sum(1 for n in placement.node_of if n == node) for node in placement.nodes]}
+
+    def as_dict(self) -> dict:
+        d = {"overrides": self.overrides(), "world_size": self.world_size, "stage_groups": self.launch(),
+             "predicted": self.prediction.as_dict()}
+        if self.hetero_ratio is not None:
+            d["hetero_speedup_ratio"] = self.hetero_ratio
+        return d
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Search layouts of ``cfg`` (the composed training config) with ``pinned`` keys fixed."""
+
+    def __init__(self, cfg, pinned, cluster, validate_fn=None):
+        from omegaconf import OmegaConf
+
+        self.cfg = cfg
+        self.model = OmegaConf.to_container(cfg.model, resolve=True)
+        self.shape = Shape.from_config(self.model)
+        self.gbs = int(cfg.train.global_batch_size)
+        self.cluster = cluster
+        self.pinned = {k: OmegaConf.select(cfg, k) for k in pinned if k in SEARCHED}
+        self.validate_fn = validate_fn
+        self.rejected = []  # (candidate, validate's message) of plans validate() refused
+        profiles = {g.profile.dtype for g in cluster.groups}
+        self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
+
+    # --- domains of each key --------------------------------------------------------------------
+    def _dom(self, key, values):
+        return [self.pinned[key]] if key in self.pinned else list(values)
+
+    def tp_domain(self, devices_per_node: int) -> list:
+        s = self.shape
+        ok = [t for t in _divisors(devices_per_node)
+              if s.heads % t == 0 and s.groups % t == 0 and s.ffn % t == 0]
+        return self._dom("parallel.tp", ok)
+
+    def cp_domain(self, tp: int) -> list:
+        seq = self.shape.seq
+        return self._dom("parallel.cp", [c for c in CP if c == 1 or seq % (2 * c * (tp if tp > 1 else 1)) == 0])
+
+    def layouts(self, pp: int, vpp):
+        """Pipeline layouts to try: the pinned one, the even split, or (layers not divisible) one that
+        gives the first and last virtual stages the fewer layers (they also hold the embedding and the
+        output layer)."""
+        if "parallel.pipeline_layout" in self.pinned:
+            return [tuple(self.pinned["parallel.pipeline_layout"]) if self.pinned["parallel.pipeline_layout"]
+                    else None]
+        stages = pp * (vpp or 1)
+        L = self.shape.layers
+        if stages > L:
+            return []
+        if L % stages == 0:
+            return [None]
+        base, extra = divmod(L, stages)
+        order = list(range(1, stages - 1)) + [0, stages - 1]  # middle stages first
+        layout = [base] * stages
+        for s in order[:extra]:
+            layout[s] += 1
+        return [tuple(layout)]
+
+    def microbatch_domain(self, dp: int) -> list:
+        per_rank = self.gbs // dp
+        return self._dom("train.micro_batch_size", [b for b in MICRO_BATCHES if per_rank % b == 0])
+
+    def dp_for(self, devices: int, model_ranks: int) -> Optional[int]:
+        if "parallel.dp" in self.pinned and self.pinned["parallel.dp"] is not None:
+            dp = int(self.pinned["parallel.dp"])
+            return dp if dp * model_ranks <= devices else None
+        for dp in range(devices // model_ranks, 0, -1):
+            if self.gbs % dp == 0:
+                return dp
+        return None
+
+    def options(self, tp: int, cp: int, dp: int, pp: int, devices_per_node: int):
+        """(sp, sharding, dp_shard, cp_comm, overlap flags, reshard) combinations for a grid."""
+        sp_dom = self._dom("parallel.sequence_parallel", [tp > 1])
+        shard_ranks = dp * cp
+        sharding_dom = self._dom("optim.sharding", SHARDING if shard_ranks > 1 else ("none",))
+        comm_dom = self._dom("parallel.cp_comm", CP_COMM if cp > 1 else (self.cfg.parallel.cp_comm,))
+        for sp in sp_dom:
+            for sharding in sharding_dom:
+                hsdp = devices_per_node // (tp * 1)
+                shards = [None]
+                if sharding != "none" and 1 < hsdp < shard_ranks and shard_ranks % hsdp == 0:
+                    shards.append(hsdp)
+                for dp_shard in self._dom("parallel.dp_shard", shards):
+                    for cp_comm in comm_dom:
+                        yield dict(
+                            sequence_parallel=sp, sharding=sharding, dp_shard=dp_shard, cp_comm=cp_comm,
+                            overlap_grad_reduce=self.pinned.get("optim.overlap_grad_reduce", shard_ranks > 1),
+                            overlap_param_gather=self.pinned.get("optim.overlap_param_gather",
+                                                                 sharding in ("optim", "optim_grads")),
+                            reshard_after_forward=self.pinned.get("optim.reshard_after_forward", pp == 1))
+
+    def _base(self) -> dict:
+        return dict(precision=self.precision, order=self.pinned.get("parallel.order", self.cfg.parallel.order),
+                    bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
+
+    def _fitting(self, candidate: Candidate, stage_groups):
+        """The candidate with the least recompute (or the pinned one) that fits, and its memory; None."""
+        m = self.gbs // (candidate.micro_batch_size * candidate.dp)
+        for recompute in self._dom("train.recompute", RECOMPUTE):
+            c = candidate.with_(recompute=recompute)
+            mem = stage_memory_gib(self.model, c, m)
+            if all(x <= g.memory_gib for x, g in zip(mem, stage_groups)):
+                return c, mem
+        return None
+
+    # --- homogeneous ----------------------------------------------------------------------------
+    def homogeneous_candidates(self, group):
+        """Every fitting candidate on ``group`` alone (with its memory)."""
+        L = self.shape.layers
+        for tp in self.tp_domain(group.devices_per_node):
+            for cp in self.cp_domain(tp):
+                if tp * cp > group.devices:
+                    continue
+                left = group.devices // (tp * cp)
+                pps = [p for p in _divisors(left) if p <= L]
+                for pp in self._dom("parallel.pp", pps):
+                    dp = self.dp_for(group.devices, tp * cp * pp)
+                    if dp is None:
+                        continue
+                    vpps = [None] + [v for v in VPP if pp > 1 and pp * v <= L]
+                    for vpp in self._dom("parallel.vpp", vpps if pp > 1 else [None]):
+                        for layout in self.layouts(pp, vpp):
+                            for mbs in self.microbatch_domain(dp):
+                                m = self.gbs // (mbs * dp)
+                                if vpp and m % pp:
+                                    continue
+                                for opts in self.options(tp, cp, dp, pp, group.devices_per_node):
+                                    c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
+                                                  pipeline_layout=layout, **opts, **self._base())
+                                    if not self._quick_valid(c):
+                                        continue
+                                    fit = self._fitting(c, [group] * pp)
+                                    if fit:
+                                        yield fit
+
+    def _quick_valid(self, c: Candidate) -> bool:
+        """The divisibility rules of validate(), in arithmetic (validate() itself runs on the plans kept)."""
+        s = self.shape
+        if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
+            return False
+        if s.seq % ((2 * c.cp if c.cp > 1 else 1) * (c.tp if c.sequence_parallel else 1)):
+            return False
+        if c.dp_shard is not None and c.sharding == "none" and c.dp_shard != c.dp * c.cp:
+            return False
+        return self.gbs % (c.micro_batch_size * c.dp) == 0
+
+    def best(self, scored, top: int) -> list:
+        """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
+        scored.sort(key=lambda x: x[0])
+        plans = []
+        for bound, c, groups, mem, times in scored:
+            if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+                break
+            pred = predict(self.model, c, self.gbs, groups, times=times, memory=mem)
+            if len(plans) >= top and pred.step_time_s >= plans[-1].prediction.step_time_s:
+                continue
+            if not self._validated(c):
+                continue
+            plans.append(Plan(candidate=c, stage_groups=tuple(groups), prediction=pred))
+            plans.sort(key=lambda p: p.prediction.step_time_s)
+            del plans[top:]
+        return plans
+
+    def _validated(self, c: Candidate) -> bool:
+        if self.validate_fn is None:
+            return True
+        message = self.validate_fn(c)
+        if message:
+            self.rejected.append((c, message))
+        return not message
+
+    def plan_homogeneous(self, group, top: int = 5) -> list:
+        scored = []
+        for c, mem in self.homogeneous_candidates(group):
+            groups = [group] * c.pp
+            times = stage_times(self.model, c, self.gbs, groups)
+            scored.append((times.lower_bound(c.pp), c, groups, mem, times))
+        return self.best(scored, top)
+
+    # --- heterogeneous --------------------------------------------------------------------------
+    def plan_heterogeneous(self, top: int = 5) -> list:
+        groups = sorted(self.cluster.groups, key=lambda g: -g.memory_gib)  # larger memory: earlier stages
+        L = self.shape.layers
+        dpn = min(g.devices_per_node for g in groups)
+        scored = []
+        for tp in self.tp_domain(dpn):
+            for cp in self.cp_domain(tp):
+                max_dp = max(g.devices for g in groups) // (tp * cp)
+                dps = [d for d in range(1, max_dp + 1) if self.gbs % d == 0]
+                for dp in self._dom("parallel.dp", dps):
+                    size = tp * cp * dp
+                    caps = [self._stages_on(g, size) for g in groups]
+                    for counts in self._assignments(caps, L):
+                        stage_groups = [g for g, n in zip(groups, counts) for _ in range(n)]
+                        pp = len(stage_groups)
+                        if pp < 2 or len({g.name for g in stage_groups}) < 2:
+                            continue  # one group only: the homogeneous search covers it
+                        if "parallel.pp" in self.pinned and self.pinned["parallel.pp"] != pp:
+                            continue
+                        for mbs in self.microbatch_domain(dp):
+                            for opts in self.options(tp, cp, dp, pp, dpn):
+                                c = Candidate(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=mbs, **opts,
+                                              **self._base())
+                                if not self._quick_valid(c):
+                                    continue
+                                entry = self._split(c, stage_groups)
+                                if entry:
+                                    scored.append(entry)
+        return self.best(scored, top)
+
+    def _stages_on(self, group, size: int) -> int:
+        """Stages of ``size`` ranks a group can host on whole nodes (a stage within a node, or whole nodes)."""
+        dpn = group.devices_per_node
+        if size % dpn and dpn % size:
+            return 0
+        return group.devices // size
+
+    def _assignments(self, caps, L: int, prefix=()):
+        """Depth-first: stages per group (each up to its capacity, pp <= layers)."""
+        if len(prefix) == len(caps):
+            if sum(prefix) >= 1:
+                yield prefix
+            return
+        used = sum(prefix)
+        for n in range(min(caps[len(prefix)], L - used), -1, -1):
+            yield from self._assignments(caps, L, prefix + (n,))
+
+    def _split(self, c: Candidate, stage_groups):
+        """The layer split balancing stage time under memory, with the least recompute that fits:
+        (lower bound, candidate, groups, memory, times), or None if nothing fits."""
+        pinned = self.pinned.get("parallel.pipeline_layout")
+        for recompute in self._dom("train.recompute", RECOMPUTE):
+            base = c.with_(recompute=recompute)
+            layout = tuple(pinned) if pinned else self._balanced_layout(base, stage_groups)
+            if layout is None or len(layout) != c.pp:
+                continue
+            trial = base.with_(pipeline_layout=layout)
+            mem = stage_memory_gib(self.model, trial, self.gbs // (trial.micro_batch_size * trial.dp))
+            if all(x <= g.memory_gib for x, g in zip(mem, stage_groups)):
+                times = stage_times(self.model, trial, self.gbs, stage_groups)
+                return times.lower_bound(c.pp), trial, list(stage_groups), mem, times
+        return None
+
+    def _balanced_layout(self, c: Candidate, stage_groups):
+        """Layers per stage minimising the slowest stage's time (forward + backward of one micro-batch)
+        subject to each stage's memory; None when the layers cannot fit."""
+        L, pp = self.shape.layers, c.pp
+        if pp > L:
+            return None
+        m = self.gbs // (c.micro_batch_size * c.dp)
+        # per-stage time and memory as a + b * layers, from the model at two layer counts
+        one = c.with_(pipeline_layout=tuple([1] * pp))
+        two = c.with_(pipeline_layout=tuple([2] * pp))
+        t1, t2 = stage_times(self.model, one, self.gbs, stage_groups), stage_times(self.model, two, self.gbs, stage_groups)
+        m1, m2 = stage_memory_gib(self.model, one, m), stage_memory_gib(self.model, two, m)
+        slope = [t2.forward[r] + t2.backward[r] - t1.forward[r] - t1.backward[r] for r in range(pp)]
+        fixed = [t1.forward[r] + t1.backward[r] - slope[r] for r in range(pp)]
+        caps = []
+        for r, g in enumerate(stage_groups):
+            per_layer = m2[r] - m1[r]
+            room = g.memory_gib - (m1[r] - per_layer)
+            caps.append(int(math.floor(room / per_layer + 1e-9)) if per_layer > 0 else L)
+        if sum(min(cap, L) for cap in caps) < L or min(caps) < 1:
+            return None
+
+        def counts(limit):
+            return [max(0, min(caps[r], int(math.floor((limit - fixed[r]) / slope[r] + 1e-9)))) for r in range(pp)]
+
+        lo, hi = 0.0, max(fixed[r] + slope[r] * L for r in range(pp))
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if sum(counts(mid)) >= L and min(counts(mid)) >= 1:
+                hi = mid
+            else:
+                lo = mid
+        n = counts(hi)
+        while sum(n) > L:  # give back layers from the stages that would be slowest
+            r = max((r for r in range(pp) if n[r] > 1), key=lambda r: fixed[r] + slope[r] * n[r])
+            n[r] -= 1
+        return tuple(n) if sum(n) == L and min(n) >= 1 else None
+
+    # --- everything ----------------------------------------------------------------------------
+    def plan(self, top: int = 5) -> list:
+        plans = []
+        for group in self.cluster.groups:
+            plans += self.plan_homogeneous(group, top)
+        if self.cluster.heterogeneous:
+            best_each = [max((p.prediction.tokens_per_s for p in plans if p.stage_groups[0].name == g.name),
+                             default=0.0) for g in self.cluster.groups]
+            hetero = self.plan_heterogeneous(top)
+            total = sum(best_each)
+            for p in hetero:
+                p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
+            plans += hetero
+        plans.sort(key=lambda p: p.prediction.step_time_s)
+        if not plans:
+            raise PlanError(self.why_impossible())
+        return plans[:top]
+
+    def why_impossible(self) -> str:
+        if self.rejected:
+            c, message = self.rejected[0]
+            return f"every layout that fits was refused by the config's validate(), e.g.: {message}"
+        needed = self.smallest_fit()
+        have = ", ".join(f"{g.name}: {g.devices} x {g.memory_gib:g} GiB" for g in self.cluster.groups)
+        pins = " ".join(f"{k}={override_value(v)}" for k, v in sorted(self.pinned.items()))
+        if needed is None:
+            return (f"no layout fits: even {self.shape.layers}-stage pipelines with tp, ZeRO-3 and full recompute "
+                    f"exceed the device memory ({have}){' with ' + pins if pins else ''}")
+        return (f"no layout fits the cluster ({have}){' with ' + pins if pins else ''}: the smallest layout that fits "
+                f"needs {needed[0]} devices of {needed[1]:g} GiB ({needed[2]})")
+
+    def smallest_fit(self):
+        """(devices, memory, layout) of the smallest layout that fits the largest-memory group's devices."""
+        g = max(self.cluster.groups, key=lambda g: g.memory_gib)
+        best = None
+        tps = self.tp_domain(g.devices_per_node) or [1]
+        for tp in tps:
+            for pp in self._dom("parallel.pp", range(1, self.shape.layers + 1)):
+                for dp in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+                    if best is not None and tp * pp * dp >= best[0]:
+                        break
+                    layouts = self.layouts(pp, None)
+                    if not layouts:
+                        continue
+                    c = Candidate(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, micro_batch_size=1,
+                                  sharding="optim_grads_params" if dp > 1 else "none", recompute="full",
+                                  pipeline_layout=layouts[0], **self._base())
+                    mem = stage_memory_gib(self.model, c, max(pp, 1))
+                    if max(mem) <= g.memory_gib:
+                        best = (tp * pp * dp, g.memory_gib, f"tp={tp} pp={pp} dp={dp}, ZeRO-3, full recompute")
+                        break
+        return best
