@@ -84,13 +84,19 @@ def calibrate(profile: str, quiet) -> None:
     print(f"calibrated; load average {load_average()}", flush=True)
 
 
-def top_plan(cluster, pinned) -> list[str]:
-    """The overrides of the planner's best layout for the pinned model and batch on ``cluster``."""
-    from megand.tools.planner.search import search
+def search(cluster, overrides, top: int = 1) -> list:
+    """The planner's best plans for ``overrides`` (each pinned, as tools/plan.py takes them) on ``cluster``."""
+    from megand.tools.plan import make_validator, pinned_keys
+    from megand.tools.planner.search import Planner
     from megand.training.config import compose
 
-    plans = search(compose(pinned), cluster, top=1)
-    return list(plans[0].overrides)
+    cfg = compose(overrides)
+    return Planner(cfg, pinned_keys(overrides), cluster, validate_fn=make_validator(cfg)).plan(top)
+
+
+def top_plan(cluster, pinned) -> list[str]:
+    """The overrides of the planner's best layout for the pinned model and batch on ``cluster``."""
+    return search(cluster, pinned)[0].overrides()
 
 
 def report(rows, top_label, log=print) -> dict:

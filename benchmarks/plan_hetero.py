@@ -60,10 +60,9 @@ def cluster_of(profiles: dict, memory_gib: float = 8.0):
 
 
 def plan(cluster):
-    from megand.tools.planner.search import search
-    from megand.training.config import compose
+    from plan_accuracy import search
 
-    return search(compose([*MODEL, *PINNED]), cluster, top=1)[0]
+    return search(cluster, [*MODEL, *PINNED])[0]
 
 
 def predicted_step_s(overrides, stage_groups) -> float:
@@ -99,11 +98,11 @@ def main(argv=None) -> int:
         cluster = cluster_of(profiles)
         best = plan(cluster)
         groups = {g.name: g for g in cluster.groups}
-        stage_names = [g if isinstance(g, str) else g.name for g in best.stage_groups]
+        stage_names = [g.name for g in best.stage_groups]
         stage_groups = [groups[n] for n in stage_names]
-        uneven = [*MODEL, *best.overrides]
+        uneven = [*MODEL, *best.overrides()]
         even = [*uneven, "parallel.pipeline_layout=null"]
-        print(f"planner: {' '.join(best.overrides)}; stages on {stage_names}; load average {load_average()}")
+        print(f"planner: {' '.join(best.overrides())}; stages on {stage_names}; load average {load_average()}")
         cores = [{CORES[n]} for n in stage_names]
         predicted = {"uneven": predicted_step_s(uneven, stage_groups), "even": predicted_step_s(even, stage_groups)}
         times = measure_rounds({"uneven": [*uneven, *RUN], "even": [*even, *RUN]}, args.rounds, 2,
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
           f"(>= 0.70: {ratio >= 0.70}); load average {load_average()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plan": best.overrides, "stages": stage_names, "predicted_s": predicted, "measured_s": measured,
+            json.dump({"plan": best.overrides(), "stages": stage_names, "predicted_s": predicted, "measured_s": measured,
                        "rounds_s": times, "predicted_gain": pred_gain, "measured_gain": meas_gain, "ratio": ratio,
                        "load_average": load_average()}, f, indent=1)
     return 0
