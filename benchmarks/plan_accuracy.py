@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 MODEL = ["+experiment=tiny_gpt", "model.num_layers=8", "model.hidden_size=256", "model.ffn_hidden_size=1024",
          "model.num_attention_heads=8", "model.seq_length=128", "model.vocab_size=1024",
          "train.global_batch_size=16", "train.eval_iters=0", "train.precision=fp32"]
-RUN = ["train.iters=12", "optim.warmup_iters=2"]
+RUN = ["train.iters=10", "optim.warmup_iters=2"]
 OVERLAP = ["optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true"]
 
 LAYOUTS = {
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="measurements of each layout (median)")
     p.add_argument("--only", nargs="*", default=None, help="a subset of the layouts (labels)")
     p.add_argument("--quiet", type=int, default=2,
-                   help="before each run wait (30 s at most) until at most this many processes are runnable "
+                   help="before each run wait (15 s at most) until at most this many processes are runnable "
                         "(shared machines); -1: never wait")
     p.add_argument("--measured", default=None,
                    help="a JSON of earlier measurements ({label: [seconds per round]}): reused, and the new ones "

@@ -39,7 +39,7 @@ MODEL = ["+experiment=tiny_gpt", "model.num_layers=12", "model.hidden_size=256",
          "train.global_batch_size=16", "train.eval_iters=0", "train.precision=fp32"]
 PINNED = ["parallel.pp=2", "parallel.tp=1", "parallel.cp=1", "parallel.vpp=null", "train.micro_batch_size=2",
           "train.recompute=none"]
-RUN = ["train.iters=12", "optim.warmup_iters=2"]
+RUN = ["train.iters=10", "optim.warmup_iters=2"]
 CORES = {"fast": 0, "slow": 1}  # the hog shares the slow group's core
 
 

@@ -30,7 +30,7 @@ def runnable() -> int:
         return int(f.read().split()[3].split("/")[0])
 
 
-def wait_for_quiet(max_runnable: int | None, timeout: float = 60.0) -> None:
+def wait_for_quiet(max_runnable: int | None, timeout: float = 15.0) -> None:
     """On a shared machine: wait (at most ``timeout`` s) until the median of a few samples of the runnable
     processes is at most ``max_runnable``, so that fewer measurements fall in other jobs' busy periods.
     None: do not wait."""
