@@ -190,7 +190,7 @@ def modelled_compute_s(cfg, gemm_points, memory_gbps: float, collectives: dict) 
     return predict_config(cfg, 1, [one_device_group(profile)]).step_time_s
 
 
-def measure_overheads(overrides, gemm_points, memory_gbps: float, collectives: dict, quick: bool) -> tuple[dict, list[dict]]:
+def measure_overheads(overrides, device, gemm_points, memory_gbps: float, collectives: dict, quick: bool) -> tuple[dict, list[dict]]:
     """Fitted overheads and the runs behind them (each rank runs the same design, all at once)."""
     import torch.distributed as dist
 
@@ -205,7 +205,7 @@ def measure_overheads(overrides, gemm_points, memory_gbps: float, collectives: d
             run = oh.run_overrides(layers, microbatches, overrides)
             cfg = compose(run)
             dist.barrier()  # every rank's run at the same time: the contention of a job of this size
-            measured = oh.one_process_step_seconds(run, workdir)
+            measured = oh.one_process_step_seconds(run, workdir, device)
             modelled = modelled_compute_s(cfg, gemm_points, memory_gbps, collectives)
             samples.append({"layers": layers, "microbatches": microbatches, "measured_s": measured,
                             "modelled_s": modelled})
@@ -227,7 +227,7 @@ def rank_measurements(args, device, dtype_name: str, collectives: dict) -> dict:
         overheads, runs = {"per_layer_step": 0.0, "per_microbatch": 0.0, "per_step": 0.0}, []
     else:
         memory_gbps = statistics.median(p["gbps"] for p in bandwidth)
-        overheads, runs = measure_overheads(args.overrides, gemm, memory_gbps, collectives, args.quick)
+        overheads, runs = measure_overheads(args.overrides, device, gemm, memory_gbps, collectives, args.quick)
     return {"gemm": gemm, "bandwidth": bandwidth, "overheads": overheads, "overhead_runs": runs}
 
 

@@ -197,3 +197,16 @@ def test_quick_calibration_writes_a_profile(tmp_path):
     assert "inter_node copied from intra_node" in profile["source"]
     for rank in (0, 1):
         assert json.loads((tmp_path / f"cpu.rank{rank}.json").read_text())["collectives"] == profile["collectives"]
+
+
+def test_overhead_runs_keep_the_rank_on_its_own_gpu(monkeypatch):
+    """Without the launcher's LOCAL_RANK a child would use GPU 0: it gets this rank's device only."""
+    import torch
+
+    from megand.tools.calibration.overheads import device_env
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_env(torch.device("cuda", 3)) == {"CUDA_VISIBLE_DEVICES": "3"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert device_env(torch.device("cuda", 2)) == {"CUDA_VISIBLE_DEVICES": "6"}
+    assert device_env(torch.device("cpu")) == {}

@@ -40,10 +40,20 @@ def steady_step_seconds(metrics_path: str) -> float:
     return statistics.median(steady) / 1e3
 
 
-def one_process_step_seconds(overrides, workdir: str) -> float:
-    """Steady step time of a world-of-one ``pretrain_gpt.py`` run (this process's CPU affinity and device)."""
+def device_env(device) -> dict:
+    """The environment that gives a child process this rank's device as its only (first) one: without the
+    launcher's LOCAL_RANK every child would pick GPU 0."""
+    if device.type != "cuda":
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+    return {"CUDA_VISIBLE_DEVICES": ids[device.index]}
+
+
+def one_process_step_seconds(overrides, workdir: str, device) -> float:
+    """Steady step time of a world-of-one ``pretrain_gpt.py`` run on this rank's device (and CPU affinity)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **device_env(device))
     run_dir = tempfile.mkdtemp(dir=workdir)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
