@@ -220,7 +220,7 @@ def rank_measurements(args, device, dtype_name: str, collectives: dict) -> dict:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     gemm_sizes, _, memory_sizes = default_sizes(device.type, args)
-    min_time = 0.01 if args.quick else 0.05
+    min_time = 0.01 if args.quick else 0.1
     gemm = measure_gemm(device, dtype, gemm_shapes(gemm_sizes), min_time)
     bandwidth = measure_memory_bandwidth(device, torch.float32, memory_sizes, min_time)
     if args.no_overheads:

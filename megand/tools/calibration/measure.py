@@ -17,19 +17,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn, device: torch.device, min_time: float = 0.05, min_reps: int = 3, max_reps: int = 200) -> float:
-    """Median seconds of ``fn()`` after one warm-up call: at least ``min_reps`` timed calls and ``min_time``
-    seconds in all (noisy shared machines: the median of many short calls)."""
+def time_call(fn, device: torch.device, min_time: float = 0.05, windows: int = 3) -> float:
+    """Seconds per call of ``fn()`` after one warm-up call: the median over ``windows`` windows of the
+    mean call time, each window calling ``fn`` back to back for at least ``min_time`` seconds.
+
+    Sustained windows rather than single calls: a device shared in time (a CPU core whose scheduler
+    also runs another process) is as slow as its share, and short calls timed one by one would mostly
+    fall between the other process's slices and report the unshared speed."""
     fn()
     synchronize(device)
-    times, total = [], 0.0
-    while len(times) < min_reps or (total < min_time and len(times) < max_reps):
-        start = time.perf_counter()
-        fn()
+    means = []
+    for _ in range(windows):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            if calls % 4 == 0 or calls == 1:  # a host read per few calls (CUDA: queued kernels finish)
+                synchronize(device)
+                if time.perf_counter() - start >= min_time:
+                    break
         synchronize(device)
-        times.append(time.perf_counter() - start)
-        total += times[-1]
-    return statistics.median(times)
+        means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means)
 
 
 def gemm_shapes(sizes) -> list[tuple[int, int, int]]:
@@ -39,8 +48,8 @@ def gemm_shapes(sizes) -> list[tuple[int, int, int]]:
 
 def measure_gemm(device: torch.device, dtype: torch.dtype, shapes, min_time: float = 0.05, passes: int = 3) -> list[dict]:
     """TFLOP/s of ``(m x k) @ (k x n)`` for each shape (2 m n k FLOPs): the median of ``passes`` sweeps
-    over the whole grid, so that a busy period of a shared machine spreads over every shape instead of
-    slowing a block of neighbouring ones."""
+    over the whole grid (a window of ``min_time`` seconds per shape each), so that a busy period of a
+    shared machine spreads over every shape instead of slowing a block of neighbouring ones."""
     shapes = list(shapes)
     seconds = [[] for _ in shapes]
     for _ in range(passes):
@@ -48,7 +57,7 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shapes, min_time: flo
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
             out = torch.empty(m, n, device=device, dtype=dtype)
-            seconds[i].append(time_call(lambda: torch.mm(a, b, out=out), device, min_time / passes))
+            seconds[i].append(time_call(lambda: torch.mm(a, b, out=out), device, min_time, windows=1))
     return [{"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / statistics.median(t) / 1e12}
             for (m, n, k), t in zip(shapes, seconds)]
 
