@@ -44,8 +44,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megand.tools.planner.cluster import ClusterError, load_cluster
 from megand.tools.planner.profile import Profile, ProfileError
-from megand.tools.planner.search import PlanError, Planner
-from megand.training.config import ConfigError, check_counts, compose, validate
+from megand.tools.planner.search import PlanError, Planner, config_validator
+from megand.training.config import ConfigError, check_counts, compose
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,23 +75,6 @@ def pinned_keys(overrides) -> set:
         if "." in key:
             keys.add(key)
     return keys
-
-
-def make_validator(cfg):
-    """validate() of the training config with a candidate's keys set; the error message or None."""
-    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    OmegaConf.set_struct(trial, True)
-
-    def check(candidate):
-        for key, value in candidate.settings().items():
-            OmegaConf.update(trial, key, value, merge=False)
-        try:
-            validate(trial, candidate.world_size)
-        except ConfigError as e:
-            return str(e)
-        return None
-
-    return check
 
 
 def format_table(plans) -> str:
@@ -166,7 +149,7 @@ def main(argv=None) -> int:
         check_counts(cfg)
     except (HydraException, OmegaConfBaseException, ConfigError) as e:
         return fail(e)
-    planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=make_validator(cfg))
+    planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg))
     try:
         plans = planner.plan(args.top)
     except PlanError as e:

@@ -138,22 +138,31 @@ def gemm_efficiency(profile: Profile, m: float, n: float, k: float) -> float:
     """Fraction of ``peak_tflops`` one ``[m, k] @ [k, n]`` product reaches.
 
     Inverse-distance weighting over the measured points in log2(m, n, k) space (the four nearest),
-    exact at a measured shape; outside the measured range it takes the nearest points' values, so a
-    shape larger than any measured keeps the largest measured efficiency rather than extrapolating.
+    exact at a measured shape, then kept between the points it dominates and those dominating it (a
+    product at least as large in every dimension as a measured one is taken to be at least as
+    efficient, and at most as efficient as one larger in every dimension): a shape beyond the measured
+    range keeps the nearest measured efficiency instead of extrapolating or averaging toward small ones.
     """
     if min(m, n, k) <= 0:
         return 1.0  # no work: any efficiency gives zero time
     q = (math.log2(m), math.log2(n), math.log2(k))
-    scored = []
+    scored, lower, upper = [], 0.0, math.inf
     for pm, pn, pk, tflops in profile.gemm:
-        d2 = (q[0] - math.log2(pm)) ** 2 + (q[1] - math.log2(pn)) ** 2 + (q[2] - math.log2(pk)) ** 2
+        p = (math.log2(pm), math.log2(pn), math.log2(pk))
+        d2 = sum((a - b) ** 2 for a, b in zip(q, p))
         if d2 < 1e-12:
             return min(1.0, tflops / profile.peak_tflops)
+        if all(a >= b for a, b in zip(q, p)):
+            lower = max(lower, tflops)
+        if all(a <= b for a, b in zip(q, p)):
+            upper = min(upper, tflops)
         scored.append((d2, tflops))
     scored.sort()
     nearest = scored[:4]
     weights = [1.0 / d2 for d2, _ in nearest]
     tflops = sum(w * t for w, (_, t) in zip(weights, nearest)) / sum(weights)
+    if lower <= upper:
+        tflops = min(max(tflops, lower), upper)
     return min(1.0, tflops / profile.peak_tflops)
 
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megand.models.flops import Shape
-from megand.tools.planner.cost import Prediction, predict, stage_memory_gib, stage_times
+from megand.tools.estimate_memory import estimate_memory
+from megand.tools.planner.cost import GIB, Prediction, memory_layout, predict, stage_memory_gib, stage_times
 from megand.tools.planner.layout import Candidate, override_value, place
 
 SHARDING = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -43,6 +44,27 @@ SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parall
             "parallel.order", "optim.sharding", "optim.overlap_grad_reduce", "optim.overlap_param_gather",
             "optim.reshard_after_forward", "optim.bucket_size", "train.micro_batch_size", "train.recompute",
             "train.precision")
+
+
+def config_validator(cfg):
+    """The training config's validate() with a candidate's keys set: returns its message, or None."""
+    from omegaconf import OmegaConf
+
+    from megand.training.config import ConfigError, validate
+
+    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(trial, True)
+
+    def check(candidate):
+        for key, value in candidate.settings().items():
+            OmegaConf.update(trial, key, value, merge=False)
+        try:
+            validate(trial, candidate.world_size)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    return check
 
 
 class PlanError(ValueError):
@@ -95,7 +117,9 @@ class Planner:
         self.cluster = cluster
         self.pinned = {k: OmegaConf.select(cfg, k) for k in pinned if k in SEARCHED}
         self.validate_fn = validate_fn
-        self.rejected = []  # (candidate, validate's message) of plans validate() refused
+        self.rejected = []
+        self._memory = {}
+        self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
 
@@ -168,17 +192,35 @@ class Planner:
                             reshard_after_forward=self.pinned.get("optim.reshard_after_forward", pp == 1))
 
     def _base(self) -> dict:
-        return dict(precision=self.precision, order=self.pinned.get("parallel.order", self.cfg.parallel.order),
+        return dict(precision=self.precision, fused_attention=self.fused_attention, order=self.pinned.get("parallel.order", self.cfg.parallel.order),
                     bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
 
+    def memory(self, c: Candidate, stages=None) -> list:
+        """Peak GiB of ``stages`` (default all), memoised: many candidates differ only in what memory
+        does not see."""
+        m = self.gbs // (c.micro_batch_size * c.dp)
+        stages = tuple(range(c.pp)) if stages is None else tuple(stages)
+        key = (memory_layout(c, m), stages)
+        if key not in self._memory:
+            est = estimate_memory(self.model, memory_layout(c, m), stages=stages)
+            self._memory[key] = [st.total_bytes / GIB for st in est.stages]
+        return self._memory[key]
+
+    def fits(self, c: Candidate, stage_groups) -> bool:
+        """Every stage within its device memory. On one group with an even split only the first and last
+        stages need checking: the others hold fewer micro-batches than the first and no embedding or
+        output layer."""
+        if len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None:
+            stages = sorted({0, c.pp - 1})
+            return all(x <= stage_groups[0].memory_gib for x in self.memory(c, stages))
+        return all(x <= g.memory_gib for x, g in zip(self.memory(c), stage_groups))
+
     def _fitting(self, candidate: Candidate, stage_groups):
-        """The candidate with the least recompute (or the pinned one) that fits, and its memory; None."""
-        m = self.gbs // (candidate.micro_batch_size * candidate.dp)
+        """The candidate with the least recompute (or the pinned one) that fits; None."""
         for recompute in self._dom("train.recompute", RECOMPUTE):
             c = candidate.with_(recompute=recompute)
-            mem = stage_memory_gib(self.model, c, m)
-            if all(x <= g.memory_gib for x, g in zip(mem, stage_groups)):
-                return c, mem
+            if self.fits(c, stage_groups):
+                return c
         return None
 
     # --- homogeneous ----------------------------------------------------------------------------
@@ -226,10 +268,10 @@ class Planner:
         """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
         scored.sort(key=lambda x: x[0])
         plans = []
-        for bound, c, groups, mem, times in scored:
+        for bound, c, groups, times in scored:
             if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
                 break
-            pred = predict(self.model, c, self.gbs, groups, times=times, memory=mem)
+            pred = predict(self.model, c, self.gbs, groups, times=times, memory=self.memory(c))
             if len(plans) >= top and pred.step_time_s >= plans[-1].prediction.step_time_s:
                 continue
             if not self._validated(c):
@@ -249,10 +291,10 @@ class Planner:
 
     def plan_homogeneous(self, group, top: int = 5) -> list:
         scored = []
-        for c, mem in self.homogeneous_candidates(group):
+        for c in self.homogeneous_candidates(group):
             groups = [group] * c.pp
             times = stage_times(self.model, c, self.gbs, groups)
-            scored.append((times.lower_bound(c.pp), c, groups, mem, times))
+            scored.append((times.lower_bound(c.pp), c, groups, times))
         return self.best(scored, top)
 
     # --- heterogeneous --------------------------------------------------------------------------
@@ -313,10 +355,9 @@ class Planner:
             if layout is None or len(layout) != c.pp:
                 continue
             trial = base.with_(pipeline_layout=layout)
-            mem = stage_memory_gib(self.model, trial, self.gbs // (trial.micro_batch_size * trial.dp))
-            if all(x <= g.memory_gib for x, g in zip(mem, stage_groups)):
+            if self.fits(trial, stage_groups):
                 times = stage_times(self.model, trial, self.gbs, stage_groups)
-                return times.lower_bound(c.pp), trial, list(stage_groups), mem, times
+                return times.lower_bound(c.pp), trial, list(stage_groups), times
         return None
 
     def _balanced_layout(self, c: Candidate, stage_groups):
