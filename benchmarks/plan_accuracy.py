@@ -86,12 +86,12 @@ def calibrate(profile: str, quiet) -> None:
 
 def search(cluster, overrides, top: int = 1) -> list:
     """The planner's best plans for ``overrides`` (each pinned, as tools/plan.py takes them) on ``cluster``."""
-    from megand.tools.plan import make_validator, pinned_keys
-    from megand.tools.planner.search import Planner
+    from megand.tools.plan import pinned_keys
+    from megand.tools.planner.search import Planner, config_validator
     from megand.training.config import compose
 
     cfg = compose(overrides)
-    return Planner(cfg, pinned_keys(overrides), cluster, validate_fn=make_validator(cfg)).plan(top)
+    return Planner(cfg, pinned_keys(overrides), cluster, validate_fn=config_validator(cfg)).plan(top)
 
 
 def top_plan(cluster, pinned) -> list[str]:
