@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 BASE_OVERRIDES = ("+experiment=tiny_gpt", "train.micro_batch_size=1", "train.eval_iters=0", "optim.warmup_iters=1")
 # (layers, micro-batches per step): both factors at two levels and a centre point
 DESIGN = ((1, 1), (6, 1), (1, 4), (6, 4), (3, 2))
-ITERS, WARMUP_ITERS = 10, 3  # steps per run; the first ones (allocations, caches) are left out
+ITERS, WARMUP_ITERS = 30, 5  # steps per run (a step is milliseconds: the start-up dominates); the first ones are left out
 
 # a launcher's variables would make the child join the calibration's process group
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
