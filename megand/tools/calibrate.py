@@ -331,6 +331,10 @@ def summary(path, ranks, collectives, raw) -> str:
         for run in m["overhead_runs"]:
             lines.append(f"    {run['layers']} layers x {run['microbatches']} micro-batches: measured "
                          f"{run['measured_s'] * 1e3:.2f} ms, modelled compute {run['modelled_s'] * 1e3:.2f} ms")
+        faster = [run for run in m["overhead_runs"] if run["measured_s"] < run["modelled_s"]]
+        if faster:
+            lines.append(f"    WARNING: {len(faster)} training run(s) faster than the compute measured before them: "
+                         f"the machine's load changed during the calibration; its figures are unreliable (run it again)")
     for link, ops in collectives.items():
         for op, fit in ops.items():
             lines.append(f"{link} {op}: alpha {fit['alpha_s'] * 1e6:.1f} us, {fit['gbps']:.2f} GB/s")
