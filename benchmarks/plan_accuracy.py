@@ -26,7 +26,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_runs import ROOT, load_average, measure_rounds, run_ranks, spearman, wait_for_quiet  # noqa: E402
+from plan_runs import ROOT, load_average, measure_rounds, run_ranks, spearman, stop_on_signals, wait_for_quiet  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
@@ -133,6 +133,7 @@ def main(argv=None) -> int:
                         "added to it after each run (iterate on the cost model without measuring again)")
     p.add_argument("--json", default=None, help="write the rows and the summary here")
     args = p.parse_args(argv)
+    stop_on_signals()
     quiet = None if args.quiet < 0 else args.quiet
     if args.calibrate:
         calibrate(args.profile, quiet)

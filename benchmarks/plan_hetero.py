@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_runs import ROOT, load_average, measure_rounds, run_ranks, start_hog, stop  # noqa: E402
+from plan_runs import ROOT, load_average, measure_rounds, run_ranks, start_hog, stop, stop_on_signals  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="keep the profiles here (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
+    stop_on_signals()
     if len(os.sched_getaffinity(0)) < 2:
         print("plan_hetero: needs two CPU cores (os.sched_getaffinity)", file=sys.stderr)
         return 2

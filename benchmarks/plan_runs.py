@@ -146,9 +146,25 @@ def spearman(a, b) -> float:
     return cov / var if var else float("nan")
 
 
+# a busy loop that ends when its parent does (a benchmark killed outright leaves no hog behind)
+HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
+
 def start_hog(core: int) -> subprocess.Popen:
     """A busy loop pinned to ``core``: a rank sharing that core gets about half of it."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_pin({core}))
+    return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=_pin({core}))
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT (also when started in the background, where SIGINT is ignored) unwind the
+    benchmark, so its ``finally`` blocks stop the ranks and the hog."""
+    import signal
+
+    def stop_now(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_now)
 
 
 def stop(proc: subprocess.Popen) -> None:
