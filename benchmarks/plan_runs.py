@@ -147,12 +147,12 @@ def spearman(a, b) -> float:
 
 
 # a busy loop that ends when its parent does (a benchmark killed outright leaves no hog behind)
-HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+HOG = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
 
 
 def start_hog(core: int) -> subprocess.Popen:
     """A busy loop pinned to ``core``: a rank sharing that core gets about half of it."""
-    return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=_pin({core}))
+    return subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())], preexec_fn=_pin({core}))
 
 
 def stop_on_signals() -> None:
