@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="profile JSON from tools/calibrate.py")
     p.add_argument("--calibrate", action="store_true", help="calibrate first (2 ranks), writing --profile")
-    p.add_argument("--rounds", type=int, default=2, help="measurements of each layout (median)")
+    p.add_argument("--rounds", type=int, default=3, help="measurements of each layout (median)")
     p.add_argument("--only", nargs="*", default=None, help="a subset of the layouts (labels)")
     p.add_argument("--quiet", type=int, default=2,
                    help="before each run wait (15 s at most) until at most this many processes are runnable "

@@ -74,6 +74,16 @@ def predicted_step_s(overrides, stage_groups) -> float:
     return predict_config(cfg, 2, stage_groups).step_time_s
 
 
+def improvement(predicted: dict, times: dict) -> dict:
+    """Step times (median of the rounds) and the uneven layout's gain over the even one (1 - uneven / even),
+    predicted and measured, and their ratio (nan when the planner predicts no gain: it chose the even one)."""
+    measured = {k: statistics.median(v) for k, v in times.items()}
+    pred_gain = 1 - predicted["uneven"] / predicted["even"]
+    meas_gain = 1 - measured["uneven"] / measured["even"]
+    return {"predicted_s": predicted, "measured_s": measured, "predicted_gain": pred_gain, "measured_gain": meas_gain,
+            "ratio": meas_gain / pred_gain if pred_gain > 0 else float("nan")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,19 +120,16 @@ def main(argv=None) -> int:
                                cores_of=lambda label: cores)
     finally:
         stop(hog)
-    measured = {k: statistics.median(v) for k, v in times.items()}
-    pred_gain = 1 - predicted["uneven"] / predicted["even"]
-    meas_gain = 1 - measured["uneven"] / measured["even"]
-    ratio = meas_gain / pred_gain if pred_gain > 0 else float("nan")
+    figures = improvement(predicted, times)
     for k in ("even", "uneven"):
-        print(f"{k:<7} predicted {predicted[k] * 1e3:8.1f} ms  measured {measured[k] * 1e3:8.1f} ms  "
+        print(f"{k:<7} predicted {predicted[k] * 1e3:8.1f} ms  measured {figures['measured_s'][k] * 1e3:8.1f} ms  "
               f"rounds {' '.join(f'{t * 1e3:.0f}' for t in times[k])}")
-    print(f"improvement: predicted {pred_gain * 100:.1f}%, measured {meas_gain * 100:.1f}%, ratio {ratio:.2f} "
-          f"(>= 0.70: {ratio >= 0.70}); load average {load_average()}")
+    ratio = figures["ratio"]
+    print(f"improvement: predicted {figures['predicted_gain'] * 100:.1f}%, measured {figures['measured_gain'] * 100:.1f}%, "
+          f"ratio {ratio:.2f} (>= 0.70: {ratio >= 0.70}); load average {load_average()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plan": best.overrides(), "stages": stage_names, "predicted_s": predicted, "measured_s": measured,
-                       "rounds_s": times, "predicted_gain": pred_gain, "measured_gain": meas_gain, "ratio": ratio,
+            json.dump({"plan": best.overrides(), "stages": stage_names, "rounds_s": times, **figures,
                        "load_average": load_average()}, f, indent=1)
     return 0
 

@@ -60,3 +60,13 @@ def test_every_accuracy_layout_is_valid_and_predicted(tmp_path):
     assert len(seen) == len(plan_accuracy.LAYOUTS)  # no two labels run the same layout
     top = plan_accuracy.top_plan(cluster, plan_accuracy.MODEL)
     assert any(o.startswith("parallel.tp=") for o in top)
+
+
+def test_hetero_improvement_ratio():
+    plan_hetero = load("plan_hetero")
+    figures = plan_hetero.improvement({"even": 2.0, "uneven": 1.5}, {"even": [3.0, 2.0, 2.2], "uneven": [1.7, 1.8, 9.0]})
+    assert figures["predicted_gain"] == pytest.approx(0.25)
+    assert figures["measured_gain"] == pytest.approx(1 - 1.8 / 2.2)  # medians of the rounds
+    assert figures["ratio"] == pytest.approx((1 - 1.8 / 2.2) / 0.25)
+    same = plan_hetero.improvement({"even": 2.0, "uneven": 2.0}, {"even": [2.0], "uneven": [2.0]})
+    assert same["ratio"] != same["ratio"]  # nan: no gain predicted (the planner kept the even split)
