@@ -33,6 +33,9 @@ def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+_SHAPES: dict = {}  # Shape.from_config's results by the model dict's items
+
+
 @dataclass(frozen=True)
 class Shape:
     """The numbers the formulas need, derived once from the model config mapping."""
@@ -61,6 +64,21 @@ class Shape:
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "Shape":
+        if isinstance(model, dict):  # plain dicts (the estimator and planner call this a great many times)
+            try:
+                key = tuple(sorted(model.items()))
+                hash(key)
+            except TypeError:
+                return cls._from_config(model)
+            if key not in _SHAPES:
+                if len(_SHAPES) > 256:
+                    _SHAPES.clear()
+                _SHAPES[key] = cls._from_config(model)
+            return _SHAPES[key]
+        return cls._from_config(model)
+
+    @classmethod
+    def _from_config(cls, model: Mapping[str, Any]) -> "Shape":
         arch = _get(model, "arch", "gpt")
         heads = int(_get(model, "num_attention_heads"))
         hidden = int(_get(model, "hidden_size"))

@@ -124,15 +124,15 @@ def verify(user_overrides, plan) -> dict:
             "phases_peak_bytes": {name: ph["peak_bytes"] for name, ph in phases.items()}}
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
 
 
 def format_verify(v: dict) -> str:
-    ratio = v["measured_peak_bytes"] / v["predicted_peak_bytes"]
-    return (f"verify: rank {v['rank']} (stage {v['stage']}) rehearsed on this CPU: peak {_bytes(v['measured_peak_bytes'])}"
-            f" measured ({v['measured_peak_phase']}), {_bytes(v['predicted_peak_bytes'])} predicted (ratio {ratio:.2f};"
-            f" device memory {_bytes(v['device_memory_bytes'])})")
+    measured, predicted = v["measured_peak_bytes"], v["predicted_peak_bytes"]
+    return (f"verify: rank {v['rank']} (stage {v['stage']}) rehearsed on this CPU: peak {_size(measured)} measured "
+            f"({v['measured_peak_phase']}), {_size(predicted)} predicted (measured / predicted {measured / predicted:.2f}; "
+            f"device memory {_size(v['device_memory_bytes'])})")
 
 
 def main(argv=None) -> int:

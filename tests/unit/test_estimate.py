@@ -176,3 +176,16 @@ def test_zero3_gathered_buckets_count_in_the_estimate():
     assert kept.gathered_bytes == kept.params * 2 + min(2 * 40_000_000, kept.params) * 4
     assert resharded.gathered_bytes == 2 * 1000 * 2 + 2 * 1000 * 4
     assert resharded.total_bytes < kept.total_bytes
+
+
+def test_uneven_pipeline_layout_counts_each_stages_own_layers():
+    from megand.models.flops import Shape, layer_params
+
+    per_layer = layer_params(Shape.from_config(GPT)).total
+    even = Layout(pp=2, num_microbatches=8)
+    uneven = Layout.from_config({"pp": 2, "pipeline_layout": [18, 6]}, {"micro_batch_size": 1, "global_batch_size": 8},
+                                {}, world_size=2)
+    assert stage_params(GPT, uneven, 1) == stage_params(GPT, even, 1) - 6 * per_layer
+    assert layer_microbatches_in_flight(24, uneven, 0) == 2 * 18  # 1F1B: pp - r = 2 micro-batches of 18 layers
+    first_even, first_uneven = (estimate_memory(GPT, lay).stages[0].total_bytes for lay in (even, uneven))
+    assert first_uneven > first_even

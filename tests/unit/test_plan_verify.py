@@ -37,7 +37,7 @@ def test_verify_reports_measured_against_predicted_peak(tmp_path, capsys, pinned
     assert checked["stage"] == stage and checked["rank"] == stage * 2
     line = next(line for line in out.splitlines() if line.startswith("verify:"))
     ratio = checked["measured_peak_bytes"] / checked["predicted_peak_bytes"]
-    assert f"rank {checked['rank']} (stage {stage})" in line and f"ratio {ratio:.2f}" in line, line
+    assert f"rank {checked['rank']} (stage {stage})" in line and f"measured / predicted {ratio:.2f}" in line, line
     assert "measured" in line and "predicted" in line, line
     assert 1.0 <= ratio <= 1.35, checked
     assert checked["measured_peak_bytes"] == max(checked["phases_peak_bytes"].values())

@@ -66,6 +66,7 @@ def test_1f1b_timeline_by_hand():
     assert t.ops[("B", 0, 0)] == (4, 6) and t.ops[("F", 1, 1)] == (4, 5) and t.ops[("B", 0, 1)] == (7, 9)
     assert t.makespan == 9 == (2 + 2 - 1) * 3
     assert t.bubble_fraction == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert t.last_backward == [2, 2]  # gradients are final only during the last micro-batch's backward
 
 
 def test_uneven_stages_by_hand():
@@ -85,6 +86,8 @@ def test_interleaved_timeline_by_hand():
     assert t.ops[("F", 2, 0)] == (2, 3) and t.ops[("F", 3, 1)] == (4, 5) and t.ops[("B", 3, 0)] == (5, 7)
     assert t.ops[("B", 1, 0)] == (9, 11) and t.ops[("B", 0, 1)] == (13, 15)
     assert t.makespan == 15
+    # rank 0's chunk 1 (virtual stage 2) is final at B(2, 1) [9, 11]: the reduction can hide from 9 to 15
+    assert t.last_backward == [15 - 9, 13 - 7]
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(4, None, 8), (4, 2, 8), (8, 4, 32)])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megand.models.flops import Shape, flops_per_iteration
+from megand.models.flops import Shape, flops_per_iteration, layer_params
 from megand.tools.estimate_memory import Layout, estimate_memory, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_time
@@ -180,6 +180,21 @@ def _edge_times(shape: Shape, c: Candidate, profile, tp_link: str, first: bool, 
     return fwd, bwd
 
 
+_LINKS = {}
+
+
+def _placement_and_links(c: Candidate, stage_groups: tuple):
+    """Placement and links depend only on the grid, the order, the shard groups and the stage groups:
+    memoised, since thousands of candidates share a grid (and a grid may have tens of thousands of ranks)."""
+    key = (c.tp, c.cp, c.dp, c.pp, c.order, c.dp_shard, tuple((g.name, g.devices_per_node) for g in stage_groups))
+    if key not in _LINKS:
+        if len(_LINKS) > 512:
+            _LINKS.clear()
+        placement = place(c, stage_groups)
+        _LINKS[key] = (placement, spanned_links(c, placement))
+    return _LINKS[key]
+
+
 @dataclass
 class StageTimes:
     """Per virtual stage: one micro-batch's forward and backward seconds; per boundary: p2p seconds."""
@@ -202,25 +217,29 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
     shape = Shape.from_config(model)
     m = global_batch_size // (c.micro_batch_size * c.dp)
     stages = c.pp * (c.vpp or 1)
-    placement = place(c, stage_groups)
-    links = spanned_links(c, placement)
+    placement, links = _placement_and_links(c, tuple(stage_groups))
     layers = virtual_stage_layers(shape.layers, c)
     elem = _elem(c.precision)
-    forward, backward, per_group = [], [], {}
+    forward, backward, per_group, per_stage = [], [], {}, {}
     for s in range(stages):
         r = s % c.pp
-        prof = stage_groups[r].profile
-        key = (stage_groups[r].name, links["tp"][r], links["cp"][r])
-        if key not in per_group:
-            per_group[key] = layer_times(shape, c, prof, links["tp"][r], links["cp"][r])
-        lt = per_group[key]
-        f = layers[s] * lt.forward()
-        b = layers[s] * lt.backward(c.recompute)
-        ef, eb = _edge_times(shape, c, prof, links["tp"][r], s == 0, s == stages - 1)
-        f, b = f + ef, b + eb
-        if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
-            f += prof.overhead_s.get("per_microbatch", 0.0)
-        f, b = _add_sharded_comm(model, c, prof, links, r, s, layers[s], f, b, elem)
+        g = stage_groups[r]
+        links_r = (links["tp"][r], links["cp"][r], links["dp_shard"][r])
+        # virtual stages alike in group, links, layers and position cost the same: computed once
+        key = (g.name, links_r, layers[s], s == 0, s == stages - 1, s < c.pp)
+        if key not in per_stage:
+            prof = g.profile
+            if (g.name, links_r) not in per_group:
+                per_group[(g.name, links_r)] = layer_times(shape, c, prof, links_r[0], links_r[1])
+            lt = per_group[(g.name, links_r)]
+            f = layers[s] * lt.forward()
+            b = layers[s] * lt.backward(c.recompute)
+            ef, eb = _edge_times(shape, c, prof, links_r[0], s == 0, s == stages - 1)
+            f, b = f + ef, b + eb
+            if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
+                f += prof.overhead_s.get("per_microbatch", 0.0)
+            per_stage[key] = _add_sharded_comm(shape, c, prof, links, r, layers[s], f, b, elem)
+        f, b = per_stage[key]
         forward.append(f)
         backward.append(b)
     p2p = []
@@ -273,21 +292,14 @@ def _dp_size(c: Candidate) -> int:
     return c.dp * c.cp
 
 
-def _chunk_params(model: dict, c: Candidate, layers: float) -> float:
-    shape = Shape.from_config(model)
-    from megand.models.flops import layer_params
-
-    return layers * layer_params(shape).per_tp_rank(c.tp)
-
-
-def _add_sharded_comm(model, c: Candidate, prof, links, r: int, s: int, layers: float, f: float, b: float, elem):
+def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: float, f: float, b: float, elem):
     """ZeRO-2's per-micro-batch gradient reduce-scatter and ZeRO-3's parameter gathers, prefetched
     under the chunk's compute: only their excess (at least one bucket) adds to the chunk's time."""
     d = c.dp_shard or _dp_size(c)
     if d <= 1 or c.sharding not in ("optim_grads", "optim_grads_params"):
         return f, b
     link = links["dp_shard"][r]
-    params = _chunk_params(model, c, layers)
+    params = layers * layer_params(shape).per_tp_rank(c.tp)
     bucket = min(1.0, c.bucket_size / max(params, 1.0))
     rs = collective_time(prof, "reduce_scatter", 4 * params, d, link)
     b_comm = rs

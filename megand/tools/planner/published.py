@@ -121,11 +121,14 @@ def evaluate(run: PublishedRun, search: bool = True) -> dict:
     return row
 
 
-def main() -> None:
-    """Print the table of the README's "Layout planner" section."""
+def main(argv=None) -> None:
+    """Print the table of the README's "Layout planner" section (optionally only the rows numbered in argv)."""
+    import sys
+
+    rows = [int(a) for a in (sys.argv[1:] if argv is None else argv)] or range(len(RUNS))
     print("| run | cluster | layout | published TFLOP/s/GPU | predicted (published layout) | error | planner's top plan | top / published layout |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for run in RUNS:
+    for run in (RUNS[i] for i in rows):
         row = evaluate(run)
         top = row["top_plan"].candidate
         lay = " ".join(f"{k}={v}" for k, v in run.layout.items())

@@ -420,6 +420,16 @@ class Planner:
         if self.rejected:
             c, message = self.rejected[0]
             return f"every layout that fits was refused by the config's validate(), e.g.: {message}"
+        if self.validate_fn is not None and self.pinned:  # the pins alone may break a rule of validate()
+            p = self.pinned
+            pinned = Candidate(**{**self._base(), **{
+                field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
+                                                 ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
+                                                 ("parallel.sequence_parallel", "sequence_parallel"),
+                                                 ("parallel.cp_comm", "cp_comm")) if key in p}})
+            message = self.validate_fn(pinned.with_(dp=1))
+            if message and "global_batch_size" not in message:
+                return f"the pinned keys break a rule of the config: {message}"
         needed = self.smallest_fit()
         have = ", ".join(f"{g.name}: {g.devices} x {g.memory_gib:g} GiB" for g in self.cluster.groups)
         pins = " ".join(f"{k}={override_value(v)}" for k, v in sorted(self.pinned.items()))
@@ -450,3 +460,34 @@ class Planner:
                         best = (tp * pp * dp, g.memory_gib, f"tp={tp} pp={pp} dp={dp}, ZeRO-3, full recompute")
                         break
         return best
+
+
+def candidate_from_config(cfg, world_size: int) -> Candidate:
+    """The layout a composed training config describes, for ``world_size`` ranks (``parallel.dp: null``
+    takes what is left), to predict a given run (``predict_config``)."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp * p.cp)
+    return Candidate(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp, sequence_parallel=bool(p.sequence_parallel),
+                     sharding=o.sharding, dp_shard=p.dp_shard, micro_batch_size=t.micro_batch_size,
+                     recompute=t.recompute, cp_comm=p.cp_comm, precision=t.precision,
+                     pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
+                     overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
+                     reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
+                     order=p.order)
+
+
+def predict_config(cfg, cluster, world_size: int):
+    """The prediction for the run ``cfg`` describes on ``cluster`` (its stages on the groups in order of
+    decreasing memory, as many stages per group as fit): the planner's cost model for a pinned run."""
+    from omegaconf import OmegaConf
+
+    c = candidate_from_config(cfg, world_size)
+    groups = sorted(cluster.groups, key=lambda g: -g.memory_gib)
+    stage_groups = []
+    for g in groups:
+        stage_groups += [g] * min(g.devices // c.stage_size, c.pp - len(stage_groups))
+    if len(stage_groups) < c.pp:
+        raise PlanError(f"{c.pp} pipeline stages of {c.stage_size} ranks do not fit the cluster's "
+                        f"{cluster.devices} devices")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    return predict(model, c, int(cfg.train.global_batch_size), stage_groups)

@@ -53,8 +53,9 @@ class Timeline:
     makespan: float              # first operation's start to the last one's end, over all ranks
     busy: list                   # per rank: seconds spent in forwards and backwards
     finish: list                 # per rank: when its last backward ends
-    last_backward: list          # per rank: seconds of its backwards after its last forward (the
-                                 # window in which overlapped gradient reduction can hide)
+    last_backward: list          # per rank: seconds from the start of the first backward that makes a
+                                 # chunk's gradients final (its last micro-batch) to the rank's end: the
+                                 # window in which overlapped gradient reduction can hide
     ops: dict                    # (kind, virtual_stage, microbatch) -> (start, end)
 
     @property
@@ -103,7 +104,7 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
         if not progressed:
             raise RuntimeError(f"schedule replay deadlocked (pp={pp}, vpp={vpp}, m={m}): a bug")
     last_backward = []
-    for r in range(pp):
-        last_f = max(i for i, op in enumerate(orders[r]) if op[0] == "F")
-        last_backward.append(sum(done[op][1] - done[op][0] for op in orders[r][last_f + 1:]))
+    for r in range(pp):  # a chunk's gradients are final during its last micro-batch's backward
+        first_final = min(done[("B", s, m - 1)][0] for s in range(r, stages, pp))
+        last_backward.append(free[r] - first_final)
     return Timeline(makespan=max(free), busy=busy, finish=list(free), last_backward=last_backward, ops=done)
