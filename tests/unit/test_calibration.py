@@ -99,8 +99,11 @@ def test_overheads_need_three_design_points():
 
 def test_steady_step_time_leaves_out_the_first_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"iter": i, "loss": 1.0, "iter_time_ms": t} for i, t in enumerate([500, 90, 80, 10, 12, 11, 30], 1)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"iter": 7, "val_loss": 1.0}]))
+    from megand.tools.calibration.overheads import WARMUP_ITERS
+
+    times = [500, 90, 80, 70, 60][:WARMUP_ITERS] + [60] * (WARMUP_ITERS - 5) + [10, 12, 11, 30]
+    rows = [{"iter": i, "loss": 1.0, "iter_time_ms": t} for i, t in enumerate(times, 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"iter": len(rows), "val_loss": 1.0}]))
     assert steady_step_seconds(str(path)) == pytest.approx(0.0115)
 
 
