@@ -103,8 +103,9 @@ def format_table(plans) -> str:
     return "\n".join(lines)
 
 
-def verify(user_overrides, plan) -> str:
-    """Rehearse the top plan's most loaded rank (first rank of its fullest stage) on this CPU."""
+def verify(user_overrides, plan) -> dict:
+    """Rehearse the top plan's most loaded rank (first rank of its fullest stage) on this CPU: the peak
+    bytes it held in any phase of a training step (tools/rehearse.py) next to the plan's prediction."""
     from argparse import Namespace
 
     from megand.tools.rehearse import prepare_config, rehearse
@@ -115,16 +116,23 @@ def verify(user_overrides, plan) -> str:
     args = Namespace(overrides=list(user_overrides) + plan.overrides(), world_size=c.world_size, rank=rank,
                      microbatches=None)
     cfg, world, _ = prepare_config(args)
-    result = rehearse(cfg, world, rank)
-    measured = max(ph["peak_bytes"] for ph in result["phases"].values())
-    predicted = pr.mem_peak_gib[stage] * 2**30
-    return (f"verify: rank {rank} (stage {stage}) rehearsed on this CPU: peak {_size(measured)} measured, "
-            f"{_size(predicted)} predicted (measured / predicted {measured / predicted:.2f}; device memory "
-            f"{pr.memory_gib[stage]:g} GiB)")
+    phases = rehearse(cfg, world, rank)["phases"]
+    peak_phase = max(phases, key=lambda name: phases[name]["peak_bytes"])
+    return {"rank": rank, "stage": stage, "measured_peak_bytes": phases[peak_phase]["peak_bytes"],
+            "measured_peak_phase": peak_phase, "predicted_peak_bytes": pr.mem_peak_gib[stage] * 2**30,
+            "device_memory_bytes": pr.memory_gib[stage] * 2**30,
+            "phases_peak_bytes": {name: ph["peak_bytes"] for name, ph in phases.items()}}
 
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
+
+
+def format_verify(v: dict) -> str:
+    measured, predicted = v["measured_peak_bytes"], v["predicted_peak_bytes"]
+    return (f"verify: rank {v['rank']} (stage {v['stage']}) rehearsed on this CPU: peak {_size(measured)} measured "
+            f"({v['measured_peak_phase']}), {_size(predicted)} predicted (measured / predicted {measured / predicted:.2f}; "
+            f"device memory {_size(v['device_memory_bytes'])})")
 
 
 def main(argv=None) -> int:
@@ -152,9 +160,13 @@ def main(argv=None) -> int:
     launch = best.launch()
     print(f"launch: {len(launch['nodes'])} nodes in this order (node rank 0 first): {' '.join(launch['nodes'])}; "
           f"stage groups {' '.join(launch['stages'])}")
+    checked = verify(args.overrides, best) if args.verify else None
+    if checked:
+        print(format_verify(checked))
     if args.json:
+        listed = [p.as_dict() for p in plans]
+        if checked:
+            listed[0]["verify"] = checked
         with open(args.json, "w") as f:
-            json.dump([p.as_dict() for p in plans], f, indent=1)
-    if args.verify:
-        print(verify(args.overrides, best))
+            json.dump(listed, f, indent=1)
     return 0

@@ -1,0 +1,1 @@
+"""Measuring a machine for the layout planner: GEMM rates, memory bandwidth, collectives, framework overheads."""
