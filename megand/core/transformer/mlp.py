@@ -17,6 +17,28 @@ def split_swiglu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_swiglu`: (gate, up), each ``[ffn, hidden]``."""
     pairs = fc1.reshape(-1, 2, *fc1.shape[1:])
     return pairs[:, 0], pairs[:, 1]
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of an fc1 output ``[..., f, 2]`` (gate, up) that is already computed (the routed
+    experts' grouped GEMM), saving only that input for backward and recomputing the silu there: autograd on
+    the plain expression would also keep ``silu(gate)``, one more f-wide activation per layer and micro-batch."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return F.silu(h[..., 0]) * h[..., 1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h[..., 0], h[..., 1]
+        out = torch.empty_like(h)  # [..., f, 2], written in place: no stack of the two halves
+        torch.ops.aten.silu_backward(grad * up, gate, grad_input=out[..., 0])
+        torch.mul(grad, F.silu(gate), out=out[..., 1])
+        return out
+
+
 def _interleaved(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up rows of a fused fc1 weight ``[f * 2, hidden]`` (or bias ``[f * 2]``): strided views,
     no copy (a matrix whose rows are ``2 * hidden`` apart is still a valid GEMM operand)."""
