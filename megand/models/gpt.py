@@ -101,8 +101,10 @@ class GPTModel(torch.nn.Module):
         """This rank's vocab slice of the logits ``[s, b, V_local]``."""
         if self.output_layer is not None:
             return self.output_layer(x)
-        # tied to the word embedding on this stage: the same column-parallel product, on its weight
-        return column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group, self.cfg.sequence_parallel)
+        # tied to the word embedding on this stage: the same column-parallel product, on its weight (which
+        # the embedding's lookup reads too, so autograd sums the two gradients before they are accumulated)
+        return column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group, self.cfg.sequence_parallel,
+                                      fuse_wgrad=False)
 
     def rope(self, positions):
         if self.cfg.position_embedding != "rope":

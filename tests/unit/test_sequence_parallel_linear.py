@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.parallel_state import init_fake_distributed
-from megand.core.tensor_parallel.layers import SequenceParallelLinear
+from megand.core.tensor_parallel.layers import ParallelLinear
 
 
 def saved_bytes(fn):
@@ -27,7 +27,7 @@ def test_only_the_local_sequence_shard_is_saved():
     try:
         weight = torch.nn.Parameter(torch.randn(32, 64))
         x = torch.randn(8, 2, 64, requires_grad=True)  # this rank's 8 of 32 tokens
-        _, saved = saved_bytes(lambda: SequenceParallelLinear.apply(x, weight, None, dist.group.WORLD))
+        _, saved = saved_bytes(lambda: ParallelLinear.apply(x, weight, None, dist.group.WORLD, True, True))
         assert saved == x.nbytes + weight.nbytes, f"saved {saved} bytes; shard {x.nbytes} + weight {weight.nbytes}"
     finally:
         dist.destroy_process_group()
@@ -40,7 +40,7 @@ def test_gradients_equal_those_of_f_linear_on_one_rank():
         x, w, b = torch.randn(6, 3, 16), torch.randn(8, 16), torch.randn(8)
         grad = torch.randn(6, 3, 8)
         grads = []
-        for f in (lambda x, w, b: SequenceParallelLinear.apply(x, w, b, dist.group.WORLD), F.linear):
+        for f in (lambda x, w, b: ParallelLinear.apply(x, w, b, dist.group.WORLD, True, True), F.linear):
             leaves = [t.clone().requires_grad_() for t in (x, w, b)]
             f(*leaves).backward(grad)
             grads.append([t.grad for t in leaves])

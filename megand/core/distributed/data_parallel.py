@@ -1,8 +1,9 @@
 """The data-parallel engine: fp32 main gradients in bucketed buffers, reduced over dp x cp.
 
 Every parameter's gradient is accumulated, micro-batch after micro-batch, into ``param.main_grad``,
-an fp32 view into its dtype's gradient buffer (a post-accumulate-grad hook adds ``param.grad`` and
-frees it). Once a step's gradients are final, each bucket is summed over the dp x cp group: an
+an fp32 view into its dtype's gradient buffer: the parallel linear layers add their weight gradient
+there themselves, at fp32 (``param.accumulate_grad``); for the other parameters a post-accumulate-grad
+hook adds autograd's ``param.grad`` and frees it. Once a step's gradients are final, each bucket is summed over the dp x cp group: an
 all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank the sum of its own
 slice. With the distributed optimizer the updated parameters are then all-gathered back into every
 replica's parameter buffer.
@@ -67,6 +68,7 @@ holding the same experts. Each buffer carries its :class:`ReduceGroup`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +165,8 @@ class DataParallel:
         self.traffic = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+            # layers that compute their own weight gradient add it straight into the fp32 accumulator
+            p.accumulate_grad = functools.partial(self.accumulate_grad, p)
         if self.overlap_param_gather:
             for chunk in chunks:
                 for module in chunk.modules():
@@ -200,27 +204,39 @@ class DataParallel:
             self._final = False
 
     def _on_grad(self, p):
+        """The post-accumulate-grad hook: autograd's ``p.grad`` is added to the accumulator and freed."""
+        if p.grad is None:  # the layer has added this backward's gradient itself (accumulate_grad)
+            return
+        grad, p.grad = p.grad, None
+        self.accumulate_grad(p, lambda main: main.add_(grad))
+
+    def accumulate_grad(self, p, add):
+        """One backward's gradient of ``p`` arrives: ``add(main)`` adds it into ``main``, the fp32 tensor
+        of ``p``'s shape that accumulates it (``p.main_grad``, or under sharded gradients p's part of the
+        bucket's scratch), then the bucket's reduction starts if that was the last gradient it awaited.
+
+        Parameters carry this as ``p.accumulate_grad(add)``: a layer that computes its weight gradient
+        itself adds the GEMM's product here directly, in fp32, instead of returning a ``p.grad`` in the
+        parameter's dtype (bf16) that the hook then adds (Megatron's gradient-accumulation fusion)."""
         bucket = self.bucket_of[p]
         if self.shard_grads:
-            self._on_grad_sharded(p, bucket)
+            self._accumulate_sharded(p, bucket, add)
             return
         if bucket.index in self._launched:
             raise RuntimeError("a gradient arrived after its bucket was reduced: the schedule ran more than one "
                                "backward per chunk inside last_backward()")
-        p.main_grad.add_(p.grad)
-        p.grad = None
+        add(p.main_grad)
         if self._final:
             pending = self._pending[bucket.index]
             pending.discard(p)
             if not pending and self.overlap_grad_reduce:
                 self._reduce(bucket)
 
-    def _on_grad_sharded(self, p, bucket):
+    def _accumulate_sharded(self, p, bucket, add):
         """ZeRO-2/3: accumulate into the bucket's scratch; reduce-scatter it once every parameter of the
         bucket has contributed (sums are linear: flushing early or late changes only the traffic)."""
         off = bucket.buffer.offset[p]
-        bucket.grads[off - bucket.start: off - bucket.start + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
+        add(bucket.grads[off - bucket.start: off - bucket.start + p.numel()].view(p.shape))
         unflushed = self._unflushed[bucket.index]
         unflushed.discard(p)
         if not unflushed:

@@ -6,13 +6,12 @@ parallelism, one all-gather before and one reduce-scatter after). The communicat
 :mod:`megand.core.tensor_parallel.mappings`; here it is only called.
 """
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
+from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
     _gather_first,
@@ -29,39 +28,52 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class SequenceParallelLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x), weight, bias)`` over the sequence shards ``x`` of the tp ranks, storing only
-    the local shard for backward: backward all-gathers it again for the weight gradient and reduce-scatters
-    the input gradient (Megatron's sequence-parallel linear). Autograd around a plain gather would store
-    the gathered input, tp times the shard, in every column-parallel layer of every micro-batch in flight."""
+class ParallelLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` of a parallel layer, its weight gradient added straight into the fp32
+    accumulator of the data-parallel engine when there is one (:mod:`.wgrad`).
+
+    Under sequence parallelism ``x`` is this rank's sequence shard: it is all-gathered over the tp ranks
+    here and only the shard is stored for backward, which all-gathers it again for the weight gradient and
+    reduce-scatters the input gradient (Megatron's sequence-parallel linear). Autograd around a plain
+    gather would store the gathered input, tp times the shard, in every column-parallel layer of every
+    micro-batch in flight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fuse_wgrad):
+        ctx.group, ctx.sequence_parallel, ctx.fuse_wgrad = group, sequence_parallel, fuse_wgrad
+        ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_first(x, group), weight, bias)
+        return F.linear(_gather_first(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _reduce_scatter_first(grad.matmul(weight), ctx.group)
+            grad_x = grad.matmul(weight)
+            if ctx.sequence_parallel:
+                grad_x = _reduce_scatter_first(grad_x, ctx.group)
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            full = _gather_first(x, ctx.group)
-            grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.needs_input_grad[1]:  # after the input gradient: ZeRO-3 may free the weight once it is added
+            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
+            flat_x = full.reshape(-1, full.shape[-1])
+            accumulate = fused_accumulator(weight, ctx.fuse_wgrad)
+            if accumulate is None:
+                grad_weight = flat_grad.t().matmul(flat_x)
+            else:
+                accumulate(lambda main: add_product(main, flat_grad.t(), flat_x))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool):
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fuse_wgrad: bool = True):
     """A column-parallel product: ``x`` is the full activation (replicated over tp) or, under sequence
-    parallelism, this rank's sequence shard."""
-    if sequence_parallel:
-        return SequenceParallelLinear.apply(x, weight, bias, group)
-    return F.linear(copy_to_tp(x, group), weight, bias)
+    parallelism, this rank's sequence shard. ``fuse_wgrad=False`` for a weight that is also read elsewhere
+    in the same backward (its gradient then arrives once, summed by autograd)."""
+    if not sequence_parallel:
+        x = copy_to_tp(x, group)
+    return ParallelLinear.apply(x, weight, bias, group, sequence_parallel, fuse_wgrad)
 
 
 def _param(shape, meta, dtype, device):
@@ -110,7 +122,7 @@ class RowParallelLinear(torch.nn.Module):
                            dtype, device) if bias else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = ParallelLinear.apply(x, self.weight, None, self.tp_group, False, True)
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megand.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first, copy_to_tp
+from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
 
 
 def fuse_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,8 @@ class SwiGLULinear(torch.autograd.Function):
     Saves its input, the gate and the up product (the f-wide tensors the expression needs; silu is
     recomputed in backward). Under sequence parallelism ``x`` is this rank's sequence shard: it is
     all-gathered here, only the shard is saved, and backward gathers it again and reduce-scatters the
-    input gradient (as :class:`~megand.core.tensor_parallel.layers.SequenceParallelLinear`)."""
+    input gradient (as :class:`~megand.core.tensor_parallel.layers.ParallelLinear`, which also adds the weight
+    gradient straight into the engine's fp32 accumulator, as this does)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
@@ -86,10 +88,19 @@ class SwiGLULinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
             flat = full.reshape(-1, full.shape[-1])
-            grad_weight = torch.empty_like(weight)
-            g_gate, g_up = _interleaved(grad_weight)  # each GEMM writes its rows in place
-            torch.mm(grad_gate.t(), flat, out=g_gate)
-            torch.mm(grad_up.t(), flat, out=g_up)
+            accumulate = fused_accumulator(weight)
+            if accumulate is None:
+                grad_weight = torch.empty_like(weight)
+                g_gate, g_up = _interleaved(grad_weight)  # each GEMM writes its rows in place
+                torch.mm(grad_gate.t(), flat, out=g_gate)
+                torch.mm(grad_up.t(), flat, out=g_up)
+            else:
+                def add(main):  # into the gate and up rows of the fp32 accumulator
+                    m_gate, m_up = _interleaved(main)
+                    add_product(m_gate, grad_gate.t(), flat)
+                    add_product(m_up, grad_up.t(), flat)
+
+                accumulate(add)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = torch.stack([grad_gate.sum(0), grad_up.sum(0)], dim=-1).view(-1)
         return grad_x, grad_weight, grad_bias, None, None
