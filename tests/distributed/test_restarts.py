@@ -1,9 +1,12 @@
 """In-job restart and the hang watchdog, with the launcher's own restarts (torchrun --max-restarts):
 a rank killed mid-run, or stopped (SIGSTOP) so that the others hang in a collective, makes the job
-restart every worker; they resume from `latest` by themselves (checkpoint.load == checkpoint.save) and
-finish with the losses of an uninterrupted run, recomputing at most checkpoint.interval steps."""
+restart every worker; they resume by themselves (checkpoint.load == checkpoint.save) from the newest
+checkpoint published before the fault and finish with the losses of an uninterrupted run. Only the
+steps since that checkpoint are computed again: at most checkpoint.interval with synchronous saves;
+an asynchronous save still being written when the fault comes is lost with the steps it would have kept."""
 
 import os
+import re
 import signal
 import time
 
@@ -34,9 +37,15 @@ def published(save) -> int:
         return 0
 
 
-def recomputed(iters: list[int]) -> int:
-    """Steps computed twice: the iterations logged again after the restart."""
-    return len(iters) - len(set(iters))
+def restart_point(output: str, iters: list[int]) -> tuple[int, int]:
+    """(the iteration the one restart resumed from, the last iteration logged before it), checking that
+    the log is exactly 1..last followed by resumed+1..ITERS: no step skipped, none repeated otherwise."""
+    loaded = [int(n) for n in re.findall(r"loaded checkpoint \S+ at iteration (\d+)", output)]
+    assert len(loaded) == 1, output[-4000:]
+    resumed = loaded[0]
+    last = len(iters) - (ITERS - resumed)
+    assert last >= resumed and iters == [*range(1, last + 1), *range(resumed + 1, ITERS + 1)], (resumed, iters)
+    return resumed, last
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +61,11 @@ def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path, uninterrupted)
               launcher_args=["--max-restarts=1"])
     # killed right after an (asynchronous) save is published: the restart recomputes the steps since
     job.wait_for(lambda: published(save) >= 2 * INTERVAL)
+    newest = published(save)
     os.kill(job.ranks()[1], signal.SIGKILL)
     assert job.wait() == 0, job.output[-4000:]
-    iters = metric_iters(run_dir)
-    assert 0 < recomputed(iters) <= INTERVAL, iters
+    resumed, _ = restart_point(job.output, metric_iters(run_dir))
+    assert resumed >= newest  # nothing published before the kill is lost
     assert final_losses(run_dir) == uninterrupted  # bit for bit, every iteration
     # retention with asynchronous saves: the newest two, `latest` among them
     assert sorted(os.listdir(save)) == [f"iter_{ITERS - INTERVAL:07d}", f"iter_{ITERS:07d}", "latest"]
@@ -69,7 +79,7 @@ def test_stopped_rank_trips_the_watchdog_then_the_job_resumes(tmp_path, uninterr
     job.wait_for(lambda: len(metric_iters(run_dir)) >= 6)
     stopped = job.ranks()[1]
     os.kill(stopped, signal.SIGSTOP)
-    at = time.monotonic()
+    at, newest = time.monotonic(), published(save)
     job.wait_for(lambda: "hang detected" in job.output, timeout=timeout + 60)
     seen = next(t for t, line in job.lines if "hang detected" in line)
     assert seen - at <= timeout + 30
@@ -78,7 +88,8 @@ def test_stopped_rank_trips_the_watchdog_then_the_job_resumes(tmp_path, uninterr
     assert "Thread 0x" in job.output or "Current thread" in job.output  # the stacks of all threads
     os.kill(stopped, signal.SIGCONT)
     assert job.wait() == 0, job.output[-4000:]
-    assert 0 < recomputed(metric_iters(run_dir)) <= INTERVAL
+    resumed, last = restart_point(job.output, metric_iters(run_dir))
+    assert resumed >= newest and last - resumed <= INTERVAL
     assert final_losses(run_dir) == uninterrupted
 
 
@@ -86,9 +97,10 @@ def test_stopped_rank_trips_the_watchdog_then_the_job_resumes(tmp_path, uninterr
 def test_killed_rank_restarts_with_two_agents(tmp_path, uninterrupted):
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
     job = Job(run_dir, checkpointed(save), 1, launcher_args=["--max-restarts=1"], nnodes=2)
-    # killed right after an (asynchronous) save is published: the restart recomputes the steps since
     job.wait_for(lambda: published(save) >= 2 * INTERVAL)
+    newest = published(save)
     os.kill(job.ranks()[1], signal.SIGKILL)  # the worker of the second "node"
     assert job.wait() == 0, job.output[-4000:]
-    assert 0 < recomputed(metric_iters(run_dir)) <= INTERVAL
+    resumed, last = restart_point(job.output, metric_iters(run_dir))
+    assert resumed >= newest and last - resumed <= INTERVAL
     assert final_losses(run_dir) == uninterrupted
