@@ -557,6 +557,9 @@ class Trainer:
         finally:
             self.watchdog.close()
             self.watchdog = None
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
