@@ -11,7 +11,8 @@ drops the tokens. Under context parallelism each rank keeps its load-balanced se
 global positions; document ids stay whole-sequence (the attention looks up the keys' documents).
 """
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -48,8 +49,9 @@ def global_batch_range(iteration: int, global_batch_size: int) -> range:
 
 
 def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, topo, offset=0, seq_length=None,
-                      needs_tokens=True, documents: DocumentFlags | None = None):
-    """This rank's micro-batches of global batch ``iteration`` (samples from ``offset`` on).
+                      needs_tokens=True, documents: DocumentFlags | None = None, device=None):
+    """This rank's micro-batches of global batch ``iteration`` (samples from ``offset`` on), on ``device``
+    (default: the rank's).
 
     ``needs_tokens=False`` (a middle pipeline stage): only positions (and document information when
     ``documents`` asks for it); ``seq_length`` is then required.
@@ -82,7 +84,7 @@ def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, t
             positions = split_for_cp(positions, 1, topo.cp_rank, topo.cp_size)
         else:
             positions = cp_positions(seq_length, topo.cp_rank, topo.cp_size, positions.device)
-    device = topo.device
+    device = topo.device if device is None else device
 
     def part(t, i):
         return None if t is None else t[i: i + micro_batch_size].to(device)
@@ -103,3 +105,53 @@ def loss_token_count(microbatches, topo, default: int) -> torch.Tensor | int:
     if topo.dp_cp_size > 1:
         dist.all_reduce(count, group=topo.dp_cp_group)
     return count.clamp_min(1.0)  # a batch of EOD tokens only: loss 0, not nan
+
+
+def to_device(microbatches, device: torch.device) -> list:
+    """``microbatches`` moved to ``device``; from pinned host memory without blocking on CUDA (the copy
+    overlaps whatever the device is still running)."""
+    if device.type == "cpu":
+        return microbatches
+    def move(t):
+        return None if not isinstance(t, torch.Tensor) else t.pin_memory().to(device, non_blocking=True)
+    return [MicroBatch(**{f.name: move(getattr(mb, f.name)) if f.name != "batch_size" else mb.batch_size
+                          for f in fields(MicroBatch)}) for mb in microbatches]
+
+
+class Prefetcher:
+    """Reads the next step's micro-batches on a background thread while this step computes.
+
+    ``load(iteration, *rest)`` builds a step's micro-batches on the host (memory-mapped reads, stacking,
+    the context-parallel split); :meth:`get` returns them on the device and starts reading the following
+    step (``iteration + 1``, the same ``rest``: e.g. the sample offset and the dataset). A request for
+    another step than the one read ahead (a resume, a rollback, a changed offset or dataset)
+    waits for the read in flight, so the dataset is never read by two threads at once, and loads it
+    directly. An error of a read ahead is raised by the :meth:`get` that asks for that step, never
+    before: the last step's read ahead may well run past the data.
+    """
+
+    def __init__(self, load, device: torch.device):
+        self._load, self._device = load, device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-data")
+        self._ahead = None  # ((iteration, offset), future)
+
+    def get(self, iteration: int, *rest) -> list:
+        key = (iteration, *rest)
+        if self._ahead is not None and len(self._ahead[0]) == len(key) and all(
+                a is b or a == b for a, b in zip(self._ahead[0], key)):
+            host = self._ahead[1].result()
+        else:
+            self._drain()
+            host = self._load(*key)
+        following = (iteration + 1, *rest)
+        self._ahead = (following, self._pool.submit(self._load, *following))
+        return to_device(host, self._device)
+
+    def _drain(self):
+        if self._ahead is not None:
+            self._ahead[1].exception()  # wait; a failed read ahead of a step nobody asked for is dropped
+            self._ahead = None
+
+    def close(self):
+        self._drain()
+        self._pool.shutdown(wait=True)

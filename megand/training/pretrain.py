@@ -28,7 +28,7 @@ from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import loss_token_count, rank_microbatches
+from megand.training.batches import Prefetcher, loss_token_count, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
@@ -161,6 +161,7 @@ class Trainer:
         self.schedule = get_schedule(self.topo)
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
+        self.prefetcher = None  # reads the next step's batch while this one computes
         self.loaded_iteration = self.last_save_attempt = None
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
@@ -359,14 +360,21 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress(self.iteration + 1, phase)
 
+    def _read_step(self, iteration, offset, dataset):
+        """Step ``iteration``'s micro-batches of this rank, on the host (the prefetcher's reader)."""
+        t = self.cfg.train
+        return rank_microbatches(dataset, iteration, t.global_batch_size, t.micro_batch_size, self.topo,
+                                 offset=offset, device=torch.device("cpu"), **self.batch_needs)
+
     def train_step(self):
         """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
         is skipped on every rank together when the loss or the gradient is not finite, or on a spike that
         will be rolled back."""
         t = self.cfg.train
         self._progress("data")
-        microbatches = rank_microbatches(self.train_data, self.iteration, t.global_batch_size, t.micro_batch_size,
-                                         self.topo, offset=self.sample_offset, **self.batch_needs)
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(self._read_step, self.topo.device)
+        microbatches = self.prefetcher.get(self.iteration, self.sample_offset, self.train_data)
         self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
             chunk.train()
@@ -549,6 +557,9 @@ class Trainer:
         finally:
             self.watchdog.close()
             self.watchdog = None
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
