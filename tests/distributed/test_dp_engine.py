@@ -76,7 +76,8 @@ def _fp16_worker():
     scale, params, state = t.optimizer.loss_scale, snapshot_params(t), snapshot_state(t)
     handle = None
     if torch.distributed.get_rank() == 0:  # poison one gradient on one rank only
-        handle = dict(t.named_params)["layers.1.mlp.fc2.weight"].register_hook(lambda g: g * math.inf)
+        # a norm weight: the linear layers' weight gradients bypass autograd (added straight into main_grad)
+        handle = dict(t.named_params)["layers.1.post_attention_norm.weight"].register_hook(lambda g: g * math.inf)
     log.append(step(t))
     if handle is not None:
         handle.remove()

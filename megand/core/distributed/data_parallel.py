@@ -3,9 +3,9 @@
 Every parameter's gradient is accumulated, micro-batch after micro-batch, into ``param.main_grad``,
 an fp32 view into its dtype's gradient buffer: the parallel linear layers add their weight gradient
 there themselves, at fp32 (``param.accumulate_grad``); for the other parameters a post-accumulate-grad
-hook adds autograd's ``param.grad`` and frees it. Once a step's gradients are final, each bucket is summed over the dp x cp group: an
-all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank the sum of its own
-slice. With the distributed optimizer the updated parameters are then all-gathered back into every
+hook adds autograd's ``param.grad`` and frees it. Once a step's gradients are final, each bucket is
+summed over the dp x cp group: an all-reduce, or with the distributed optimizer a reduce-scatter that
+leaves each rank the sum of its own slice. With the distributed optimizer the updated parameters are then all-gathered back into every
 replica's parameter buffer.
 
 Protocol for schedules (what a forward/backward schedule must do)
