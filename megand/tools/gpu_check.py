@@ -11,7 +11,9 @@ Checks (each records ok / failed / skipped, its seconds and its figures; a failu
   against full causal SDPA, forward and input gradients, in fp32 and bf16 (on CUDA the fused flash block
   kernel); and that kernel against the explicit block math;
 - ``fused_adamw``, ``memory_stats``, ``async_checkpoint``, ``compile``: a few training steps of a tiny model
-  through each path (torch's fused AdamW and CUDA memory statistics need CUDA: skipped without it).
+  through each path (torch's fused AdamW and CUDA memory statistics need CUDA: skipped without it);
+- ``wgrad_fusion`` (CUDA): bf16 weight-gradient products added into an fp32 accumulator as the parallel
+  linear layers do, against their float64 sum (whether this torch's ``mm`` has ``out_dtype``).
 
 ``--sizes tiny`` runs the same checks on tiny models (seconds, also on CPU); the unit tests use it.
 """
@@ -38,7 +40,8 @@ THROUGHPUT = {  # name: (full-size overrides, tiny overrides)
     "throughput_gpt2_125m": (["model=gpt2_125m", "train.micro_batch_size=8"],
                              ["+experiment=tiny_gpt", "train.micro_batch_size=2"]),
 }
-CHECKS = ("tests", *THROUGHPUT, "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile")
+CHECKS = ("tests", *THROUGHPUT, "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile",
+          "wgrad_fusion")
 
 
 class Skipped(Exception):
@@ -231,6 +234,24 @@ def check_compile(args) -> dict:
     losses = steps(trainer)
     return {"losses": losses, "first_steps_s": time.perf_counter() - start,
             "layers_compile_s": trainer.compile_timer.seconds}
+
+
+def check_wgrad_fusion(args) -> dict:
+    need_cuda()
+    from megand.core.tensor_parallel import wgrad
+
+    torch.manual_seed(0)
+    grads = torch.randn(4, 4096, 1024, device="cuda", dtype=torch.bfloat16)  # 4 micro-batches' output grads
+    inputs = torch.randn(4, 4096, 2048, device="cuda", dtype=torch.bfloat16)
+    main = torch.zeros(1024, 2048, device="cuda")
+    for g, x in zip(grads, inputs):
+        wgrad.add_product(main, g.t(), x)
+    exact = sum(g.double().t() @ x.double() for g, x in zip(grads, inputs))
+    relative = ((main.double() - exact).norm() / exact.norm()).item()
+    fp32_result = bool(wgrad._mm_has_out_dtype)
+    if fp32_result and relative > 1e-5:
+        raise RuntimeError(f"relative error {relative:.2e} of the fp32-accumulated bf16 products")
+    return {"relative_error": relative, "mm_out_dtype_fp32": fp32_result}
 
 
 def run_check(name, args) -> dict:

@@ -13,13 +13,13 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
 
     out = one_process_world / "report.json"
     results = main(["--sizes", "tiny", "--out", str(out), "--only", "throughput_gpt2_125m", "cp_block_kernel",
-                    "fused_adamw", "memory_stats", "async_checkpoint"])
+                    "fused_adamw", "memory_stats", "async_checkpoint", "wgrad_fusion"])
     report = json.loads(out.read_text())
     status = {r["name"]: r["status"] for r in report["checks"]}
     assert status == {r["name"]: r["status"] for r in results}
     expect_cuda = "ok" if torch.cuda.is_available() else "skipped"
     assert status == {"throughput_gpt2_125m": "ok", "cp_block_kernel": "ok", "fused_adamw": expect_cuda,
-                      "memory_stats": expect_cuda, "async_checkpoint": "ok"}, report
+                      "memory_stats": expect_cuda, "async_checkpoint": "ok", "wgrad_fusion": expect_cuda}, report
     throughput = report["checks"][0]["figures"]
     assert throughput["tokens_per_s"] > 0 and throughput["transformers"]["tokens_per_s"] > 0
     cp = report["checks"][1]["figures"]
