@@ -163,6 +163,9 @@ class Trainer:
         self.iteration, self.sample_offset = 0, 0
         self.prefetcher = None  # reads the next step's batch while this one computes
         self.loaded_iteration = self.last_save_attempt = None
+        self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
+        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
+        self.rollbacks = 0
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
@@ -179,8 +182,6 @@ class Trainer:
             self.train_data, self.valid_data = build_datasets(cfg, self.topo,
                                                               self.sample_offset + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
-        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
-        self.rollbacks = 0
         self.busy_s = 0.0  # this rank's time in forward/backward since the last log line
         self._open_logs()
 
@@ -229,8 +230,21 @@ class Trainer:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
+    def guard_state(self) -> dict:
+        """What the checkpoint keeps of the guards: the rollback count and the spike window."""
+        return {"rollbacks": self.rollbacks, "spike_window": list(self.spikes.recent)}
+
+    def load_guard_state(self, extra: dict | None) -> None:
+        """Restore :meth:`guard_state` (a checkpoint without it: no rollback yet, an empty window)."""
+        extra = extra or {}
+        self.rollbacks = int(extra.get("rollbacks", 0))
+        self.spikes.recent.clear()
+        self.spikes.recent.extend(extra.get("spike_window", []))
+
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
+        self.rollback_path = loaded.path
+        self.load_guard_state(loaded.extra_state)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
@@ -245,6 +259,7 @@ class Trainer:
         """Save (collective); False when nothing was saved: non-finite state, or a failed write under
         ``checkpoint.continue_on_error`` (otherwise a failed write raises CheckpointWriteError)."""
         from megand.core.checkpointing import CheckpointWriteError
+        from megand.core.checkpointing.files import iter_dir_name
 
         t = self.cfg.train
         self.last_save_attempt = self.iteration
@@ -258,7 +273,8 @@ class Trainer:
                       f"state are not finite", flush=True)
             return False
         try:
-            self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size)
+            self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size,
+                                   extra_state=self.guard_state())
         except CheckpointWriteError as e:
             if not self.cfg.checkpoint.continue_on_error:
                 raise
@@ -266,6 +282,7 @@ class Trainer:
                 print(f" WARNING: checkpoint save failed, training continues (checkpoint.continue_on_error=true): {e}",
                       flush=True)
             return False
+        self.rollback_path = os.path.join(self.cfg.checkpoint.save, iter_dir_name(self.iteration))
         if self.topo.is_logging_rank:
             print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
                   f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
@@ -450,21 +467,22 @@ class Trainer:
     def can_roll_back(self) -> bool:
         """A rollback is allowed and there is a checkpoint of this run to go back to (same on every rank)."""
         t = self.cfg.train
-        has_checkpoint = self.checkpointer is not None and (self.checkpointer.last_saved is not None
-                                                            or self.loaded_iteration is not None)
-        return t.spike_rollback and self.rollbacks < t.max_rollbacks and has_checkpoint
+        return t.spike_rollback and self.rollbacks < t.max_rollbacks and self.rollback_path is not None
 
     def roll_back(self, spike_iteration: int) -> None:
-        """Reload the last checkpoint and skip the data from it up to and including the spike's batch."""
+        """Reload the checkpoint this run came from or saved last (never another run's newer one), with the
+        spike window as it was there, and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
         self._progress("spike rollback: loading the last checkpoint")
         self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
         position = self.sample_offset + spike_iteration * t.global_batch_size  # after the spike's batch
-        loaded = self.checkpointer.load(self.cfg.checkpoint.save)
+        rollbacks = self.rollbacks + 1
+        loaded = self.checkpointer.load(self.rollback_path)
+        self.load_guard_state(loaded.extra_state)
+        self.rollbacks = rollbacks  # counted from this run's own count, carried into the next saves
         skipped = (position - loaded.consumed_samples)
         self.iteration = loaded.iteration
         self.sample_offset = position - loaded.iteration * t.global_batch_size
-        self.rollbacks += 1
         record = {"iter": spike_iteration, "rollback_to": loaded.iteration,
                   "skipped_samples": [loaded.consumed_samples, position], "rollbacks": self.rollbacks}
         self.writer.write(record)
