@@ -121,7 +121,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
+    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir) | stream
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
     tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
     tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
@@ -131,6 +131,8 @@ class DataConfig:
     eod_mask_loss: bool = False  # no loss where the input token is EOD (the prediction across a document boundary)
     split: str = "969,30,1"  # train,valid,test proportions of documents
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
+    on_error: str = "fail"  # stream: a malformed row stops the run (fail) or is skipped (skip)
+    workers: int = 1  # stream: tokenizer processes per reader (one reader per data-parallel rank); 0: in the reader
 
 
 @dataclass
@@ -189,7 +191,8 @@ CHOICES = {
     "train.recompute": ("none", "selective", "full"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
-    "data.kind": ("mock", "indexed", "quickstart"),
+    "data.kind": ("mock", "indexed", "quickstart", "stream"),
+    "data.on_error": ("fail", "skip"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 
@@ -310,6 +313,10 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+    if cfg.data.kind == "stream" and not (cfg.data.paths and cfg.train.eval_iters == 0 and cfg.data.workers >= 0):
+        raise ConfigError(f"data.kind=stream needs data.paths (a list of [weight, directory or glob]), "
+                          f"train.eval_iters=0 (no validation stream yet) and data.workers >= 0: got data.paths="
+                          f"{list(cfg.data.paths)}, train.eval_iters={cfg.train.eval_iters}, data.workers={cfg.data.workers}")
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="

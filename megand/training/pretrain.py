@@ -28,7 +28,7 @@ from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import Prefetcher, loss_token_count, rank_microbatches
+from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
@@ -162,6 +162,9 @@ class Trainer:
         self._plan_batches()
         self.iteration, self.sample_offset = 0, 0
         self.prefetcher = None  # reads the next step's batch while this one computes
+        t = cfg.train  # a stream (data.kind=stream): read in order by its only consumer (collective)
+        self.stream = (StreamBatches(self.train_data, self.topo, t.global_batch_size, t.micro_batch_size,
+                                     **self.batch_needs) if getattr(self.train_data, "is_stream", False) else None)
         self.loaded_iteration = self.last_save_attempt = None
         self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
@@ -178,7 +181,7 @@ class Trainer:
                 print(notice, flush=True)
             if path:
                 self.load_checkpoint(path)
-        if self.sample_offset > 0:  # a smaller global batch size resumes further into the data: a longer split
+        if self.sample_offset > 0 and self.stream is None:  # a smaller global batch size resumes further into the data: a longer split
             self.train_data, self.valid_data = build_datasets(cfg, self.topo,
                                                               self.sample_offset + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
@@ -241,10 +244,22 @@ class Trainer:
         self.spikes.recent.clear()
         self.spikes.recent.extend(extra.get("spike_window", []))
 
+    def data_state(self) -> dict:
+        """Collective: where the data stands after the batches trained on (what a checkpoint keeps)."""
+        if self.stream is not None:
+            return self.stream.state_dict()
+        return {"kind": "random_access", "next_sample": self.consumed_samples}
+
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
         self.rollback_path = loaded.path
         self.load_guard_state(loaded.extra_state)
+        if self.stream is not None:
+            data = (loaded.extra_state or {}).get("data")
+            if data is not None and data.get("kind") == "stream":
+                self.stream.load_state_dict(data)
+            elif self.topo.is_logging_rank:
+                print(f" {loaded.path} holds no stream state: the stream starts from its beginning", flush=True)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
@@ -272,9 +287,10 @@ class Trainer:
                 print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
                       f"state are not finite", flush=True)
             return False
+        extra = {**self.guard_state(), "data": self.data_state()}
         try:
             self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size,
-                                   extra_state=self.guard_state())
+                                   extra_state=extra)
         except CheckpointWriteError as e:
             if not self.cfg.checkpoint.continue_on_error:
                 raise
@@ -389,9 +405,12 @@ class Trainer:
         will be rolled back."""
         t = self.cfg.train
         self._progress("data")
-        if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self._read_step, self.topo.device)
-        microbatches = self.prefetcher.get(self.iteration, self.sample_offset, self.train_data)
+        if self.stream is not None:  # a rollback keeps the stream where it is: after the spike's batch
+            microbatches = self.stream.get()
+        else:
+            if self.prefetcher is None:
+                self.prefetcher = Prefetcher(self._read_step, self.topo.device)
+            microbatches = self.prefetcher.get(self.iteration, self.sample_offset, self.train_data)
         self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
             chunk.train()
@@ -578,6 +597,8 @@ class Trainer:
             if self.prefetcher is not None:
                 self.prefetcher.close()
                 self.prefetcher = None
+            if self.stream is not None:
+                self.stream.close()
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 

@@ -1,0 +1,72 @@
+"""Stream runs (data.kind=stream): a run killed from outside (SIGKILL) and resumed from its last checkpoint
+trains on the same tokens with bit-identical losses as the uninterrupted run at the same layout; resumed
+at dp=4 from a dp=2 checkpoint it trains on the same global batches (batch_checksum) with losses within
+the parity tolerances; a tp=2 run (one reader per data-parallel rank, broadcast to its tensor-parallel
+peer) reads the same batches too."""
+
+import os
+import pathlib
+
+import pytest
+
+from tests.distributed.test_checkpoint_faults import kill_job, launch, metric_lines, wait_for
+from tests.harness import assert_parity, read_metrics, run_pretrain
+from tests.unit.test_stream import write_corpus
+
+ITERS = 12
+
+
+def by_iteration(run_dir) -> dict[int, dict]:
+    """The last training record of each iteration (a killed run's resume logs some again)."""
+    return {r["iter"]: r for r in read_metrics(run_dir)}
+
+
+def common(corpus, *extra):
+    return ["+experiment=tiny_gpt", "data=stream", f"data.paths=[[1.0,{corpus}]]", "model.vocab_size=1000",
+            "train.eval_iters=0", "train.batch_checksum=true", f"train.iters={ITERS}", *extra]
+
+
+def test_killed_stream_run_resumes_exactly_and_reshards_to_dp4(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 400)
+    reference = str(tmp_path / "reference")
+    run_pretrain(reference, common(corpus, "data.workers=1"), nproc=2)  # tokenizer worker processes
+    ref = by_iteration(reference)
+    assert sorted(ref) == list(range(1, ITERS + 1))
+
+    run_dir, save = str(tmp_path / "killed"), str(tmp_path / "ckpt")
+    args = common(corpus, "data.workers=0", f"checkpoint.save={save}", "checkpoint.interval=3")
+    proc = launch(run_dir, args, 2)
+    wait_for(lambda: metric_lines(run_dir) >= 8, proc)
+    kill_job(proc)  # SIGKILL from outside: no save at the stop
+    proc.wait()
+    with open(os.path.join(save, "latest")) as f:
+        last = int(f.read())
+    assert 3 <= last < ITERS
+    run_pretrain(run_dir, [*args, f"checkpoint.load={save}"], nproc=2)
+    resumed = by_iteration(run_dir)
+    assert sorted(resumed) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):  # bit-identical
+        assert (resumed[it]["loss"], resumed[it]["batch_checksum"]) == (ref[it]["loss"], ref[it]["batch_checksum"]), it
+
+    # the dp=2 checkpoint of iteration 6 resumed at dp=4: the same global batches from there on
+    wide = str(tmp_path / "dp4")
+    run_pretrain(wide, common(corpus, "data.workers=0", f"checkpoint.load={save}/iter_0000006"), nproc=4)
+    after = by_iteration(wide)
+    assert sorted(after) == list(range(7, ITERS + 1))
+    assert [after[i]["batch_checksum"] for i in after] == [ref[i]["batch_checksum"] for i in after]
+    assert_parity([ref[i] for i in after], [after[i] for i in after], steps=len(after))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_peers_share_one_reader(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 400)
+    single, tp2 = str(tmp_path / "single"), str(tmp_path / "tp2")
+    run_pretrain(single, common(corpus, "data.workers=0"), nproc=1)
+    run_pretrain(tp2, common(corpus, "data.workers=0", "parallel.tp=2"), nproc=2)
+    a, b = read_metrics(single), read_metrics(tp2)
+    assert [r["batch_checksum"] for r in a] == [r["batch_checksum"] for r in b]
+    assert_parity(a, b)
+    with open(os.path.join(tp2, "config.yaml")) as f:
+        assert "kind: stream" in f.read()
