@@ -38,6 +38,7 @@ import numpy as np
 from megand.data.errors import DataError
 from megand.data.source import DataSource, register_kind
 
+TOKENIZE_AHEAD = 4  # samples per lane tokenized in one round trip to the worker processes
 UNIT_CACHE = 16  # units (decoded rows) a reader keeps: its lanes move through the units together
 TEXT_KEY = "text"
 
@@ -339,13 +340,18 @@ class StreamSource(DataSource):
         return [ids for part in self._pool.map(_encode, chunks) for ids in part]
 
     def _fill(self) -> None:
-        """Take and tokenize documents until every lane of this reader holds its next sample."""
+        """Take and tokenize documents until every lane of this reader holds its next sample (with worker
+        processes: about its next ``TOKENIZE_AHEAD`` samples, so each round trip to the workers carries a
+        useful amount of text)."""
         need = self.seq_length + 1
+        ahead = need + (TOKENIZE_AHEAD - 1) * self.seq_length if self.workers > 0 else need
         while True:
             wanted, texts = [], []
             for lane in self.mine:
                 have, planned = lane.buffered(), 0
-                while have + planned < need:  # about 3 characters a token: rarely a second round
+                if have >= need:
+                    continue
+                while have + planned < ahead:  # about 3 characters a token: rarely a second round
                     doc, text = lane.take()
                     lane.docs.append(doc)
                     wanted.append(doc)

@@ -70,3 +70,18 @@ def test_tensor_parallel_peers_share_one_reader(tmp_path):
     assert_parity(a, b)
     with open(os.path.join(tp2, "config.yaml")) as f:
         assert "kind: stream" in f.read()
+
+
+def test_malformed_rows_stop_every_rank_with_one_line_or_are_skipped(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 200)
+    with open(corpus / "a.jsonl", "a") as f:
+        f.writelines('{"text": "1 2 3"\n' for _ in range(60))  # the file's rows 51..110: met in the first steps
+    args = [*common(corpus, "data.workers=0"), "train.iters=3"]
+    proc = run_pretrain(str(tmp_path / "fail"), args, nproc=2, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "a.jsonl:" in lines[0] and ": invalid JSON" in lines[0], lines
+    proc = run_pretrain(str(tmp_path / "skip"), [*args, "data.on_error=skip"], nproc=2)
+    assert proc.stdout.count("data.on_error=skip: skipping malformed rows, the first: ") >= 1
+    assert len(read_metrics(str(tmp_path / "skip"))) == 3

@@ -141,3 +141,15 @@ def test_empty_stream_and_foreign_tokens_fail_with_one_line(tmp_path):
     (tmp_path / "g").mkdir()
     with pytest.raises(DataError, match=r"no .jsonl, .jsonl.gz, .parquet files there"):
         stream([[1.0, str(tmp_path / "g")]])
+
+
+def test_inspect_data_shows_a_stream_rank_samples_and_their_files(tmp_path, capsys):
+    from megand.tools.inspect_data import main
+
+    write_corpus(tmp_path / "c", 100)
+    code = main(["data=stream", f"data.paths=[[1.0,{tmp_path / 'c'}]]", "model.vocab_size=1000", "+experiment=tiny_gpt",
+                 "train.eval_iters=0", "model.seq_length=16", "--world-size", "2", "--rank", "1", "--iteration", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "stream of 4 file(s), 6 unit(s)" in out and "rank 1 (dp 1/2" in out
+    assert "documents from " in out and (".jsonl" in out or ".parquet:" in out)
