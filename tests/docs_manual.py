@@ -91,6 +91,18 @@ def prose(rel: str) -> str:
 SHELL = ("bash", "sh", "shell", "console")
 
 
+def expected_exit(block: Block) -> int:
+    """The exit code a ``docs-test: run exit=N`` block documents (0 by default)."""
+    m = re.search(r"\bexit=(\d+)", block.marker or "")
+    return int(m.group(1)) if m else 0
+
+
+def expected_message(block: Block) -> str:
+    """The stderr text a ``docs-test: run exit=N "text"`` block documents ("" by default)."""
+    m = re.search(r'"([^"]*)"', (block.marker or "").split(" with ", 1)[0])
+    return m.group(1) if m else ""
+
+
 @dataclass
 class Command:
     where: str
