@@ -97,10 +97,9 @@ def expected_exit(block: Block) -> int:
     return int(m.group(1)) if m else 0
 
 
-def expected_message(block: Block) -> str:
-    """The stderr text a ``docs-test: run exit=N "text"`` block documents ("" by default)."""
-    m = re.search(r'"([^"]*)"', (block.marker or "").split(" with ", 1)[0])
-    return m.group(1) if m else ""
+def expected_output(block: Block) -> list[str]:
+    """The texts a ``docs-test: run "text" ...`` block documents in its output (stdout or stderr)."""
+    return re.findall(r'"([^"]*)"', (block.marker or "").split(" with ", 1)[0])
 
 
 @dataclass
