@@ -149,15 +149,11 @@ def shell_commands() -> list[Command]:
 
 
 def inline_spans(rel: str) -> list[tuple[str, str]]:
-    """``(where, text)`` of every inline code span in the prose of a file."""
-    out = []
-    for n, line in enumerate(prose(rel).split("\n"), 1):
-        for m in re.finditer(r"(`+)(.+?)\1", line):
-            out.append((f"{rel}:{n}", m.group(2).strip()))
-    # a span may wrap onto the next line
-    text = prose(rel)
-    for m in re.finditer(r"(?<!`)`([^`\n]+\n[^`\n]+)`(?!`)", text):
-        out.append((f"{rel}:{text[:m.start()].count(chr(10)) + 1}", " ".join(m.group(1).split())))
+    """``(where, text)`` of every inline code span in the prose of a file (a span may wrap onto the next
+    line, never across a paragraph)."""
+    text, out = prose(rel), []
+    for m in re.finditer(r"(`+)((?:(?!\n\s*\n).)+?)\1", text, re.S):
+        out.append((f"{rel}:{text.count(chr(10), 0, m.start()) + 1}", " ".join(m.group(2).split())))
     return out
 
 
@@ -414,7 +410,7 @@ def prose_paths() -> list[tuple[str, str]]:
     out = []
     for rel in manual_files():
         for where, span in inline_spans(rel):
-            if PATH_SPAN.match(span) and "*" not in span and not re.search(r"[A-Z]{2,}", span):  # NAME: a placeholder
+            if PATH_SPAN.match(span) and not re.search(r"\*|\.\.\.|[A-Z]{2,}", span):  # NAME, ...: placeholders
                 out.append((where, span))
     return out
 
