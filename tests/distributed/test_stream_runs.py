@@ -4,6 +4,7 @@ at dp=4 from a dp=2 checkpoint it trains on the same global batches (batch_check
 the parity tolerances; a tp=2 run (one reader per data-parallel rank, broadcast to its tensor-parallel
 peer) reads the same batches too."""
 
+import json
 import os
 import pathlib
 
@@ -85,3 +86,62 @@ def test_malformed_rows_stop_every_rank_with_one_line_or_are_skipped(tmp_path):
     proc = run_pretrain(str(tmp_path / "skip"), [*args, "data.on_error=skip"], nproc=2)
     assert proc.stdout.count("data.on_error=skip: skipping malformed rows, the first: ") >= 1
     assert len(read_metrics(str(tmp_path / "skip"))) == 3
+
+
+SPIKE, INTERVAL = 17, 5
+
+
+def spiky_stream(directory, lanes=8, seq=32) -> None:
+    """Learnable documents (counting mod 10, as token ids); those lying wholly inside the samples of
+    iteration SPIKE are replaced by random ids of the same length (so the packing, and every other batch,
+    is unchanged)."""
+    import numpy as np
+
+    from megand.data.stream import StreamSource
+
+    rng = np.random.default_rng(0)
+    directory.mkdir()
+    docs = [" ".join(str((i + rng.integers(0, 10)) % 10) for i in range(rng.integers(3, 9))) for _ in range(2000)]
+    path = directory / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    source = StreamSource({"paths": [[1.0, str(directory)]], "workers": 0}, seq, 1000, seed=1234).open(lanes, 0, lanes)
+    source.history = {}
+    for _ in range(SPIKE - 1):
+        source.next_samples()
+    starts = {lane.index: (lane.docs[0], lane.offset) for lane in source.mine}
+    source.next_samples()
+    rows = set()
+    for lane in source.mine:
+        taken = source.history[lane.index]
+        first, offset = starts[lane.index]
+        position = -offset  # of the document's first token in the sample
+        for doc in taken[next(i for i, d in enumerate(taken) if d is first):]:
+            if position >= 0 and position + len(doc.tokens) <= seq:  # wholly inside (the last token is shared)
+                rows.add(int(doc.where.rsplit(":", 1)[1]))
+            position += len(doc.tokens)
+            if position >= seq:
+                break
+    for row in rows:
+        docs[row - 1] = " ".join(str(x) for x in rng.integers(10, 990, len(docs[row - 1].split())))
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+
+def test_spike_rollback_of_a_stream_skips_exactly_the_spike_batch(tmp_path):
+    corpus = tmp_path / "corpus"
+    spiky_stream(corpus)
+    args = ["+experiment=tiny_gpt", "data=stream", f"data.paths=[[1.0,{corpus}]]", "model.vocab_size=1000",
+            "train.eval_iters=0", "train.batch_checksum=true", "train.iters=20", "data.workers=0", "optim.lr=3e-3",
+            "train.spike_window=5", "train.spike_factor=1.5"]
+    through = str(tmp_path / "through")  # no rollback: trains on the spike's batch
+    run_pretrain(through, args, nproc=2)
+    plain = by_iteration(through)
+    assert [i for i, r in plain.items() if r["spike"]] == [SPIKE]
+    rolled = str(tmp_path / "rolled")
+    proc = run_pretrain(rolled, [*args, "train.spike_rollback=true", "train.max_rollbacks=1",
+                                 f"checkpoint.save={tmp_path}/ckpt", f"checkpoint.interval={INTERVAL}"], nproc=2)
+    assert f"loss spike at iteration {SPIKE}: rolled back to iteration 15" in proc.stdout
+    records = read_metrics(rolled)
+    after = records[SPIKE:]  # iterations 16.. again, on the batches after the spike's
+    assert [r["iter"] for r in after] == list(range(16, 21))
+    # the rolled-back run reads stream batches 18.. where the uninterrupted one read 18..20
+    assert [r["batch_checksum"] for r in after[:3]] == [plain[i]["batch_checksum"] for i in (18, 19, 20)]
