@@ -31,6 +31,8 @@ import gzip
 import multiprocessing as mp
 import os
 from collections import OrderedDict, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,8 +283,7 @@ class StreamSource(DataSource):
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     # -- state: one entry per lane; a reader knows only its own
@@ -333,11 +334,16 @@ class StreamSource(DataSource):
             if _worker_tokenizer is None:
                 _worker_tokenizer = _load_tokenizer(self.spec)
             return _encode(texts)
-        if self._pool is None:
-            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+        if self._pool is None:  # an executor, not a Pool: a worker that dies (killed, out of memory) is an error
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_init_worker, initargs=(self.spec,))
         per_task = max(1, -(-len(texts) // (4 * self.workers)))
         chunks = [texts[i:i + per_task] for i in range(0, len(texts), per_task)]
-        return [ids for part in self._pool.map(_encode, chunks) for ids in part]
+        try:
+            return [ids for part in self._pool.map(_encode, chunks) for ids in part]
+        except BrokenProcessPool as e:
+            raise DataError(f"a tokenizer worker process of the stream's reader died ({e}): killed, or out of "
+                            f"memory? (data.workers={self.workers})") from e
 
     def _fill(self) -> None:
         """Take and tokenize documents until every lane of this reader holds its next sample (with worker

@@ -248,9 +248,9 @@ class StreamBatches:
         self._ahead = self._pool.submit(self._read)
         if self.is_reader:
             self.state = state
-        if self.topo.is_logging_rank:
+        if self.is_reader:  # each reader its own (data-parallel rank r's lanes)
             for line in notices:
-                print(line, flush=True)
+                print(f"{line} (reader of data-parallel rank {self.topo.dp_rank})", flush=True)
         host = samples_microbatches(samples, self.micro_batch_size, self.topo, self.seq_length, self.needs_tokens,
                                     self.documents, device=torch.device("cpu"))
         return to_device(host, self.device)

@@ -129,6 +129,14 @@ def test_bad_rows_are_named_or_skipped(tmp_path):
     assert s.skipped >= 1 and "a.jsonl:26: invalid JSON" in s.notices[0]
 
 
+def test_a_file_that_cannot_be_decompressed_is_named(tmp_path):
+    write_corpus(tmp_path / "c", 100)
+    data = (tmp_path / "c" / "c.jsonl.gz").read_bytes()
+    (tmp_path / "c" / "c.jsonl.gz").write_bytes(data[:len(data) // 2])  # truncated
+    with pytest.raises(DataError, match=r"c.jsonl.gz: cannot read \(EOFError"):
+        read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
+
+
 def test_empty_stream_and_foreign_tokens_fail_with_one_line(tmp_path):
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "a.jsonl").write_text("\n")
@@ -153,3 +161,19 @@ def test_inspect_data_shows_a_stream_rank_samples_and_their_files(tmp_path, caps
     assert code == 0, out
     assert "stream of 4 file(s), 6 unit(s)" in out and "rank 1 (dp 1/2" in out
     assert "documents from " in out and (".jsonl" in out or ".parquet:" in out)
+
+
+def test_a_killed_tokenizer_worker_is_an_error_not_a_hang(tmp_path):
+    import os
+    import signal
+
+    write_corpus(tmp_path / "c", 300)
+    s = StreamSource({"paths": [[1.0, str(tmp_path / "c")]], "workers": 1}, SEQ, VOCAB, seed=7).open(LANES, 0, LANES)
+    try:
+        s.next_samples()  # starts the worker
+        for pid in list(s._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DataError, match=r"a tokenizer worker process of the stream's reader died"):
+            read([s], 60)
+    finally:
+        s.close()
