@@ -248,7 +248,9 @@ class Trainer:
         """Collective: where the data stands after the batches trained on (what a checkpoint keeps)."""
         if self.stream is not None:
             return self.stream.state_dict()
-        return {"kind": "random_access", "next_sample": self.consumed_samples}
+        from megand.data.source import RandomAccessSource
+
+        return RandomAccessSource(self.train_data, self.consumed_samples).state_dict()  # recorded; resumes read consumed_samples
 
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
