@@ -101,7 +101,10 @@ class OptimConfig:
     min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_iters: int = 10  # linear warm-up steps
     decay_iters: Optional[int] = None  # null: train.iters
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay: peak until the decay start, then decay_style to min_lr)
+    decay_style: str = "1-sqrt"  # wsd: decay shape, linear | cosine | 1-sqrt
+    decay_fraction: float = 0.2  # wsd: the last decay_fraction x decay_iters steps decay
+    decay_start: Optional[int] = None  # wsd: decay after this step instead (cooldown from a stable checkpoint: its iteration); null: from decay_fraction
     weight_decay: float = 0.1  # AdamW decay on matrices (not on biases and norms)
     beta1: float = 0.9  # Adam beta1
     beta2: float = 0.95  # Adam beta2
@@ -187,7 +190,8 @@ CHOICES = {
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
+    "optim.decay_style": ("linear", "cosine", "1-sqrt"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
     "data.kind": ("mock", "indexed", "quickstart"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -418,12 +422,26 @@ def check_counts(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
     if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
         raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
+    check_wsd(cfg.optim, cfg.optim.decay_iters or cfg.train.iters)
     try:
         train_fraction = parse_split(cfg.data.split)[0]
     except DataError as e:
         raise ConfigError(str(e)) from None
     if train_fraction == 0 and cfg.data.kind != "mock":
         raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
+
+
+def check_wsd(o, decay_iters: int) -> None:
+    """``optim.decay_fraction`` / ``decay_start`` within the schedule (checked whatever the schedule)."""
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be between 0 and 1")
+    if o.decay_start is not None and not o.warmup_iters <= o.decay_start <= decay_iters:
+        raise ConfigError(f"optim.decay_start={o.decay_start} must lie between optim.warmup_iters={o.warmup_iters} and "
+                          f"the end of the decay {decay_iters} (optim.decay_iters, null: train.iters)")
+    start = o.decay_start if o.decay_start is not None else decay_iters - round(o.decay_fraction * decay_iters)
+    if o.schedule == "wsd" and start < o.warmup_iters:
+        raise ConfigError(f"optim.schedule=wsd decays from step {start} (optim.decay_fraction={o.decay_fraction} of "
+                          f"{decay_iters} steps), inside the warm-up (optim.warmup_iters={o.warmup_iters})")
 
 
 def compose(overrides=(), config_dir: str | None = None):

@@ -97,7 +97,8 @@ class Optimizer:
             ddp = DataParallel([_Holder(self.params)], topo, DataParallelConfig())
         self.ddp, self.topo, self.cfg = ddp, topo, config
         self.clip_grad = config.clip_grad
-        self.schedule = LRSchedule(config.lr, config.min_lr, config.warmup_iters, config.decay_iters, config.schedule)
+        self.schedule = LRSchedule(config.lr, config.min_lr, config.warmup_iters, config.decay_iters, config.schedule,
+                                   config.decay_style, config.decay_fraction, config.decay_start)
         fp16 = any(buf.dtype == torch.float16 for buf in ddp.buffers)
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
                                          config.loss_scale_window, config.hysteresis)
