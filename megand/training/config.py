@@ -93,6 +93,7 @@ class TrainConfig:
     straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
     exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
     exit_interval: Optional[int] = None  # save and exit 0 after this iteration
+    rampup_batch_size: Optional[List[int]] = None  # [start, increment, ramp_samples]: the global batch grows from start by increment every ramp_samples / ((global_batch_size - start) / increment) samples (Megatron's rule); null: constant
 
 
 @dataclass
@@ -294,6 +295,11 @@ def validate(cfg, world_size: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from megand.training.rampup import ramp_error
+
+    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
+    if ramp_message:
+        raise ConfigError(ramp_message)
     if p.vpp is not None:
         if p.pp < 2 or p.vpp < 1:
             raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp}) and vpp >= 1")

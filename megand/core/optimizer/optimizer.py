@@ -104,6 +104,7 @@ class Optimizer:
                                          config.loss_scale_window, config.hysteresis)
                        if fp16 else ConstantLossScaler())
         self.steps = 0
+        self.samples = 0  # samples of the applied updates (advanced by the trainer): the schedule's position under a batch-size ramp-up
         self._build_state()
         device = topo.device
         self.use_apex = ApexFusedAdam is not None and device.type == "cuda"
@@ -252,10 +253,11 @@ class Optimizer:
                             "exp_avg_sq": x.exp_avg_sq}) for x in self.pieces]
 
     def scalar_state(self) -> dict:
-        return {"step": self.steps, "loss_scaler": self.scaler.state_dict()}
+        return {"step": self.steps, "samples": self.samples, "loss_scaler": self.scaler.state_dict()}
 
     def load_scalar_state(self, state: dict) -> None:
         self.steps = int(state["step"])
+        self.samples = int(state.get("samples", 0))
         for x in self.pieces:
             x.step.fill_(self.steps)
         if self.use_apex:
