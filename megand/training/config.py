@@ -98,6 +98,10 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (hidden matrices orthogonalised by Newton-Schulz; AdamW for embeddings, output layer, norms, biases, router)
+    muon_momentum: float = 0.95  # muon: momentum coefficient
+    muon_nesterov: bool = True  # muon: Nesterov momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations
     lr: float = 3.0e-4  # peak learning rate
     min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_iters: int = 10  # linear warm-up steps
@@ -191,6 +195,7 @@ CHOICES = {
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
+    "optim.name": ("adamw", "muon"),
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_style": ("linear", "cosine", "1-sqrt"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),

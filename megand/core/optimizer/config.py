@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon_momentum: float = 0.95  # Muon's momentum coefficient
+    muon_nesterov: bool = True  # Nesterov momentum for Muon
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
     lr: float = 3.0e-4  # peak learning rate
     min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_iters: int = 10  # linear warm-up steps
