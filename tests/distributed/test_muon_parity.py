@@ -44,3 +44,12 @@ def test_muon_resumed_at_another_layout(reference, tmp_path):
     run_pretrain(tmp_path / "run", [*common, "parallel.tp=2", "optim.sharding=optim", "train.exit_interval=5"], nproc=4)
     run_pretrain(tmp_path / "run", [*common, ZERO3, f"checkpoint.load={save}"], nproc=2)
     assert_parity(reference("tiny_llama", *MUON), read_metrics(tmp_path / "run"))
+
+
+def test_resuming_with_another_optimizer_is_one_clear_error(tmp_path):
+    save = str(tmp_path / "ckpt")
+    common = ["+experiment=tiny_llama", f"checkpoint.save={save}", "train.eval_iters=0"]
+    run_pretrain(tmp_path / "a", [*common, "train.iters=1"])
+    proc = run_pretrain(tmp_path / "b", [*common, "train.iters=2", f"checkpoint.load={save}", "optim.name=muon"],
+                        check=False)
+    assert proc.returncode != 0 and "holds the state of another optimizer" in proc.stdout + proc.stderr
