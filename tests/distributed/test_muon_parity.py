@@ -15,6 +15,7 @@ CASES = {  # name: (processes, reference overrides, run overrides)
     "tp2_sp_dp2_zero3": (4, (), (*TP2_SP, ZERO3)),
     "tp2_sp": (2, (), TP2_SP),
     "pp2": (2, (), ("parallel.pp=2",)),
+    "pp2_vpp2": (2, (), ("parallel.pp=2", "parallel.vpp=2")),
     "dp2_none": (2, (), ("optim.sharding=none",)),
     "dp2_zero1": (2, (), ("optim.sharding=optim",)),
     "dp2_zero2": (2, (), ("optim.sharding=optim_grads", "optim.overlap_grad_reduce=true")),
@@ -22,6 +23,7 @@ CASES = {  # name: (processes, reference overrides, run overrides)
     "hsdp_dp4_shard2": (4, (), (ZERO3, "parallel.dp_shard=2")),
     # experts [E, f, h] per expert, split over ep; one micro-batch per rank (the balancing losses' batches)
     "moe_ep2_dp2": (2, (*MOE, "train.micro_batch_size=4"), (*MOE, "train.micro_batch_size=2", "parallel.ep=2")),
+    "moe_tp2_sp_etp1": (2, MOE, (*MOE, *TP2_SP, "parallel.etp=1")),  # whole experts on every tp rank
     "moe_ep2_tp2_sp_zero1": (4, (*MOE, "train.micro_batch_size=4"),
                              (*MOE, "train.micro_batch_size=2", "parallel.ep=2", *TP2_SP, "optim.sharding=optim")),
 }
