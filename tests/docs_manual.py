@@ -541,6 +541,35 @@ def figures_without_command() -> list[str]:
     return bad
 
 
+# ------------------------------------------------------------------------------------ generated tables
+
+@dataclass
+class OutputTable:
+    where: str
+    command: str
+    table: str
+    slow: bool
+
+
+def output_tables() -> list[OutputTable]:
+    """Tables preceded by ``<!-- docs-test: output COMMAND -->`` (or ``slow-output``): the command's output."""
+    out = []
+    for rel in manual_files():
+        lines = read(rel).split("\n")
+        for n, line in enumerate(lines):
+            m = re.match(r"^\s*<!--\s*docs-test:\s*(slow-)?output\s+(.*?)\s*-->\s*$", line)
+            if not m:
+                continue
+            rows, i = [], n + 1
+            while i < len(lines) and not lines[i].strip():
+                i += 1
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(lines[i])
+                i += 1
+            out.append(OutputTable(f"{rel}:{n + 1}", m.group(2), "\n".join(rows), bool(m.group(1))))
+    return out
+
+
 # -------------------------------------------------------------------------------------- troubleshooting
 
 def troubleshooting_messages(rel: str = "docs/troubleshooting.md") -> list[tuple[str, str]]:

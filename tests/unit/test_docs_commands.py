@@ -96,6 +96,29 @@ def test_troubleshooting_messages_are_raised_by_the_code():
     assert not stale, "documented errors that the code does not raise (reworded?):\n" + "\n".join(stale)
 
 
+def check_output_table(table, tmp_path):
+    argv = shlex.split(table.command)
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{table.where}: {table.command} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    assert table.table.strip() == proc.stdout.strip(), \
+        f"{table.where}: the table is not what {table.command} prints now:\n{proc.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", [t for t in manual.output_tables() if t.slow], ids=lambda t: t.where)
+def test_slow_tables_are_their_commands_output(table, tmp_path):
+    check_output_table(table, tmp_path)
+
+
+def test_tables_are_their_commands_output(tmp_path):
+    for table in manual.output_tables():
+        if not table.slow:
+            check_output_table(table, tmp_path)
+
+
 def run_block(block, tmp_path):
     """Run each command of a ``docs-test: run`` block for real, in ``tmp_path``, with the directive's
     ``with`` overrides appended to training commands; ``exit=N`` expects that exit code (a documented
