@@ -3,6 +3,7 @@ tools and configuration schema, the cheap ones run, keys and paths named in the 
 resolve, every page is reachable, every exit code is documented, quoted figures name their command and
 the troubleshooting messages are the ones the code raises. See tests/docs_manual.py for how each is read."""
 
+import glob
 import os
 import shlex
 import subprocess
@@ -55,6 +56,24 @@ def test_paths_and_presets_named_in_the_prose_exist():
     missing = [f"{where}: {path}" for where, path in manual.prose_paths() + manual.prose_presets()
                if not os.path.exists(os.path.join(ROOT, path))]
     assert not missing, "repository paths named in the manual that do not exist:\n" + "\n".join(missing)
+
+
+def test_code_map_names_what_is_there():
+    """The README's code map: each entry exists, and every package of megand/ has its line."""
+    block = next(b for b in manual.blocks("README.md") if "megand/core/" in b.text and not b.lang)
+    entries, parent = [], ""
+    for line in block.text.split("\n"):
+        name = line.split()[0] if line.strip() else ""
+        if not line.startswith(" "):
+            parent = name if name.endswith("/") else ""
+            entries.append(name)
+        elif line.startswith("  ") and not line.startswith("   ") and (name.endswith("/") or name.endswith(".py")):
+            entries.append(parent + name)
+    missing = [e for e in entries if not glob.glob(os.path.join(ROOT, e))]
+    assert not missing, f"README code map entries that do not exist: {missing}"
+    packages = sorted(f"megand/{d}/" for d in os.listdir(os.path.join(ROOT, "megand"))
+                      if os.path.isfile(os.path.join(ROOT, "megand", d, "__init__.py")))
+    assert not set(packages) - set(entries), f"packages missing from the README code map: {set(packages) - set(entries)}"
 
 
 def test_links_resolve_and_every_page_is_linked():
