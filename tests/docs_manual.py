@@ -158,6 +158,7 @@ def inline_spans(rel: str) -> list[tuple[str, str]]:
 
 
 COMMAND_START = re.compile(r"^(python3? \S|torchrun .*\.py|megand-[a-z-]+ \S|make [a-z])")
+OVERRIDE = re.compile(r"^\+?(experiment|%s)(\.[a-z_0-9]+)*=\S+$" % "|".join(GROUPS))
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|…|\[-")
 
 
@@ -174,6 +175,9 @@ def inline_commands() -> list[Command]:
             if COMMAND_START.match(span):
                 for argv in split_commands(span):
                     out.append(Command(where, argv, None, span))
+            elif len(span.split()) >= 2 and all(OVERRIDE.match(t) for t in span.split()):
+                # a list of overrides quoted for a figure or a recipe: as pretrain_gpt.py would compose it
+                out.append(Command(where, ["python", "pretrain_gpt.py", *span.split()], None, span))
     return out
 
 
