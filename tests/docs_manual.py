@@ -119,6 +119,7 @@ def split_commands(text: str) -> list[list[str]]:
     text = text.replace("\\\n", " ")
     out = []
     for line in text.split("\n"):
+        line = re.sub(r"^\s*\$ ", "", line)  # a prompt
         lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
         lex.whitespace_split, lex.commenters = True, "#"
         current = []
@@ -126,6 +127,10 @@ def split_commands(text: str) -> list[list[str]]:
             if token in ("&&", "||", ";", "|", "&"):
                 while current and re.match(r"^[A-Z_][A-Z0-9_]*=", current[0]):
                     current.pop(0)
+                while current and current[0] in ("env", "nohup", "timeout", "time"):
+                    wrapper = current.pop(0)
+                    if wrapper == "timeout" and current and re.match(r"^\d", current[0]):
+                        current.pop(0)
                 if current:
                     out.append(current)
                 current = []
@@ -144,8 +149,17 @@ def block_commands(block: Block) -> list[Command]:
 
 
 def shell_commands() -> list[Command]:
-    """Every command of every shell block of the manual."""
-    return [c for rel in manual_files() for b in blocks(rel) if b.lang in SHELL for c in block_commands(b)]
+    """Every command of every shell block of the manual, and the command lines of unlabeled blocks."""
+    out = []
+    for rel in manual_files():
+        for b in blocks(rel):
+            if b.lang in SHELL:
+                out += block_commands(b)
+            elif not b.lang:  # output, trees, ...: only the lines that are one of megand's commands
+                for offset, line in enumerate(b.text.split("\n")):
+                    if COMMAND_START.match(line.strip()):
+                        out += [Command(b.where(offset), argv, b, line.strip()) for argv in split_commands(line)]
+    return out
 
 
 def inline_spans(rel: str) -> list[tuple[str, str]]:
@@ -158,6 +172,7 @@ def inline_spans(rel: str) -> list[tuple[str, str]]:
 
 
 COMMAND_START = re.compile(r"^(python3? \S|torchrun .*\.py|megand-[a-z-]+ \S|make [a-z])")
+OVERRIDE = re.compile(r"^\+?(experiment|%s)(\.[a-z_0-9]+)*=\S+$" % "|".join(GROUPS))
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|…|\[-")
 
 
@@ -174,6 +189,9 @@ def inline_commands() -> list[Command]:
             if COMMAND_START.match(span):
                 for argv in split_commands(span):
                     out.append(Command(where, argv, None, span))
+            elif len(span.split()) >= 2 and all(OVERRIDE.match(t) for t in span.split()):
+                # a list of overrides quoted for a figure or a recipe: as pretrain_gpt.py would compose it
+                out.append(Command(where, ["python", "pretrain_gpt.py", *span.split()], None, span))
     return out
 
 
@@ -317,7 +335,10 @@ def check_torchrun(args: list[str]) -> None:
     from torch.distributed.run import get_args_parser
 
     namespace, _ = parse_with(lambda: get_args_parser().parse_args(args))
-    check_script(namespace.training_script, list(namespace.training_script_args))
+    if namespace.module:  # torchrun -m MODULE
+        check_command(["python", "-m", namespace.training_script, *namespace.training_script_args])
+    else:
+        check_script(namespace.training_script, list(namespace.training_script_args))
 
 
 def makefile_targets() -> set[str]:
@@ -539,6 +560,35 @@ def figures_without_command() -> list[str]:
             if figure and not p.exempt and not NAMES_COMMAND.search(p.text):
                 bad.append(f"{p.path}:{p.line}: {figure.group(0)!r} in a paragraph that names no command")
     return bad
+
+
+# ------------------------------------------------------------------------------------ generated tables
+
+@dataclass
+class OutputTable:
+    where: str
+    command: str
+    table: str
+    slow: bool
+
+
+def output_tables() -> list[OutputTable]:
+    """Tables preceded by ``<!-- docs-test: output COMMAND -->`` (or ``slow-output``): the command's output."""
+    out = []
+    for rel in manual_files():
+        lines = read(rel).split("\n")
+        for n, line in enumerate(lines):
+            m = re.match(r"^\s*<!--\s*docs-test:\s*(slow-)?output\s+(.*?)\s*-->\s*$", line)
+            if not m:
+                continue
+            rows, i = [], n + 1
+            while i < len(lines) and not lines[i].strip():
+                i += 1
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(lines[i])
+                i += 1
+            out.append(OutputTable(f"{rel}:{n + 1}", m.group(2), "\n".join(rows), bool(m.group(1))))
+    return out
 
 
 # -------------------------------------------------------------------------------------- troubleshooting

@@ -3,6 +3,7 @@ tools and configuration schema, the cheap ones run, keys and paths named in the 
 resolve, every page is reachable, every exit code is documented, quoted figures name their command and
 the troubleshooting messages are the ones the code raises. See tests/docs_manual.py for how each is read."""
 
+import glob
 import os
 import shlex
 import subprocess
@@ -57,6 +58,24 @@ def test_paths_and_presets_named_in_the_prose_exist():
     assert not missing, "repository paths named in the manual that do not exist:\n" + "\n".join(missing)
 
 
+def test_code_map_names_what_is_there():
+    """The README's code map: each entry exists, and every package of megand/ has its line."""
+    block = next(b for b in manual.blocks("README.md") if "megand/core/" in b.text and not b.lang)
+    entries, parent = [], ""
+    for line in block.text.split("\n"):
+        name = line.split()[0] if line.strip() else ""
+        if not line.startswith(" "):
+            parent = name if name.endswith("/") else ""
+            entries.append(name)
+        elif line.startswith("  ") and not line.startswith("   ") and (name.endswith("/") or name.endswith(".py")):
+            entries.append(parent + name)
+    missing = [e for e in entries if not glob.glob(os.path.join(ROOT, e))]
+    assert not missing, f"README code map entries that do not exist: {missing}"
+    packages = sorted(f"megand/{d}/" for d in os.listdir(os.path.join(ROOT, "megand"))
+                      if os.path.isfile(os.path.join(ROOT, "megand", d, "__init__.py")))
+    assert not set(packages) - set(entries), f"packages missing from the README code map: {set(packages) - set(entries)}"
+
+
 def test_links_resolve_and_every_page_is_linked():
     broken = []
     for rel in manual.manual_files():
@@ -94,6 +113,29 @@ def test_troubleshooting_messages_are_raised_by_the_code():
             stale.append(f"{where}: {message!r}: not in megand's sources: {missing}")
     assert len(manual.troubleshooting_messages()) >= 15
     assert not stale, "documented errors that the code does not raise (reworded?):\n" + "\n".join(stale)
+
+
+def check_output_table(table, tmp_path):
+    argv = shlex.split(table.command)
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{table.where}: {table.command} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    assert table.table.strip() == proc.stdout.strip(), \
+        f"{table.where}: the table is not what {table.command} prints now:\n{proc.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", [t for t in manual.output_tables() if t.slow], ids=lambda t: t.where)
+def test_slow_tables_are_their_commands_output(table, tmp_path):
+    check_output_table(table, tmp_path)
+
+
+def test_tables_are_their_commands_output(tmp_path):
+    for table in manual.output_tables():
+        if not table.slow:
+            check_output_table(table, tmp_path)
 
 
 def run_block(block, tmp_path):
