@@ -46,9 +46,17 @@ class Rule:
 
 
 def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """(hidden, heads, query groups, head dim) of a megand ``model`` config."""
+    """(hidden, heads, query groups, head dim) of a megand ``model`` config (the head width derived as the
+    core config does)."""
+    from megand.core.transformer.config import resolve_head_dim
+
     h, heads = m["hidden_size"], m["num_attention_heads"]
-    return h, heads, m.get("num_query_groups") or heads, h // heads
+    return h, heads, m.get("num_query_groups") or heads, resolve_head_dim(h, heads, m.get("head_dim"))
+
+
+def head_dim_derived(m: Mapping[str, Any]) -> bool:
+    """Whether the head width is hidden / heads (architectures without a ``head_dim`` of their own)."""
+    return m.get("head_dim") in (None, m["hidden_size"] // m["num_attention_heads"])
 
 
 def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:
@@ -95,9 +103,9 @@ def adapter_for(m: Mapping[str, Any]):
             f"moe_router={m.get('moe_router', 'softmax')} moe_shared_experts={m.get('moe_shared_experts', 0)} "
             f"moe_shared_expert_gate={m.get('moe_shared_expert_gate', False)} "
             f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
-            f"qkv_bias={m.get('qkv_bias', False)} (mixtral: llama-style, softmax router, renormalised top-k, "
+            f"qkv_bias={m.get('qkv_bias', False)} head_dim={m.get('head_dim')} (mixtral: llama-style, softmax router, renormalised top-k, "
             "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
-            "shared experts with their gate)")
+            "shared experts with their gate, head_dim null)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
                      f"qkv_bias={m.get('qkv_bias', False)} "

@@ -43,9 +43,8 @@ def llama_like_config(config) -> dict:
     embeddings); ValueError for what megand does not implement."""
     h, heads, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     groups = config.num_key_value_heads or heads
-    hd = h // heads
-    if (getattr(config, "head_dim", None) or hd) != hd:
-        raise ValueError(f"head_dim={config.head_dim} != hidden_size/num_attention_heads={hd}: not supported")
+    head_dim = getattr(config, "head_dim", None)
+    head_dim = None if head_dim in (None, h // heads) else head_dim  # megand's null: derived
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -53,7 +52,8 @@ def llama_like_config(config) -> dict:
         raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported")
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     return dict(arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
-                num_attention_heads=heads, num_query_groups=groups, seq_length=config.max_position_embeddings,
+                num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
+                seq_length=config.max_position_embeddings,
                 vocab_size=config.vocab_size, norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu",
                 position_embedding="rope",
                 rope_theta=float(theta), tie_embeddings=bool(config.tie_word_embeddings),

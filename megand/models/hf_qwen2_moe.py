@@ -14,7 +14,8 @@ layout (``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as ``save_pretrained``
 
 from __future__ import annotations
 
-from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
+from megand.models.hf import (Rule, dims, experts_fc1_rule, experts_fc2_rule, head_dim_derived, moe_layer_ids,
+                              norm_eps)
 from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules
 
 MODEL_TYPE = "qwen2_moe"
@@ -23,7 +24,8 @@ MODEL_CLASS = "Qwen2MoeForCausalLM"
 
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and (m.get("moe_shared_experts") or 0) > 0
-            and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax")
+            and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax"
+            and head_dim_derived(m))
 
 
 def expert_width(m) -> int:

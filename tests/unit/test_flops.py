@@ -10,6 +10,7 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num
              num_query_groups=2, seq_length=32, vocab_size=256, norm="rmsnorm", activation="swiglu",
              position_embedding="rope", rope_theta=10000.0, tie_embeddings=False, init_std=0.02,
              hidden_dropout=0.0, attention_dropout=0.0)
+HEAD_DIM_APART = {**LLAMA, "head_dim": 24}  # q width 96 != hidden 64 (Qwen3/Gemma-style)
 GPT = dict(arch="gpt", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
            num_query_groups=4, seq_length=32, vocab_size=256, norm="layernorm", activation="gelu",
            position_embedding="learned", tie_embeddings=True, init_std=0.02,
@@ -22,13 +23,13 @@ def _hf_model(cfg):
     return build_hf_model(cfg, attn_implementation="eager")
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, HEAD_DIM_APART], ids=["llama", "gpt", "head_dim"])
 def test_param_count_matches_transformers(cfg):
     model = _hf_model(cfg)
     assert flops.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, HEAD_DIM_APART], ids=["llama", "gpt", "head_dim"])
 def test_model_flops_match_flop_counter(cfg):
     model = _hf_model(cfg)
     batch = 2
@@ -41,7 +42,8 @@ def test_model_flops_match_flop_counter(cfg):
     # the acceptance bound is 5%; with these conventions the count is exact for both reference models
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
     # attention matmuls were seen: dropping the attention term from the prediction breaks the match
-    attention = 3 * batch * cfg["seq_length"] * cfg["num_layers"] * 4 * cfg["seq_length"] * cfg["hidden_size"]
+    q_width = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    attention = 3 * batch * cfg["seq_length"] * cfg["num_layers"] * 4 * cfg["seq_length"] * q_width
     assert abs(predicted - attention - measured) / measured > 0.05
 
 

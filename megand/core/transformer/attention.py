@@ -47,12 +47,12 @@ class Attention(torch.nn.Module):
         tp = topo.tp_size
         self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
-        qkv_size = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
+        qkv_size = cfg.query_width + 2 * cfg.kv_width
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
                                         **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
-        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+        self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 
     def core(self, q, k, v, documents=None):

@@ -1,12 +1,18 @@
 """The model's shape and the runtime choices that change how its layers are built."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
 
 import torch
 
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_head_dim(hidden_size: int, num_attention_heads: int, head_dim: int | None = None) -> int:
+    """The width of one attention head: ``head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return head_dim if head_dim is not None else hidden_size // num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -17,6 +23,7 @@ class TransformerConfig:
     ffn_hidden_size: int = 256
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # None: multi-head attention (one K/V head per query head)
+    head_dim: int | None = None  # width of one attention head; None: hidden_size // num_attention_heads
     seq_length: int = 32
     vocab_size: int = 256
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
@@ -56,9 +63,32 @@ class TransformerConfig:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    @classmethod
+    def from_model(cls, model: Mapping[str, Any], **runtime) -> "TransformerConfig":
+        """The config of a ``model`` mapping (the run's ``model`` section, or the one a checkpoint stores)
+        plus the ``runtime`` choices; a model key this config does not declare is an error naming it (a
+        forgotten field would otherwise be silently ignored)."""
+        unknown = sorted(set(model) - MODEL_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}: not part of "
+                             f"the model schema")
+        return cls(**dict(model), **runtime)
+
+    def __post_init__(self):
+        # the one place the head width is derived: every width below and every reader (FLOPs, estimator,
+        # checkpoint adapters) follow from it
+        object.__setattr__(self, "head_dim", resolve_head_dim(self.hidden_size, self.num_attention_heads,
+                                                              self.head_dim))
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def query_width(self) -> int:
+        """Width of all query heads (the attention output projection's input)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of all key (or all value) heads."""
+        return self.query_groups * self.head_dim
 
     @property
     def add_bias(self) -> bool:
@@ -78,3 +108,8 @@ class TransformerConfig:
     @property
     def params_dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
+
+
+# the runtime choices (from parallel.* and train.*); every other field is the model's shape (model.*)
+RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "precision", "cp_comm", "expert_tensor_parallel"})
+MODEL_FIELDS = frozenset(f.name for f in fields(TransformerConfig)) - RUNTIME_FIELDS
