@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
 
-An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
-:mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
+An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
+:mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`, :mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
 :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
 of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
@@ -87,9 +87,9 @@ def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
 
 
 def _adapters():
-    from megand.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe
+    from megand.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3
 
-    return (hf_llama, hf_gpt2, hf_mixtral, hf_qwen2_moe)
+    return (hf_llama, hf_qwen2, hf_qwen3, hf_gpt2, hf_mixtral, hf_qwen2_moe)
 
 
 def adapter_for(m: Mapping[str, Any]):
@@ -108,8 +108,9 @@ def adapter_for(m: Mapping[str, Any]):
             "shared experts with their gate, head_dim null)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
-                     f"qkv_bias={m.get('qkv_bias', False)} "
-                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; gpt: layernorm+gelu+learned, multi-head)")
+                     f"qkv_bias={m.get('qkv_bias', False)} qk_norm={m.get('qk_norm', False)} head_dim={m.get('head_dim')} "
+                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; qwen2: llama with q/k/v biases, head_dim null; "
+                     f"qwen3: llama with qk_norm; gpt: layernorm+gelu+learned, multi-head, head_dim null)")
 
 
 def adapter_for_hf(config):
@@ -117,7 +118,8 @@ def adapter_for_hf(config):
     for adapter in _adapters():
         if adapter.MODEL_TYPE == config.model_type:
             return adapter
-    raise ValueError(f"model_type={config.model_type!r}: only llama, gpt2, mixtral and qwen2_moe can be imported")
+    known = ", ".join(a.MODEL_TYPE for a in _adapters())
+    raise ValueError(f"model_type={config.model_type!r}: only {known} can be imported")
 
 
 def _require_transformers():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -37,6 +37,8 @@ class ModelConfig:
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: Any = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
@@ -321,6 +323,7 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
     validate_moe(cfg, sizes)
     validate_fault_keys(cfg)
+    transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
 
 
 def validate_moe(cfg, sizes) -> None:

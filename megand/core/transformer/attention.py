@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
+from megand.core.sharding import HEADS
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
+from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import apply_rope
 
 
@@ -54,6 +56,11 @@ class Attention(torch.nn.Module):
                                         **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
         self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
+            norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
+                        dtype=cfg.params_dtype, device=common["device"])
+            self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
 
     def core(self, q, k, v, documents=None):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
@@ -77,6 +84,8 @@ class Attention(torch.nn.Module):
         qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.cfg.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.cfg.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]

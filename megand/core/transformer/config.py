@@ -5,6 +5,7 @@ from typing import Any, Mapping
 
 import torch
 
+from megand.core.transformer.rope import RopeScaling
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -31,7 +32,9 @@ class TransformerConfig:
     activation: str = "gelu"
     position_embedding: str = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # a dict (HF's rope_scaling keys) is turned into RopeScaling
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); gpt has biases everywhere
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3), one weight [head_dim] each
     tie_embeddings: bool = True
     init_std: float = 0.02
     hidden_dropout: float = 0.0
@@ -79,6 +82,13 @@ class TransformerConfig:
         # checkpoint adapters) follow from it
         object.__setattr__(self, "head_dim", resolve_head_dim(self.hidden_size, self.num_attention_heads,
                                                               self.head_dim))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} must be a dict (rope_type, factor, ...) or null")
+        if self.rope_scaling is not None and self.position_embedding != "rope":
+            raise ValueError(f"model.rope_scaling is set but model.position_embedding={self.position_embedding} "
+                             f"has no rotary embedding to scale")
 
     @property
     def query_width(self) -> int:
