@@ -34,11 +34,14 @@ def rope_parameters(m) -> dict:
     scaling = m.get("rope_scaling")
     if scaling:
         scaling = scaling if isinstance(scaling, RopeScaling) else RopeScaling.from_dict(dict(scaling))
-        keys = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                         "mscale_all_dim", "attention_factor", "truncate")}[scaling.rope_type]
-        out.update({k: getattr(scaling, k) for k in keys if getattr(scaling, k) is not None}, rope_type=scaling.rope_type)
+        required = {"linear": ("factor",),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                    "yarn": ("factor", "original_max_position_embeddings")}[scaling.rope_type]
+        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+        defaults = RopeScaling(scaling.rope_type, scaling.factor)
+        out.update({k: getattr(scaling, k) for k in required}, rope_type=scaling.rope_type)
+        if scaling.rope_type == "yarn":  # the optional keys only where they differ from their defaults
+            out.update({k: getattr(scaling, k) for k in optional if getattr(scaling, k) != getattr(defaults, k)})
     return out
 
 

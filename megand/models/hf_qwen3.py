@@ -13,7 +13,7 @@ MODEL_CLASS = "Qwen3ForCausalLM"
 
 
 def matches(m) -> bool:
-    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm"))
+    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm")) and not m.get("qkv_bias")
 
 
 def hf_config(m: dict):
@@ -25,14 +25,17 @@ def hf_config(m: dict):
                        head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
                        initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                        rope_parameters=rope_parameters(m), tie_word_embeddings=bool(m["tie_embeddings"]),
-                       attention_bias=bool(m.get("qkv_bias")), use_sliding_window=False,
+                       attention_bias=False, use_sliding_window=False,
                        attention_dropout=m.get("attention_dropout", 0.0),
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def model_config(config) -> dict:
     """The megand ``model`` config of a ``Qwen3Config``; ValueError for what megand does not implement."""
-    return dict(llama_like_config(config), qk_norm=True, qkv_bias=bool(getattr(config, "attention_bias", False)))
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention_bias=true: Qwen3 then has a bias on o_proj too; megand's qkv_bias covers "
+                         "q/k/v only")
+    return dict(llama_like_config(config), qk_norm=True)
 
 
 def rules(m: dict):

@@ -123,3 +123,9 @@ class TransformerConfig:
 # the runtime choices (from parallel.* and train.*); every other field is the model's shape (model.*)
 RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "precision", "cp_comm", "expert_tensor_parallel"})
 MODEL_FIELDS = frozenset(f.name for f in fields(TransformerConfig)) - RUNTIME_FIELDS
+# model keys that shape no weight nor what the weights compute: a run may set them apart from a checkpoint's
+# (seq_length: only within the model's positions; its learned position table has seq_length rows)
+TRAINING_FIELDS = frozenset({"seq_length", "hidden_dropout", "attention_dropout", "init_std",
+                             "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                             "moe_bias_update_rate", "moe_capacity_factor"})
+ARCHITECTURE_FIELDS = MODEL_FIELDS - TRAINING_FIELDS
