@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
 
 An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
-:mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`, :mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
+:mod:`megand.models.hf_mistral` (import only), :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
+:mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
 :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
 of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
@@ -87,9 +88,9 @@ def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
 
 
 def _adapters():
-    from megand.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3
+    from megand.models import hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3
 
-    return (hf_llama, hf_qwen2, hf_qwen3, hf_gpt2, hf_mixtral, hf_qwen2_moe)
+    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe)
 
 
 def adapter_for(m: Mapping[str, Any]):

@@ -12,7 +12,7 @@ import os
 
 from omegaconf import OmegaConf
 
-from megand.core.transformer.config import ARCHITECTURE_FIELDS, MODEL_FIELDS
+from megand.core.transformer.config import ARCHITECTURE_FIELDS, MODEL_FIELDS, comparable
 from megand.training.config import CONF_DIR, ConfigError
 
 DEFAULT_MODEL = "gpt_tiny"  # conf/config.yaml's model group default
@@ -62,8 +62,9 @@ def given_model_keys(cfg, overrides: list[str], model_choice: str | None) -> set
 def contradictions(saved: dict, model: dict, keys) -> list[str]:
     """``model.KEY: checkpoint A, this run B`` for each architectural key in ``keys`` that differs."""
     out = []
+    same_saved, same_model = comparable(saved), comparable(model)  # head_dim null == hidden/heads, ...
     for k in sorted(keys):
-        if k in ARCHITECTURE_FIELDS and k in saved and saved[k] != model.get(k):
+        if k in ARCHITECTURE_FIELDS and k in saved and same_saved[k] != same_model.get(k):
             out.append(f"model.{k}: checkpoint {saved[k]!r}, this run {model.get(k)!r}")
     if "seq_length" in keys and "seq_length" in saved and model["seq_length"] != saved["seq_length"]:
         learned = saved.get("position_embedding") == "learned"

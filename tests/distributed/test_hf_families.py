@@ -1,6 +1,6 @@
 """Today's open dense families end to end: a tiny random model written by transformers' own
-``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms
-and a head width apart from hidden/heads) is imported; greedy generation equals transformers'; a training
+``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
+a head width apart from hidden/heads and yarn RoPE, Mistral NeMo-style without a sliding window) is imported; greedy generation equals transformers'; a training
 run that names no model key (the model comes from the checkpoint) has a first-step loss equal to
 transformers' loss on the same batch (1e-5 relative) on one process and at tp=2 x pp=2; exported back, every
 weight equals transformers' own."""
@@ -24,11 +24,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 FAMILIES = {
     "llama3_1": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Mistral NeMo-style: a head width of its own, no sliding window
+    "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=None,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24,
                                               rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                                "original_max_position_embeddings": 8}),
 }
-CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "mistral": "MistralForCausalLM"}
+EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the family: the same maths as Llama
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,18 @@ def test_generation_and_export_equal_transformers(family, imported, tmp_path, ca
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
     config = transformers.AutoConfig.from_pretrained(out)
-    assert type(config) is type(theirs.config) and config.rope_parameters == theirs.config.rope_parameters
+    assert type(config) is EXPORTED_AS.get(family, type(theirs.config))
+    assert config.rope_parameters == theirs.config.rope_parameters
+
+
+def test_a_sliding_window_is_refused_in_one_line(tmp_path, capsys):
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=16))
+    model.save_pretrained(str(tmp_path / "hf"))
+    capsys.readouterr()
+    assert convert_checkpoint.main(["import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "sliding_window=16 < max_position_embeddings=32" in err[0], err
+    assert not (tmp_path / "ckpt").exists()
 
 
 LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"])}

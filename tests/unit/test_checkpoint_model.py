@@ -64,3 +64,49 @@ def test_the_entry_script_refuses_a_contradiction_in_one_line(ckpt, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("megand:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "model.num_layers: checkpoint 2, this run 3" in lines[0]
+
+
+def test_a_derived_head_width_equals_the_same_width_set(tmp_path):
+    path = str(tmp_path / "derived")
+    full.save_random_model(path, dict(SAVED, hidden_size=64, head_dim=None))  # hidden/heads = 16
+    cfg, _ = adopt([f"checkpoint.load={path}", "model.head_dim=16", "model.num_query_groups=2"])
+    assert cfg.model.head_dim == 16
+    with pytest.raises(ConfigError, match=r"model.head_dim: checkpoint None, this run 32"):
+        adopt([f"checkpoint.load={path}", "model.head_dim=32"])
+
+
+LLAMA3_1 = dict(intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8,
+                hidden_size=4096, max_position_embeddings=131072, rms_norm_eps=1e-5, vocab_size=128256,
+                tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192})
+PUBLISHED = {  # the published configs' shape keys (no weights)
+    "llama3_1_8b": ("LlamaConfig", LLAMA3_1),
+    "llama3_1_70b": ("LlamaConfig", dict(LLAMA3_1, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                         num_hidden_layers=80)),
+    "qwen3_8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                                     num_hidden_layers=36, num_key_value_heads=8, head_dim=128,
+                                     max_position_embeddings=40960, rms_norm_eps=1e-6, vocab_size=151936,
+                                     tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_presets_equal_the_model_an_import_of_the_published_config_gives(preset):
+    """``model=PRESET checkpoint.load=<imported checkpoint>`` passes the model check: every architectural key
+    of the preset equals what the importer derives from the published config."""
+    import transformers
+
+    from megand.core.transformer.config import MODEL_FIELDS
+    from megand.models import hf
+    from megand.training.checkpoint_model import contradictions
+
+    cls, values = PUBLISHED[preset]
+    config = getattr(transformers, cls)(**values)
+    imported = hf.adapter_for_hf(config).model_config(config)
+    run = compose([f"model={preset}"])
+    validate(run, 1)
+    from omegaconf import OmegaConf
+
+    assert contradictions(imported, OmegaConf.to_container(run.model, resolve=True), MODEL_FIELDS) == []

@@ -26,7 +26,7 @@ FORMAT = 1
 
 
 from megand.core.checkpointing.errors import CheckpointError  # noqa: E402  (re-exported)
-from megand.core.transformer.config import ARCHITECTURE_FIELDS  # noqa: E402
+from megand.core.transformer.config import ARCHITECTURE_FIELDS, comparable  # noqa: E402
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -160,7 +160,9 @@ STRUCTURE_KEYS = tuple(sorted(ARCHITECTURE_FIELDS))
 def check_model_config(iter_dir: str, saved: dict | None, current: dict) -> None:
     if not saved:
         return
+    present = set(saved)
+    saved, current = comparable(saved), comparable(current)
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
-             for k in STRUCTURE_KEYS if k in saved and saved.get(k) != current.get(k)]
+             for k in STRUCTURE_KEYS if k in present and saved.get(k) != current.get(k)]
     if diffs:
         raise CheckpointError(f"{iter_dir} holds a different model: " + "; ".join(diffs))

@@ -129,3 +129,15 @@ TRAINING_FIELDS = frozenset({"seq_length", "hidden_dropout", "attention_dropout"
                              "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                              "moe_bias_update_rate", "moe_capacity_factor"})
 ARCHITECTURE_FIELDS = MODEL_FIELDS - TRAINING_FIELDS
+
+
+def comparable(model: Mapping[str, Any]) -> dict:
+    """``model`` with the values that have two spellings made one, for comparing two models' keys: the
+    head width and the query groups resolved (null means derived), the RoPE scaling's defaults filled in."""
+    out = dict(model)
+    if "hidden_size" in out and "num_attention_heads" in out:
+        out["head_dim"] = resolve_head_dim(out["hidden_size"], out["num_attention_heads"], out.get("head_dim"))
+        out["num_query_groups"] = out.get("num_query_groups") or out["num_attention_heads"]
+    if isinstance(out.get("rope_scaling"), Mapping):
+        out["rope_scaling"] = RopeScaling.from_dict(out["rope_scaling"])
+    return out
