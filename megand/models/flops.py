@@ -10,7 +10,9 @@ Conventions (shared by every function here):
     - attention core  4·s·q                  scores Q·Kᵀ (2·s·q) and context P·V (2·s·q). The causal
                                              mask is *not* halved: kernels and Megatron/torchtitan
                                              count the full s×s product, and so does torch's
-                                             FlopCounterMode.
+                                             FlopCounterMode. A layer with a sliding window w
+                                             counts 4·min(s, w)·q: the band a windowed kernel
+                                             computes (its blocks outside the window are skipped).
     - output proj     2·q·h
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
     - MoE layer       instead of the MLP: router 2·h·E, the k routed experts a token is sent to (each an
@@ -81,11 +83,17 @@ class Shape:
     shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x @ gate), gate [1, h]
     moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0
     head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
+    windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
 
     @property
     def q_dim(self) -> int:
         """Width of all query heads (= hidden unless head_dim is set apart)."""
         return self.heads * self.head_dim
+
+    def keys_seen(self, layer: int) -> int:
+        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window)."""
+        window = self.windows[layer] if self.windows else None
+        return self.seq if window is None else min(self.seq, window)
 
     @property
     def kv_dim(self) -> int:
@@ -143,8 +151,16 @@ class Shape:
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
             head_dim=resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim)),
+            windows=_windows(model, int(_get(model, "num_layers"))),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
+
+
+def _windows(model: Mapping[str, Any], layers: int) -> tuple:
+    window = model.get("sliding_window")
+    if window is None:
+        return ()
+    return tuple(window) if isinstance(window, (list, tuple)) or hasattr(window, "__len__") else (window,) * layers
 
 
 def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
@@ -283,11 +299,17 @@ class ForwardFlopsPerToken:
     """Forward matmul FLOPs for one token (see the module docstring)."""
 
     layer_dense: int      # QKV, output projection and MLP of one dense layer
-    layer_attention: int  # attention core (scores + context) of one layer
+    layer_attention: int  # attention core (scores + context) of one layer with full attention
     logits: int
     layers: int
     moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
     layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
+    windowed_attention: int | None = None  # the attention cores of all layers when some have a sliding window
+
+    @property
+    def attention(self) -> int:
+        """The attention cores of all layers."""
+        return self.layers * self.layer_attention if self.windowed_attention is None else self.windowed_attention
 
     @property
     def layers_matmul(self) -> int:
@@ -296,7 +318,7 @@ class ForwardFlopsPerToken:
 
     @property
     def total(self) -> int:
-        return self.layers_matmul + self.layers * self.layer_attention + self.logits
+        return self.layers_matmul + self.attention + self.logits
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
@@ -310,7 +332,8 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
     if s.moe_layers:
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
-    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * q,
+    windowed = sum(4 * s.keys_seen(i) * q for i in range(s.layers)) if s.windows else None
+    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * q, windowed_attention=windowed,
                                 logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
 
 
@@ -324,8 +347,8 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     fwd = forward_flops_per_token(model, tp)
     extra = {
         "none": 0,
-        "selective": fwd.layers * fwd.layer_attention,
-        "full": fwd.layers_matmul + fwd.layers * fwd.layer_attention,
+        "selective": fwd.attention,
+        "full": fwd.layers_matmul + fwd.attention,
     }
     if recompute not in extra:
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")

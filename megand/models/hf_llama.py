@@ -25,7 +25,8 @@ def llama_like(m) -> bool:
 
 
 def matches(m) -> bool:
-    return llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias") and not m.get("qk_norm")
+    return (llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias") and not m.get("qk_norm")
+            and m.get("sliding_window") is None)
 
 
 def rope_parameters(m) -> dict:
@@ -90,8 +91,8 @@ def llama_like_config(config) -> dict:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"use_sliding_window=true (sliding_window={config.sliding_window}): megand has no "
-                         f"sliding-window attention yet")
+        raise ValueError(f"use_sliding_window=true (sliding_window={config.sliding_window}): Qwen's per-layer "
+                         f"window layout is not mapped to model.sliding_window yet")
     return dict(**rope_keys(config), arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
                 num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
                 seq_length=config.max_position_embeddings,

@@ -20,7 +20,8 @@ MODEL_CLASS = "MixtralForCausalLM"
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and not m.get("moe_shared_experts")
             and m.get("moe_router", "softmax") == "softmax" and m.get("moe_norm_topk_prob", True)
-            and (m.get("moe_layer_freq") or 1) == 1 and not m.get("qkv_bias") and not m.get("qk_norm"))
+            and (m.get("moe_layer_freq") or 1) == 1 and not m.get("qkv_bias") and not m.get("qk_norm")
+            and m.get("sliding_window") is None)
 
 
 def expert_width(m) -> int:

@@ -13,7 +13,7 @@ MODEL_CLASS = "Qwen2ForCausalLM"
 
 def matches(m) -> bool:
     return (llama_like(m) and not m.get("num_experts") and bool(m.get("qkv_bias")) and not m.get("qk_norm")
-            and head_dim_derived(m))
+            and head_dim_derived(m) and m.get("sliding_window") is None)
 
 
 def hf_config(m: dict):

@@ -26,7 +26,7 @@ MODEL_CLASS = "Qwen2MoeForCausalLM"
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and (m.get("moe_shared_experts") or 0) > 0
             and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax"
-            and head_dim_derived(m) and not m.get("qk_norm"))
+            and head_dim_derived(m) and not m.get("qk_norm") and m.get("sliding_window") is None)
 
 
 def expert_width(m) -> int:

@@ -13,7 +13,7 @@ MODEL_CLASS = "Qwen3ForCausalLM"
 
 
 def matches(m) -> bool:
-    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm")) and not m.get("qkv_bias")
+    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm")) and not m.get("qkv_bias") and m.get("sliding_window") is None
 
 
 def hf_config(m: dict):

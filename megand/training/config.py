@@ -39,6 +39,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base
     rope_scaling: Any = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    sliding_window: Any = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))

@@ -1,6 +1,7 @@
 """Today's open dense families end to end: a tiny random model written by transformers' own
 ``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
-a head width apart from hidden/heads and yarn RoPE, Mistral NeMo-style without a sliding window) is imported; greedy generation equals transformers'; a training
+a head width apart from hidden/heads and yarn RoPE, Mistral with a sliding window shorter than the sequence
+and NeMo-style without one) is imported; greedy generation equals transformers'; a training
 run that names no model key (the model comes from the checkpoint) has a first-step loss equal to
 transformers' loss on the same batch (1e-5 relative) on one process and at tp=2 x pp=2; exported back, every
 weight equals transformers' own."""
@@ -27,12 +28,15 @@ FAMILIES = {
     # Mistral NeMo-style: a head width of its own, no sliding window
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=None,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Mistral 7B v0.1-style: every layer attends over its 8 latest keys (of 32 positions)
+    "mistral_swa": lambda: transformers.MistralConfig(**COMMON, sliding_window=8,
+                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24,
                                               rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                                "original_max_position_embeddings": 8}),
 }
 CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM"}
+           "mistral": "MistralForCausalLM", "mistral_swa": "MistralForCausalLM"}
 EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the family: the same maths as Llama
 
 
@@ -79,13 +83,13 @@ def test_generation_and_export_equal_transformers(family, imported, tmp_path, ca
     assert config.rope_parameters == theirs.config.rope_parameters
 
 
-def test_a_sliding_window_is_refused_in_one_line(tmp_path, capsys):
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=16))
-    model.save_pretrained(str(tmp_path / "hf"))
+def test_per_layer_windows_of_qwen_are_refused_in_one_line(tmp_path, capsys):
+    config = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
     capsys.readouterr()
     assert convert_checkpoint.main(["import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "sliding_window=16 < max_position_embeddings=32" in err[0], err
+    assert len(err) == 1 and "use_sliding_window=true" in err[0], err
     assert not (tmp_path / "ckpt").exists()
 
 

@@ -162,3 +162,17 @@ def test_training_logs_tflops_of_the_active_parameters(tmp_path):
     active = flops.flops_per_iteration(model, batch, tp=1)["model_flops"]
     every_expert = flops.flops_per_iteration(dict(model, moe_top_k=model["num_experts"]), batch, tp=1)["model_flops"]
     assert logged == pytest.approx(active, rel=1e-9) and active < every_expert
+
+
+def test_sliding_windows_count_the_band_each_query_sees():
+    """A layer with a window w counts 4·min(s, w)·q for its attention core (a windowed kernel skips the
+    blocks outside the band); per-layer windows (null: full attention) count layer by layer."""
+    s, q = LLAMA["seq_length"], LLAMA["hidden_size"]
+    full = flops.forward_flops_per_token(LLAMA)
+    assert full.attention == LLAMA["num_layers"] * 4 * s * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": 8}).attention == 2 * 4 * 8 * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": [8, None]}).attention == 4 * 8 * q + 4 * s * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": 64}).total == full.total  # no shorter than s
+    windowed = {**LLAMA, "sliding_window": 8}
+    assert (flops.hardware_flops_per_token(windowed, "selective") - flops.model_flops_per_token(windowed)
+            == 2 * 4 * 8 * q)

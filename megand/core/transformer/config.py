@@ -35,6 +35,9 @@ class TransformerConfig:
     rope_scaling: RopeScaling | None = None  # a dict (HF's rope_scaling keys) is turned into RopeScaling
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); gpt has biases everywhere
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3), one weight [head_dim] each
+    # sliding-window attention (Mistral): a query sees the `window` latest keys (itself included); an int for
+    # every layer, or one entry per layer (None: full causal attention in that layer); None: none
+    sliding_window: int | tuple | None = None
     tie_embeddings: bool = True
     init_std: float = 0.02
     hidden_dropout: float = 0.0
@@ -82,6 +85,15 @@ class TransformerConfig:
         # checkpoint adapters) follow from it
         object.__setattr__(self, "head_dim", resolve_head_dim(self.hidden_size, self.num_attention_heads,
                                                               self.head_dim))
+        if isinstance(self.sliding_window, (list, tuple)):
+            object.__setattr__(self, "sliding_window", tuple(self.sliding_window))
+            if len(self.sliding_window) != self.num_layers:
+                raise ValueError(f"model.sliding_window has {len(self.sliding_window)} entries for "
+                                 f"model.num_layers={self.num_layers}: give one per layer (null: full attention)")
+        windows = self.sliding_window if isinstance(self.sliding_window, tuple) else (self.sliding_window,)
+        if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
+            raise ValueError(f"model.sliding_window={self.sliding_window!r}: expected a positive int, a list of "
+                             f"them (null entries: full attention) or null")
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -112,6 +124,12 @@ class TransformerConfig:
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
+    def window(self, layer_id: int) -> int | None:
+        """The attention window of layer ``layer_id`` (None: full causal attention)."""
+        if isinstance(self.sliding_window, tuple):
+            return self.sliding_window[layer_id]
+        return self.sliding_window
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.num_experts is not None and layer_id % self.moe_layer_freq == 0
 
@@ -138,6 +156,8 @@ def comparable(model: Mapping[str, Any]) -> dict:
     if "hidden_size" in out and "num_attention_heads" in out:
         out["head_dim"] = resolve_head_dim(out["hidden_size"], out["num_attention_heads"], out.get("head_dim"))
         out["num_query_groups"] = out.get("num_query_groups") or out["num_attention_heads"]
+    if isinstance(out.get("sliding_window"), (list, tuple)):
+        out["sliding_window"] = tuple(out["sliding_window"])
     if isinstance(out.get("rope_scaling"), Mapping):
         out["rope_scaling"] = RopeScaling.from_dict(out["rope_scaling"])
     return out

@@ -21,7 +21,7 @@ class TransformerLayer(torch.nn.Module):
         norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
                     tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, topo, rng, device)
+        self.attention = Attention(cfg, topo, rng, device, layer_id)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
 
