@@ -119,8 +119,9 @@ def adapter_for_hf(config):
     for adapter in _adapters():
         if adapter.MODEL_TYPE == config.model_type:
             return adapter
-    known = ", ".join(a.MODEL_TYPE for a in _adapters())
-    raise ValueError(f"model_type={config.model_type!r}: only {known} can be imported")
+    # the adapters' MODEL_TYPEs, spelled out (the troubleshooting page quotes this line)
+    raise ValueError(f"model_type={config.model_type!r}: only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe "
+                     f"can be imported")
 
 
 def _require_transformers():

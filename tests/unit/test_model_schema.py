@@ -56,3 +56,13 @@ def test_a_run_with_head_dim_apart_from_hidden_over_heads_validates():
         validate(compose(["model=llama_tiny", "model.hidden_size=62"]), 1)
     with pytest.raises(ConfigError, match="rope needs an even head dim, got 15"):
         validate(compose(["model=llama_tiny", "model.head_dim=15"]), 1)
+
+
+def test_the_import_refusal_names_every_adapter():
+    from types import SimpleNamespace
+
+    from megand.models import hf
+
+    with pytest.raises(ValueError) as e:
+        hf.adapter_for_hf(SimpleNamespace(model_type="deepseek_v3"))
+    assert ", ".join(a.MODEL_TYPE for a in hf._adapters()) in str(e.value)
