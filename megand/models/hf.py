@@ -2,7 +2,7 @@
 
 An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
 :mod:`megand.models.hf_mistral` (import only), :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
-:mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
+:mod:`megand.models.hf_qwen2_moe`, :mod:`megand.models.hf_qwen3_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
 :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
 of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
@@ -88,9 +88,10 @@ def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
 
 
 def _adapters():
-    from megand.models import hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3
+    from megand.models import (hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3,
+                               hf_qwen3_moe)
 
-    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe)
+    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
 
 
 def adapter_for(m: Mapping[str, Any]):
@@ -106,7 +107,7 @@ def adapter_for(m: Mapping[str, Any]):
             f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
             f"qkv_bias={m.get('qkv_bias', False)} head_dim={m.get('head_dim')} (mixtral: llama-style, softmax router, renormalised top-k, "
             "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
-            "shared experts with their gate, head_dim null)")
+            "shared experts with their gate, head_dim null; qwen3_moe: qk_norm, softmax router, no shared experts)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
                      f"qkv_bias={m.get('qkv_bias', False)} qk_norm={m.get('qk_norm', False)} head_dim={m.get('head_dim')} "
@@ -120,8 +121,8 @@ def adapter_for_hf(config):
         if adapter.MODEL_TYPE == config.model_type:
             return adapter
     # the adapters' MODEL_TYPEs, spelled out (the troubleshooting page quotes this line)
-    raise ValueError(f"model_type={config.model_type!r}: only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe "
-                     f"can be imported")
+    raise ValueError(f"model_type={config.model_type!r}"
+                     ": only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe can be imported")
 
 
 def _require_transformers():

@@ -73,8 +73,9 @@ class TransformerConfig:
     def from_model(cls, model: Mapping[str, Any], **runtime) -> "TransformerConfig":
         """The config of a ``model`` mapping (the run's ``model`` section, or the one a checkpoint stores)
         plus the ``runtime`` choices; a model key this config does not declare is an error naming it (a
-        forgotten field would otherwise be silently ignored)."""
-        unknown = sorted(set(model) - MODEL_FIELDS)
+        forgotten field would otherwise be silently ignored). Runtime fields in ``model`` are taken too (tools
+        building a one-process model pass e.g. ``precision`` with its shape)."""
+        unknown = sorted(set(model) - MODEL_FIELDS - RUNTIME_FIELDS)
         if unknown:
             raise ValueError(f"unknown model key(s) {', '.join('model.' + k for k in unknown)}: not part of "
                              f"the model schema")
