@@ -18,8 +18,9 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
         norm1 input e·h, QKV input e·h, norm2 input e·h, MLP input e·h,
         two dropout masks 1·h each (only when hidden_dropout > 0)                   10·h for GPT-2
     per token, split over tp:
-        Q and K  e·(h + kv), V  e·kv        (GQA: kv = groups·head_dim; K/V assumed not expanded)
-        attention output-projection input e·h
+        Q and K  e·(q + kv), V  e·kv        (q = heads·head_dim, = h unless head_dim is set apart;
+                                             GQA: kv = groups·head_dim; K/V assumed not expanded)
+        attention output-projection input e·q
         MLP: gelu  2·e·f (activation input, fc2 input) ; swiglu 3·e·f (gate, up, down input)
                                                                                     24·h for GPT-2
     attention core, split over tp, per token: a·s·(2e + 1) with attention dropout (softmax output,
@@ -241,14 +242,14 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     shape = Shape.from_config(model)
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
-    h, f, kv, a, s = shape.hidden, shape.ffn, shape.kv_dim, shape.heads, shape.seq
+    h, q, f, kv, a, s = shape.hidden, shape.q_dim, shape.ffn, shape.kv_dim, shape.heads, shape.seq
     tokens = layout.micro_batch_size * s / layout.cp
     seq_split = layout.tp if layout.sp else 1
     if recompute == "full":
         return tokens * e * h / seq_split
     masks = 2 * h if _dropout(model, "hidden_dropout") else 0
     replicated = 4 * e * h + masks
-    split = e * (h + kv) + e * kv + e * h + (0 if moe else (3 if shape.swiglu else 2) * e * f)
+    split = e * (q + kv) + e * kv + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
     core = a * s * ((2 * e + 1) if _dropout(model, "attention_dropout") else e)
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -28,6 +28,7 @@ class ModelConfig:
     ffn_hidden_size: int = 256  # MLP width (for swiglu: the width of each of gate and up)
     num_attention_heads: int = 4  # query heads
     num_query_groups: Optional[int] = None  # null: multi-head attention
+    head_dim: Optional[int] = None  # width of one attention head; null: hidden_size / num_attention_heads (Qwen3 and Gemma set it apart)
     seq_length: int = 32  # tokens per sample
     vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked)
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # the embedding and output layer are padded to a multiple of this x tp rows (aligned logits GEMM); padding is never predicted nor saved
@@ -36,6 +37,9 @@ class ModelConfig:
     activation: str = "gelu"  # gelu | swiglu
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: Any = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    sliding_window: Any = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
@@ -281,17 +285,19 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     checks = [
-        (m.hidden_size % m.num_attention_heads == 0,
-         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"),
+        (m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
+         f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads} "
+         f"(or set model.head_dim)"),
+        (m.head_dim is None or m.head_dim >= 1, f"model.head_dim={m.head_dim} must be positive (or null)"),
         (m.num_attention_heads % groups == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"),
         (m.num_attention_heads % p.tp == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"),
         (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
-        (m.position_embedding != "rope" or (m.hidden_size // m.num_attention_heads) % 2 == 0,
-         f"rope needs an even head dim, got {m.hidden_size // m.num_attention_heads}"),
+        (m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
          f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
@@ -343,6 +349,7 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
     validate_moe(cfg, sizes)
     validate_fault_keys(cfg)
+    transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
 
 
 def validate_moe(cfg, sizes) -> None:
@@ -487,9 +494,12 @@ def transformer_config(cfg):
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
     etp = cfg.parallel.tp if cfg.parallel.etp is None else cfg.parallel.etp
-    return TransformerConfig(**_known(TransformerConfig, model), sequence_parallel=bool(cfg.parallel.sequence_parallel),
-                             cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute, precision=cfg.train.precision,
-                             expert_tensor_parallel=etp == cfg.parallel.tp)
+    try:  # every model key is core's: one the core config does not declare is refused, never dropped
+        return TransformerConfig.from_model(model, sequence_parallel=bool(cfg.parallel.sequence_parallel),
+                                            cp_comm=cfg.parallel.cp_comm, recompute=cfg.train.recompute,
+                                            precision=cfg.train.precision, expert_tensor_parallel=etp == cfg.parallel.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def document_flags(cfg):

@@ -111,22 +111,22 @@ class LayerTimes:
 
 
 def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str) -> LayerTimes:
-    h, f, kv, s, e = shape.hidden, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
+    h, q, f, kv, s, e = shape.hidden, shape.q_dim, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
     tp, cp = c.tp, c.cp
     tokens = c.micro_batch_size * s / cp
     mlp_in = (2 if shape.swiglu else 1) * f
-    gemm = (gemm_time(profile, tokens, (h + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, h / tp)
+    gemm = (gemm_time(profile, tokens, (q + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, q / tp)
             + gemm_time(profile, tokens, mlp_in / tp, h) + gemm_time(profile, tokens, h, f / tp))
-    # attention core: scores and context, 4*s*h FLOPs per token over the local heads (flops.py's count),
+    # attention core: scores and context, 4*s*q FLOPs per token over the local heads (flops.py's count),
     # run as batched [s/cp, d] x [d, s] products
     heads = shape.heads / tp
-    attn_flops = 4.0 * tokens * s * h / tp
+    attn_flops = 4.0 * tokens * s * q / tp
     unit = gemm_time(profile, s / cp, s, shape.head_dim)  # one head's scores product
     unit_flops = 2.0 * (s / cp) * s * shape.head_dim
     attn = attn_flops * unit / unit_flops if unit_flops else 0.0
     split = tp if c.sequence_parallel and tp > 1 else 1
     act = (3 if shape.swiglu else 2) * f / tp
-    rope = 4 * (h + kv) / tp if not shape.learned_positions else 0
+    rope = 4 * (q + kv) / tp if not shape.learned_positions else 0
     mem_bytes = e * tokens * ((4 * h + 6 * h) / split + act + rope)  # norms r/w, residual adds, activation, rope
     if not c.fused:  # s x s scores written, softmax read and written, probabilities read by the context product
         mem_bytes += 4 * e * tokens * heads * s
