@@ -78,14 +78,15 @@ def _device(value):
 class DeviceRules(TorchDispatchMode):
     """The rules of ``device`` (``cuda``: all of them; ``cpu``: only the sync count), enforced on fake
     tensors. ``syncs``: ``[(phase, kind, source line)]``; ``backends``: Counter of
-    ``(backend, source line)`` of attention calls; ``phase``: set by the rehearsal."""
+    ``(backend, source line)`` of attention calls; ``phase``: set by the rehearsal."""  # noqa
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.cuda = device.type == "cuda"
         self.phase = "build"
-        self.syncs: list[tuple[str, str, str]] = []
+        self.syncs: list[list] = []  # [phase, kind, source line, count]
         self.backends: Counter = Counter()
+        self.kernels: Counter = Counter()  # (CUDA-only GEMM, source line): the grouped GEMM, mm with out_dtype
         self._pinned = weakref.WeakSet()  # storages of pinned host tensors
         self._last_read = None  # (storage, line) of the last value read: one .tolist() is one sync
         self.flex_depth = 0  # inside the FlexAttention stand-in: its own rules apply
@@ -93,7 +94,15 @@ class DeviceRules(TorchDispatchMode):
 
     # -- reporting -----------------------------------------------------------------------------------
     def sync(self, kind: str, where: str | None = None) -> None:
-        self.syncs.append((self.phase, kind, where or source_line()))
+        self.syncs.append([self.phase, kind, where or source_line(), 1])
+
+    def repeat_syncs(self, since: int, times: int) -> None:
+        """Count the syncs recorded after the first ``since`` ``times`` more (a loop played once)."""
+        for entry in self.syncs[since:]:
+            entry[3] *= times + 1
+
+    def step_syncs(self, phases) -> int:
+        return sum(n for phase, _, _, n in self.syncs if phase in phases)
 
     def attention(self, backend: str, where: str | None = None) -> None:
         self.backends[(backend, where or source_line())] += 1
@@ -170,6 +179,9 @@ class DeviceRules(TorchDispatchMode):
                                 f"key/value heads)")
         elif func is aten._grouped_mm.default:
             self._check_grouped_mm(func, args, kwargs)
+            self.kernels[("grouped_mm", source_line())] += 1
+        elif func is aten.mm.dtype:
+            self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1
 
     def _check_flash(self, func, q, k, v) -> None:
         dtypes = {q.dtype, k.dtype, v.dtype}
@@ -234,5 +246,8 @@ class DeviceRules(TorchDispatchMode):
     # -- summaries -----------------------------------------------------------------------------------
     def sync_table(self, phases) -> list[dict]:
         """``[{"where", "kind", "count"}]`` of the syncs in ``phases``, most frequent first."""
-        counts = Counter((where, kind) for phase, kind, where in self.syncs if phase in phases)
+        counts = Counter()
+        for phase, kind, where, n in self.syncs:
+            if phase in phases:
+                counts[(where, kind)] += n
         return [{"where": w, "kind": k, "count": n} for (w, k), n in counts.most_common()]

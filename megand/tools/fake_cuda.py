@@ -210,11 +210,12 @@ class CudaRuntime:
         return self.current if device.index is None else device.index
 
     def _state_tensor(self, seed: int, offset: int):
+        import numpy as np
         import torch
-        from torch.utils._python_dispatch import _disable_current_modes
 
-        with _disable_current_modes():  # a real host tensor, as torch.cuda.get_rng_state returns
-            return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8).clone()
+        # a real host tensor, as torch.cuda.get_rng_state returns (from numpy: no dispatch, so the fake
+        # tensor mode neither sees nor wraps it)
+        return torch.from_numpy(np.array([seed, offset], dtype=np.int64).view(np.uint8).copy())
 
     def get_rng_state(self, device="cuda"):
         seed, offset = self.states.get(self._index(device), (0, 0))
@@ -227,11 +228,11 @@ class CudaRuntime:
             raise RuntimeError(f"torch.cuda.set_rng_state: the CUDA generator takes a {CUDA_STATE_BYTES}-byte state "
                                f"(seed, offset), got {state.numel()} elements of {state.dtype} (a CPU generator's "
                                f"state is 5056 bytes)")
-        from torch.utils._python_dispatch import _disable_current_modes
+        from torch._subclasses.fake_tensor import is_fake
 
-        with _disable_current_modes():  # the host state is read on the host: no device sync
-            seed, offset = state.clone().view(torch.int64).tolist()
-        self.states[self._index(device)] = (seed, offset)
+        if not is_fake(state):  # a host tensor, read on the host (no dispatch): no device sync
+            seed, offset = state.numpy().view("int64").tolist()
+            self.states[self._index(device)] = (int(seed), int(offset))
 
     def manual_seed(self, seed, device=None):
         self.states[self._index(device)] = (int(seed) & (2**63 - 1), 0)

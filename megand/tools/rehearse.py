@@ -81,15 +81,16 @@ class LiveBytes(TorchDispatchMode):
     is taken, so a resized storage counts at its size at that moment.
     """
 
-    def __init__(self):
+    def __init__(self, device_type: str | None = None):
         super().__init__()
+        self.device_type = device_type  # count only storages on this kind of device (None: all)
         self.live = self.peak = 0
         self._alive: dict[int, list] = {}  # id(storage) -> [weak reference, bytes counted]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves((out, args, kwargs)):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and (self.device_type is None or t.device.type == self.device_type):
                 self._count(t.untyped_storage())
         if self.live > self.peak:
             self._refresh()
@@ -252,8 +253,8 @@ class FlexAttentionStandIn:
         self.masks_created += 1
         n = min(Q_LEN, KV_LEN, BLOCK_SIZE)
         qi, ki = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
-        mask_mod(torch.zeros((), dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device),
-                 qi, ki)  # a CPU tensor inside the mask function fails here, as it would on the GPU
+        zero = torch.zeros((1, 1), dtype=torch.int64, device=device)  # batch and head indices, broadcast
+        mask_mod(zero, zero, qi, ki)  # a CPU tensor inside the mask function fails here, as it would on the GPU
         qb, kb = -(-Q_LEN // BLOCK_SIZE), -(-KV_LEN // BLOCK_SIZE)
         b, h = B or 1, H or 1
         blocks = [torch.empty(b, h, qb, dtype=torch.int32, device=device),
@@ -303,6 +304,28 @@ class FlexAttentionStandIn:
         stack.enter_context(mock.patch.object(documents, "_compiled_flex_attention", lambda: self.flex_attention))
 
 
+def first_tile_draw(draw_region, rules):
+    """The initialisation's ``draw_region`` drawing only the first tile of each region (fake tensors hold no
+    values; drawing tens of thousands of tiles through the fake tensor mode takes minutes): that tile runs
+    the real code, and its host syncs are counted once per tile of the region."""
+    import math
+
+    from megand.core.sharding import tile_shape
+
+    def draw(meta, seed, name, region, out):
+        if meta.init in ("ones", "zeros"):
+            return draw_region(meta, seed, name, region, out)
+        full, tile = meta.full_shape, tile_shape(meta.full_shape)
+        bounds = [(r.start or 0, n if r.stop is None else r.stop) for r, n in zip(region, full)]
+        tiles = math.prod(-(-hi // t) - lo // t for (lo, hi), t in zip(bounds, tile))
+        first = tuple(slice(lo, min(hi, (lo // t + 1) * t)) for (lo, hi), t in zip(bounds, tile))
+        since = len(rules.syncs)
+        draw_region(meta, seed, name, first, out[tuple(slice(0, s.stop - s.start) for s in first)])
+        rules.repeat_syncs(since, tiles - 1)
+
+    return draw
+
+
 def trainer_for_rehearsal(cfg, topo, data, clock):
     """A :class:`Trainer` holding what ``train_step`` reads, built without its run set-up (no data files,
     logs, checkpointer or wandb); the model, engine and optimizer are built in the ``build`` phase."""
@@ -346,6 +369,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from megand.core import sharding
     from megand.core.checkpointing import sharded
     from megand.core.parallel_state import init_fake_distributed
     from megand.data.mock import MockGPTDataset
@@ -359,8 +383,14 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
     device = init_fake_distributed(rank, world)
     if cuda:
         device = torch.device("cuda", rank % DEVICES_PER_NODE)
-    tracker, rules = LiveBytes(), DeviceRules(device)
+    tracker, rules = LiveBytes("cuda" if cuda else None), DeviceRules(device)  # a GPU's memory: its own tensors
     clock, nccl, flex = PhaseClock(tracker, rules), NcclRules(), FlexAttentionStandIn(rules)
+    class Fakes(FakeTensorMode):
+        # host data given to torch.tensor(..., device=cuda) is made on the CPU and lifted, never asked of
+        # the (absent) CUDA backend, even while the runtime stand-in says CUDA is available
+        avoid_device_init = property(lambda self: True)
+
+    fake_mode = Fakes(allow_non_fake_inputs=True)
     try:
         with ExitStack() as stack:
             if cuda:
@@ -370,12 +400,14 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
                                                 lambda: tracker.live, lambda: tracker.peak, tracker.reset_peak))
                 stack.enter_context(nccl)
                 flex.patches(stack)
+                stack.enter_context(mock.patch.object(sharding, "draw_region", first_tile_draw(sharding.draw_region,
+                                                                                              rules)))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
                                                       rules.scaled_dot_product_attention))
             topo = build_topology(cfg, device)
             t, m = cfg.train, cfg.model
             data = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.global_batch_size)
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(fake_mode)
             stack.enter_context(tracker)
             stack.enter_context(rules)
             trainer = trainer_for_rehearsal(cfg, topo, data, clock)
@@ -395,11 +427,12 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
                   "microbatches": micro}
         if cuda:
             result.update(
-                syncs={"step": sum(1 for ph, _, _ in rules.syncs if ph in step),
+                syncs={"step": rules.step_syncs(step),
                        "allowed": 1 + log_step + moe_reads_allowed(cfg, trainer.chunks, micro),
                        "per_line": rules.sync_table(step), "build": rules.sync_table(("build",)),
                        "checkpoint": rules.sync_table(("checkpoint_state_dict",))},
                 attention=[{"backend": b, "where": w, "calls": n} for (b, w), n in sorted(rules.backends.items())],
+                kernels=[{"kernel": k, "where": w, "calls": n} for (k, w), n in sorted(rules.kernels.items())],
                 block_masks_created=flex.masks_created, groups_created=nccl.groups_created)
         return result
     finally:
@@ -451,6 +484,8 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
                          f"(most: {s['build'][0]['count']} x {s['build'][0]['kind']} at {s['build'][0]['where']})")
         lines.append("attention kernels: " + ("; ".join(f"{a['backend']} x{a['calls']} at {a['where']}"
                                                          for a in result["attention"]) or "none"))
+        lines.append("CUDA-only GEMMs: " + ("; ".join(f"{k['kernel']} x{k['calls']} at {k['where']}"
+                                                      for k in result["kernels"]) or "none"))
         lines.append(f"FlexAttention block masks created in the step: {result['block_masks_created']}; "
                      f"process groups created: {result['groups_created']}")
     if "fit" in result:
