@@ -130,8 +130,10 @@ class Prefetcher:
     before: the last step's read ahead may well run past the data.
     """
 
-    def __init__(self, load, device: torch.device):
+    def __init__(self, load, device: torch.device, following=None):
+        """``following(key)``: the key of the step after ``key`` (default: the next iteration, same ``rest``)."""
         self._load, self._device = load, device
+        self._following = following or (lambda key: (key[0] + 1, *key[1:]))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-data")
         self._ahead = None  # ((iteration, offset), future)
 
@@ -143,7 +145,7 @@ class Prefetcher:
         else:
             self._drain()
             host = self._load(*key)
-        following = (iteration + 1, *rest)
+        following = self._following(key)
         self._ahead = (following, self._pool.submit(self._load, *following))
         return to_device(host, self._device)
 
