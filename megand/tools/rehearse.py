@@ -182,6 +182,8 @@ def prepare_config(args):
     cfg.data.kind = "mock"
     cfg.checkpoint.save = cfg.checkpoint.load = None
     t.compile = False  # the rehearsal runs the eager step (torch.compile does not trace fake CUDA here)
+    if "rampup_batch_size" in t:
+        t.rampup_batch_size = None  # the full batch: the steady state of the run
     try:
         validate(cfg, world)
     except ConfigError as e:
@@ -334,6 +336,7 @@ def trainer_for_rehearsal(cfg, topo, data, clock):
     from megand.training.config import optimizer_config
     from megand.training.guards import SkipGuard, SpikeDetector
     from megand.training.pretrain import Trainer, build_model_and_engine
+    from megand.training.rampup import batch_ramp
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.topo, trainer.train_data, trainer.valid_data = cfg, topo, data, None
@@ -343,8 +346,9 @@ def trainer_for_rehearsal(cfg, topo, data, clock):
     trainer.params = [p for _, p in trainer.named_params]
     trainer.optimizer = Optimizer(trainer.named_params, optimizer_config(cfg), topo, trainer.ddp)
     trainer.compile_timer, trainer.schedule = None, get_schedule(topo)
-    trainer._plan_batches()
-    trainer.iteration = trainer.sample_offset = 0
+    trainer.ramp = batch_ramp(cfg.train)
+    trainer._plan_batches(cfg.train.global_batch_size)
+    trainer.iteration = trainer.consumed_samples = 0
     trainer.prefetcher = trainer.loaded_iteration = trainer.last_save_attempt = trainer.checkpointer = None
     trainer.skips = SkipGuard(cfg.train.max_skipped_steps)
     trainer.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
