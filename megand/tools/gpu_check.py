@@ -1,8 +1,12 @@
 """One-command GPU readiness check (``make gpu-check``): every check in turn, one JSON report, a table.
 
     python tools/gpu_check.py [--out gpu_check.json] [--sizes full|tiny] [--only NAME ...]
+    python tools/gpu_check.py --list
 
-Checks (each records ok / failed / skipped, its seconds and its figures; a failure does not stop the rest):
+Every check is listed in the report; on a machine without CUDA (or with fewer GPUs than a check needs)
+the CUDA-only ones say ``skipped`` and why. Each check runs with the CUDA memory statistics reset and
+records its own peak (``peak_bytes``). Checks (each records ok / failed / skipped, its seconds and its
+figures; a failure does not stop the rest):
 - ``tests``: the default test suite's single-process tests (``tests/unit``), run by pytest in a subprocess;
 - ``throughput_llama_1b`` / ``throughput_gpt2_125m``: bf16 training (CUDA; fp32 on CPU) of ``llama_1b`` at
   seq 4096 and ``gpt2_125m``: tokens/s, TFLOP/s, MFU, next to transformers on the same shape and batch in
@@ -13,7 +17,21 @@ Checks (each records ok / failed / skipped, its seconds and its figures; a failu
 - ``fused_adamw``, ``memory_stats``, ``async_checkpoint``, ``compile``: a few training steps of a tiny model
   through each path (torch's fused AdamW and CUDA memory statistics need CUDA: skipped without it);
 - ``wgrad_fusion`` (CUDA): bf16 weight-gradient products added into an fp32 accumulator as the parallel
-  linear layers do, against their float64 sum (whether this torch's ``mm`` has ``out_dtype``).
+  linear layers do, against their float64 sum (whether this torch's ``mm`` has ``out_dtype``);
+- ``grouped_gemm`` (CUDA): the MoE experts' grouped GEMM (``torch._grouped_mm``) against the loop over
+  experts in bf16, forward and gradients;
+- ``flex_documents`` (CUDA): document-masked attention (FlexAttention block masks) against the dense
+  mask with SDPA, forward and gradients;
+- ``sdpa_backend`` (CUDA): which SDPA kernels take llama_1b's attention (bf16; and fp32 with GQA), in
+  torch's order of preference: the first one listed is the one that runs;
+- ``compile`` also reports torch.compile's graph breaks (``graph_breaks``, from dynamo's counters);
+- ``nccl_parity`` (2+ GPUs): tiny LLaMA runs of 3 steps under torchrun with NCCL at 2 ranks (tp+sp,
+  pp+vpp, cp, ZeRO-3, ep) and, on a full node of 8, at 8 ranks, against the one-GPU run: step losses
+  within 1e-4 relative (fp32; TF32 off).
+
+Time on one H200 (estimated from the sizes: the throughput checks are 2 x 7 steps of a few hundred ms,
+the unit tests about 4 minutes on a GPU machine's CPUs, the rest seconds): under 8 minutes; a node of 8
+adds about 2 minutes of NCCL parity runs.
 
 ``--sizes tiny`` runs the same checks on tiny models (seconds, also on CPU); the unit tests use it.
 """
@@ -41,7 +59,9 @@ THROUGHPUT = {  # name: (full-size overrides, tiny overrides)
                              ["+experiment=tiny_gpt", "train.micro_batch_size=2"]),
 }
 CHECKS = ("tests", *THROUGHPUT, "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile",
-          "wgrad_fusion")
+          "wgrad_fusion", "grouped_gemm", "flex_documents", "sdpa_backend", "nccl_parity")
+NEEDS = {"fused_adamw": "CUDA", "memory_stats": "CUDA", "wgrad_fusion": "CUDA", "grouped_gemm": "CUDA",
+         "flex_documents": "CUDA", "sdpa_backend": "CUDA", "nccl_parity": "2+ CUDA devices"}
 
 
 class Skipped(Exception):
@@ -54,7 +74,7 @@ def cuda() -> bool:
 
 def need_cuda():
     if not cuda():
-        raise Skipped("needs CUDA")
+        raise Skipped("needs CUDA (torch.cuda.is_available() is False here): a CUDA-only path")
 
 
 def tiny_trainer(overrides):
@@ -99,11 +119,12 @@ def check_throughput(args, name) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda() else torch.device("cpu")
     theirs = run_baseline(OmegaConf.to_container(cfg.model, resolve=True), cfg.train.micro_batch_size, n, warmup,
                           device, cfg.train.precision, seed=cfg.train.seed, peak_cache_dir=run_dir)
-    keys = ("tokens_per_s", "tflops_per_s", "mfu", "mem_peak_bytes", "step_time_median_s")
+    keys = ("tokens_per_s", "tflops_per_s", "mfu", "mem_peak_bytes", "step_time_median_s", "loss_first", "loss_last")
     return {"precision": cfg.train.precision, "seq_length": cfg.model.seq_length,
             "micro_batch": cfg.train.micro_batch_size, **{k: mine[k] for k in keys},
             "transformers": {k: theirs[k] for k in keys},
-            "speed_ratio": mine["tokens_per_s"] / theirs["tokens_per_s"]}
+            "speed_ratio": mine["tokens_per_s"] / theirs["tokens_per_s"],
+            "first_loss_rel_diff": abs(mine["loss_first"] - theirs["loss_first"]) / abs(theirs["loss_first"])}
 
 
 def check_cp_block_kernel(args) -> dict:
@@ -229,11 +250,16 @@ def check_async_checkpoint(args) -> dict:
 
 
 def check_compile(args) -> dict:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     trainer = tiny_trainer(["train.compile=true"])
     start = time.perf_counter()
     losses = steps(trainer)
+    breaks = {str(k): v for k, v in counters["graph_break"].items()}
     return {"losses": losses, "first_steps_s": time.perf_counter() - start,
-            "layers_compile_s": trainer.compile_timer.seconds}
+            "layers_compile_s": trainer.compile_timer.seconds, "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
 
 
 def check_wgrad_fusion(args) -> dict:
@@ -254,9 +280,132 @@ def check_wgrad_fusion(args) -> dict:
     return {"relative_error": relative, "mm_out_dtype_fp32": fp32_result}
 
 
+def _rel(a, r) -> float:
+    return ((a.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
+
+
+def check_grouped_gemm(args) -> dict:
+    need_cuda()
+    from megand.core.transformer.moe import grouped_linear
+
+    experts, h, f = (8, 4096, 1792) if args.sizes == "full" else (4, 64, 32)
+    counts = torch.tensor([3, 0, 5, 8] * (experts // 4)) * (64 if args.sizes == "full" else 1)
+    rows = int(counts.sum())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(experts, f, h, device="cuda", generator=gen, dtype=torch.bfloat16) * h ** -0.5
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    results = {}
+    for fused in (True, False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = grouped_linear(xs, ws, counts.cuda(), offsets, fused=fused)
+        out.float().square().sum().backward()
+        results[fused] = (out.detach(), xs.grad, ws.grad)
+    err = max(_rel(a, r) for a, r in zip(results[True], results[False]))
+    if err > 2e-2:
+        raise RuntimeError(f"grouped GEMM: relative error {err:.3g} from the loop over experts (bf16)")
+    return {"rel_err": err, "rows": rows, "experts": experts}
+
+
+def check_flex_documents(args) -> dict:
+    need_cuda()
+    import torch.nn.functional as F
+
+    from megand.core.transformer.documents import DocumentMask, dense_document_mask, document_ids
+
+    seq, heads, groups, dim = (4096, 16, 4, 128) if args.sizes == "full" else (256, 4, 2, 64)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(1, 100, (1, seq), device="cuda", generator=gen)
+    tokens[0, torch.randint(0, seq, (8,), device="cuda", generator=gen)] = 0  # document ends
+    ids = document_ids(tokens, eod_id=0)
+    q = torch.randn(1, heads, seq, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, groups, seq, dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.arange(seq, device="cuda")
+    mask = dense_document_mask(ids, ids, pos, pos)
+    results = []
+    for attend in (lambda *t: DocumentMask(ids).attend(*t),
+                   lambda q_, k_, v_: F.scaled_dot_product_attention(q_.float(), k_.float(), v_.float(), attn_mask=mask,
+                                                                      enable_gqa=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves)
+        out.float().square().sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    err = max(_rel(a, r) for a, r in zip(*results))
+    if err > 3e-2:
+        raise RuntimeError(f"FlexAttention with document masks: relative error {err:.3g} from the dense mask (fp32)")
+    return {"rel_err": err, "documents": int(ids.max()) + 1, "seq": seq}
+
+
+def check_sdpa_backend(args) -> dict:
+    need_cuda()
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq, heads, groups, dim = (4096, 32, 8, 64) if args.sizes == "full" else (256, 4, 2, 64)  # llama_1b's heads
+    order = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
+    figures = {}
+    for label, dtype in (("bf16", torch.bfloat16), ("fp32_gqa", torch.float32)):
+        q = torch.randn(1, heads, seq, dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(1, groups, seq, dim, device="cuda", dtype=dtype) for _ in range(2))
+        takes = []
+        for backend in order:
+            try:
+                with sdpa_kernel([backend]):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                takes.append(backend.name)
+            except RuntimeError:
+                pass
+        figures[label] = {"runs": takes[0] if takes else None, "accepting": takes}
+    return figures
+
+
+NCCL_LAYOUTS = {2: {"tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                    "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2"], "cp2": ["parallel.cp=2"],
+                    "zero3": ["optim.sharding=optim_grads_params"],
+                    "ep2": ["model=moe_tiny", "parallel.ep=2"]},
+                8: {"tp2_pp2_dp2_sp": ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+                    "cp2_dp4_zero3": ["parallel.cp=2", "optim.sharding=optim_grads_params"],
+                    "ep4_tp2": ["model=moe_tiny", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                "parallel.ep=4"]}}
+
+
+def _torchrun_losses(nproc: int, overrides: list[str], run_dir: str, timeout: float) -> list[float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(ROOT, "pretrain_gpt.py"), "+experiment=tiny_llama", "train.iters=3", "train.log_interval=1",
+           "train.eval_iters=0", f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONPATH": ROOT, "NVIDIA_TF32_OVERRIDE": "0"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {nproc} x {' '.join(overrides)}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+
+def check_nccl_parity(args) -> dict:
+    gpus = torch.cuda.device_count() if cuda() else 0
+    if gpus < 2:
+        raise Skipped(f"needs 2 or more CUDA devices for NCCL runs (found {gpus})")
+    figures = {}
+    for nproc, layouts in NCCL_LAYOUTS.items():
+        if nproc > gpus:
+            figures[f"{nproc}_ranks"] = f"skipped: needs {nproc} GPUs (found {gpus})"
+            continue
+        for name, overrides in layouts.items():
+            model = [o for o in overrides if o.startswith("model=")]
+            ref = _torchrun_losses(1, model, tempfile.mkdtemp(prefix="megand_gpu_check_"), args.tests_timeout)
+            mine = _torchrun_losses(nproc, overrides, tempfile.mkdtemp(prefix="megand_gpu_check_"), args.tests_timeout)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(mine, ref))
+            figures[f"{nproc}x_{name}"] = {"losses": mine, "reference": ref, "max_rel_diff": worst}
+            if worst > 1e-4:
+                raise RuntimeError(f"NCCL {nproc} ranks {name}: step losses differ by {worst:.2e} (relative) from one GPU")
+    return figures
+
+
 def run_check(name, args) -> dict:
     fn = THROUGHPUT.get(name) and (lambda a: check_throughput(a, name)) or globals()[f"check_{name}"]
     start = time.perf_counter()
+    if cuda():  # each check's own peak
+        torch.cuda.reset_peak_memory_stats()
     try:
         figures = fn(args)
         status, error = "ok", None
@@ -268,12 +417,14 @@ def run_check(name, args) -> dict:
     gc.collect()
     if cuda():
         torch.cuda.empty_cache()
+    if cuda() and status == "ok":
+        figures["peak_bytes"] = torch.cuda.max_memory_allocated()
     return {"name": name, "status": status, "seconds": round(time.perf_counter() - start, 2), "figures": figures,
-            "error": error}
+            "error": error, "needs": NEEDS.get(name)}
 
 
 def table(results) -> str:
-    lines = [f"{'check':<22} {'status':<8} {'seconds':>8}  figures"]
+    lines = [f"{'check':<22} {'status':<8} {'seconds':>8}  figures (or why skipped / failed)"]
     for r in results:
         figures = r["error"].splitlines()[0] if r["error"] else json.dumps(r["figures"], default=str)[:120]
         lines.append(f"{r['name']:<22} {r['status']:<8} {r['seconds']:>8.1f}  {figures}")
@@ -287,11 +438,16 @@ def parse_args(argv=None):
     p.add_argument("--only", nargs="+", choices=CHECKS, default=None, help="run only these checks")
     p.add_argument("--steps", type=int, default=5, help="timed steps per throughput check")
     p.add_argument("--tests-timeout", type=float, default=240.0, help="seconds for the test-suite check")
+    p.add_argument("--list", action="store_true", help="list the checks and what each needs, run nothing")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.list:
+        for name in CHECKS:
+            print(f"{name:<22} {'needs ' + NEEDS[name] if name in NEEDS else 'runs anywhere'}")
+        return []
     device = torch.cuda.get_device_name() if cuda() else "cpu (no CUDA)"
     results = [run_check(name, args) for name in (args.only or CHECKS)]
     report = {"device": device, "torch": torch.__version__, "sizes": args.sizes, "checks": results}

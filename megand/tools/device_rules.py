@@ -1,0 +1,253 @@
+"""What a CUDA device and NCCL would refuse or wait for, checked on fake tensors during a rehearsal.
+
+:class:`DeviceRules` is a dispatch mode layered on the fake tensor mode. For every operation it
+
+- fails (:class:`RehearsalError`, naming the operation and the source line of the training code that
+  called it) where CUDA would: a CPU tensor meeting a CUDA tensor, GEMM operands of different dtypes,
+  CUDA-only kernels called with arguments they reject (flash attention: fp16/bf16 only, head dim at most
+  256 and a multiple of 8, query heads a multiple of the key/value heads; ``torch._grouped_mm``: bf16,
+  16-byte aligned strides, int32 offsets on the device; FlexAttention: a block mask made for the
+  query/key lengths and the device of the call);
+- runs ``F.scaled_dot_product_attention`` (:meth:`DeviceRules.scaled_dot_product_attention`, patched in
+  by the rehearsal: a CPU build does not choose CUDA's backends) with the backend torch's CUDA dispatcher
+  chooses (flash, else memory-efficient, else math; cuDNN comes after math in torch's order), so a run
+  that falls to the math kernel stores its ``s x s`` probabilities here as on the GPU, and records which
+  backend each call site ran;
+- counts every host synchronisation: a value read (``.item()``, ``.tolist()``: one per call), a copy
+  from the device to the host, a blocking host-to-device copy (``non_blocking=False``, or from pageable
+  memory: CUDA stages those through a pinned buffer and waits), with its source line. Pinned memory is
+  modelled (``pin_memory()`` marks the copy, ``is_pinned`` reads the mark).
+
+Fake tensors have no values: a read returns 0 for float64 tensors (the training step's agreed values:
+a finite loss, no overflow) and 1 otherwise (e.g. AdamW's step count, read on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
+_SKIP = (_TORCH_DIR, _TOOLS_DIR, os.path.dirname(os.__file__))
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+SDPA_BACKENDS = {0: "math", 1: "flash", 2: "efficient"}  # torch's SDPBackend values
+GEMMS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.addmm_.default, aten.baddbmm.default,
+         aten.addbmm.default, aten.addmv.default, aten.mv.default, aten.dot.default}
+FLASH_OPS = {aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_flash_attention_backward.default}
+READ_ONLY_OPS = {aten._local_scalar_dense.default, aten.unbind.int, aten.select.int, aten.detach.default}
+
+
+class RehearsalError(RuntimeError):
+    """An operation a CUDA device or NCCL would refuse, with where the training code called it."""
+
+
+def source_line() -> str:
+    """``path:line (function)`` of the innermost caller in the training code (the repository outside the
+    rehearsal's own tools), else the innermost caller outside torch."""
+    frame, fallback = sys._getframe(1), None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_SKIP) and not path.startswith("<"):
+            where = f"{os.path.relpath(path, _REPO_ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if path.startswith(_REPO_ROOT):
+                return where
+            fallback = fallback or where
+        frame = frame.f_back
+    return fallback or "?"
+
+
+def _tensors(*trees):
+    return [t for t in tree_leaves(trees) if isinstance(t, torch.Tensor)]
+
+
+def _device(value):
+    return None if value is None else torch.device(value)
+
+
+class DeviceRules(TorchDispatchMode):
+    """The rules of ``device`` (``cuda``: all of them; ``cpu``: only the sync count), enforced on fake
+    tensors. ``syncs``: ``[(phase, kind, source line)]``; ``backends``: Counter of
+    ``(backend, source line)`` of attention calls; ``phase``: set by the rehearsal."""  # noqa
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.cuda = device.type == "cuda"
+        self.phase = "build"
+        self.syncs: list[list] = []  # [phase, kind, source line, count]
+        self.backends: Counter = Counter()
+        self.kernels: Counter = Counter()  # (CUDA-only GEMM, source line): the grouped GEMM, mm with out_dtype
+        self._pinned = weakref.WeakSet()  # storages of pinned host tensors
+        self._last_read = None  # (storage, line) of the last value read: one .tolist() is one sync
+        self.flex_depth = 0  # inside the FlexAttention stand-in: its own rules apply
+        self.sdpa_depth = 0  # inside the SDPA stand-in (its kernel call is recorded as SDPA's)
+
+    # -- reporting -----------------------------------------------------------------------------------
+    def sync(self, kind: str, where: str | None = None) -> None:
+        self.syncs.append([self.phase, kind, where or source_line(), 1])
+
+    def repeat_syncs(self, since: int, times: int) -> None:
+        """Count the syncs recorded after the first ``since`` ``times`` more (a loop played once)."""
+        for entry in self.syncs[since:]:
+            entry[3] *= times + 1
+
+    def step_syncs(self, phases) -> int:
+        return sum(n for phase, _, _, n in self.syncs if phase in phases)
+
+    def attention(self, backend: str, where: str | None = None) -> None:
+        self.backends[(backend, where or source_line())] += 1
+
+    def fail(self, func, message: str):
+        raise RehearsalError(f"{func}: {message} (at {source_line()})")
+
+    # -- dispatch ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            return self._read(args[0])
+        if func not in READ_ONLY_OPS and func is not torch.ops.prim.device.default:
+            self._last_read = None
+        if func is aten.is_pinned.default:
+            return args[0].untyped_storage() in self._pinned
+        if func is aten._pin_memory.default:
+            out = args[0].clone()
+            self._pinned.add(out.untyped_storage())
+            return out
+        if func is aten._to_copy.default:
+            self._copy(func, args[0], _device(kwargs.get("device")) or args[0].device, kwargs.get("non_blocking", False))
+        elif func is aten.copy_.default:
+            self._copy(func, args[1], args[0].device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if self.cuda:
+            self._check(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RehearsalError:
+            raise
+        except Exception as e:  # a meta kernel's own check (device mismatch, alignment...): say where
+            if not self.cuda:
+                raise
+            raise RehearsalError(f"{func}: {type(e).__name__}: {str(e).splitlines()[0]} (at {source_line()})") from e
+
+    def _read(self, t):
+        where = source_line()
+        key = (t.untyped_storage(), where)
+        if self._last_read is None or self._last_read[0] is not key[0] or self._last_read[1] != where:
+            self.sync("value read (.item()/.tolist())", where)
+        self._last_read = key
+        if t.dtype == torch.bool:
+            return False
+        if t.dtype == torch.float64:
+            return 0.0
+        return 1 if not t.is_floating_point() else 1.0
+
+    def _copy(self, func, src, dst_device, non_blocking) -> None:
+        if not isinstance(src, torch.Tensor) or src.device.type == dst_device.type:
+            return
+        if src.device.type == "cuda" and dst_device.type == "cpu":
+            self.sync("device-to-host copy")
+        elif src.device.type == "cpu" and dst_device.type == "cuda":
+            pinned = src.untyped_storage() in self._pinned
+            if not (non_blocking and pinned):
+                self.sync("blocking host-to-device copy" + ("" if pinned else " (pageable memory)"))
+
+    # -- CUDA's rules --------------------------------------------------------------------------------
+    def _check(self, func, args, kwargs) -> None:
+        if func in GEMMS:
+            dtypes = {t.dtype for t in _tensors(args, kwargs)}
+            if len(dtypes) > 1:
+                self.fail(func, f"operands of different dtypes {sorted(map(str, dtypes))} (cuBLAS takes one)")
+        elif func in FLASH_OPS and not self.flex_depth:
+            forward = func is aten._scaled_dot_product_flash_attention.default
+            q, k, v = args[:3] if forward else args[1:4]
+            self._check_flash(func, q, k, v)
+            if forward and not self.sdpa_depth:  # called directly (the context-parallel block kernels)
+                self.attention("flash (aten op)")
+        elif func is aten._scaled_dot_product_efficient_attention.default:
+            q, k = args[0], args[1]
+            if q.shape[1] != k.shape[1]:
+                self.fail(func, f"memory-efficient attention has no GQA ({q.shape[1]} query heads, {k.shape[1]} "
+                                f"key/value heads)")
+        elif func is aten._grouped_mm.default:
+            self._check_grouped_mm(func, args, kwargs)
+            self.kernels[("grouped_mm", source_line())] += 1
+        elif func is aten.mm.dtype:
+            self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1
+
+    def _check_flash(self, func, q, k, v) -> None:
+        dtypes = {q.dtype, k.dtype, v.dtype}
+        if len(dtypes) > 1 or q.dtype not in FLASH_DTYPES:
+            self.fail(func, f"flash attention takes fp16/bf16 inputs of one dtype, got {sorted(map(str, dtypes))}")
+        d = q.shape[-1]
+        if d > 256 or d % 8 or k.shape[-1] != d or v.shape[-1] != d:
+            self.fail(func, f"flash attention takes head dims <= 256, a multiple of 8, equal for q/k/v; got "
+                            f"{q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}")
+        if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+            self.fail(func, f"flash attention's GQA needs query heads ({q.shape[1]}) a multiple of key/value "
+                            f"heads ({k.shape[1]}/{v.shape[1]})")
+        if any(t.device.type != "cuda" for t in (q, k, v)):
+            self.fail(func, "flash attention on a non-CUDA tensor")
+
+    def _check_grouped_mm(self, func, args, kwargs) -> None:
+        a, b = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            self.fail(func, f"the grouped GEMM takes bf16 operands, got {a.dtype} and {b.dtype}")
+        if offs is not None and (offs.dtype != torch.int32 or offs.device.type != "cuda"):
+            self.fail(func, f"the grouped GEMM's offsets must be int32 on the device, got {offs.dtype} on {offs.device}")
+        for name, t in (("mat_a", a), ("mat_b", b)):
+            bad = [s for s in t.stride() if s != 1 and (s * t.element_size()) % 16]
+            if bad or t.storage_offset() * t.element_size() % 16:
+                self.fail(func, f"{name} strides {tuple(t.stride())} (x {t.element_size()} bytes) are not 16-byte "
+                                f"aligned")
+
+    def sdpa_backend(self, q, k, v, attn_mask=None, enable_gqa=False) -> str:
+        """torch's CUDA SDPA backend choice (sm80+): flash, then memory-efficient, then math (cuDNN comes
+        after math in torch's default order)."""
+        d = q.shape[-1]
+        same_d = k.shape[-1] == d and v.shape[-1] == d
+        gqa = q.shape[-3] != k.shape[-3]
+        if (q.dtype in FLASH_DTYPES and attn_mask is None and same_d and d <= 256 and d % 8 == 0 and q.dim() == 4
+                and (not gqa or (enable_gqa and q.shape[-3] % k.shape[-3] == 0))):
+            return "flash"
+        if (q.dtype in (*FLASH_DTYPES, torch.float32) and same_d and not gqa
+                and d % (4 if q.dtype == torch.float32 else 8) == 0):
+            return "efficient"
+        return "math"
+
+    def scaled_dot_product_attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        """``F.scaled_dot_product_attention`` as on CUDA: the backend torch would choose, its kernel (the
+        meta version: flash and memory-efficient keep a log-sum-exp, math its ``s x s`` probabilities)."""
+        backend = "flash" if self.flex_depth else self.sdpa_backend(q, k, v, attn_mask, enable_gqa)
+        if not self.flex_depth:
+            self.attention(f"sdpa:{backend}")
+        self.sdpa_depth += 1
+        try:
+            if backend == "flash":
+                return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            if backend == "efficient":
+                return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, q.requires_grad, dropout_p,
+                                                                    is_causal, scale=scale)[0]
+            return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                           scale=scale, enable_gqa=enable_gqa)[0]
+        finally:
+            self.sdpa_depth -= 1
+
+    # -- summaries -----------------------------------------------------------------------------------
+    def sync_table(self, phases) -> list[dict]:
+        """``[{"where", "kind", "count"}]`` of the syncs in ``phases``, most frequent first."""
+        counts = Counter()
+        for phase, kind, where, n in self.syncs:
+            if phase in phases:
+                counts[(where, kind)] += n
+        return [{"where": w, "kind": k, "count": n} for (w, k), n in counts.most_common()]
