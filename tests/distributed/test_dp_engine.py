@@ -135,7 +135,7 @@ def _checkpoint_worker():
             for k, t in b.tensors.items():
                 a.tensors[k].copy_(t)
     fresh.optimizer.load_scalar_state(sharded.optimizer.scalar_state())
-    fresh.iteration = sharded.iteration
+    fresh.iteration, fresh.consumed_samples = sharded.iteration, sharded.consumed_samples  # what a checkpoint restores
     reloaded_equal = all(torch.equal(a.tensors[k], v) for a, b in zip(states(fresh), sd_sharded)
                          for k, v in b.tensors.items())
     continued = step(sharded)[0] == step(fresh)[0] and same(list(snapshot_params(sharded).values()),
