@@ -248,10 +248,10 @@ def check_wgrad_fusion(args) -> dict:
         wgrad.add_product(main, g.t(), x)
     exact = sum(g.double().t() @ x.double() for g, x in zip(grads, inputs))
     relative = ((main.double() - exact).norm() / exact.norm()).item()
-    fp32_result = bool(wgrad._mm_has_out_dtype)
+    fp32_result = wgrad._ADDMM_OUT_DTYPE  # the accumulating GEMM: bf16 operands added into fp32 in place
     if fp32_result and relative > 1e-5:
         raise RuntimeError(f"relative error {relative:.2e} of the fp32-accumulated bf16 products")
-    return {"relative_error": relative, "mm_out_dtype_fp32": fp32_result}
+    return {"relative_error": relative, "addmm_out_dtype_fp32": fp32_result}
 
 
 def run_check(name, args) -> dict:
