@@ -3,7 +3,8 @@
 ``--curve``: one-process runs of the same model, data and seed in bf16 and under each FP8 recipe; prints each
 run's losses and the largest relative gap to bf16 over the steps (and over the last 10).
 
-``--bytes``: one training step of ``tiny_llama`` on 2 ranks, bf16 and FP8 (tensorwise), at tp=2 with
+``--bytes``: one training step of ``tiny_llama`` on 2 ranks, bf16 and FP8 (tensorwise; first and last
+layers in bf16 as by default, and every layer in FP8), at tp=2 with
 sequence parallelism and at dp=2 under ZeRO-3; counts the bytes this rank sends through the
 sequence-parallel all-gathers (at the collective: the tensor handed to it) and the data-parallel engine's
 parameter all-gathers (its own traffic counter).
@@ -85,7 +86,8 @@ def count_bytes(_args):
                "dp2_zero3": ["optim.sharding=optim_grads_params"]}
     table = {}
     for layout, overrides in layouts.items():
-        for name, fp8 in (("bf16", []), ("fp8_tensorwise", ["train.fp8=tensorwise"])):
+        for name, fp8 in (("bf16", []), ("fp8_tensorwise", ["train.fp8=tensorwise"]),
+                          ("fp8_tensorwise_all_layers", ["train.fp8=tensorwise", "train.fp8_bf16_layers=0"])):
             table[f"{layout}/{name}"] = run_distributed(_bytes_worker, 2, [*overrides, *fp8])[0]
             print(layout, name, table[f"{layout}/{name}"], flush=True)
     print(json.dumps(table, indent=1))

@@ -57,12 +57,12 @@ def test_fp8_checkpoint_resumes_in_bf16_and_back(tmp_path):
     """No FP8 state is saved: an FP8 run's checkpoint resumes in bf16, and that one's in FP8."""
     ckpt = tmp_path / "ckpt"
     common = ["+experiment=tiny_llama", "train.precision=bf16", "train.eval_iters=0", f"checkpoint.save={ckpt}",
-              "checkpoint.interval=2"]
+              f"checkpoint.load={ckpt}", "checkpoint.interval=2"]
     run_pretrain(tmp_path / "a", [*common, "train.fp8=tensorwise", "train.iters=2"])
     run_pretrain(tmp_path / "b", [*common, "train.iters=4"])
     run_pretrain(tmp_path / "c", [*common, "train.fp8=mxfp8", "train.iters=6"])
-    assert [m["iteration"] for m in read_metrics(tmp_path / "b")] == [3, 4]
-    assert [m["iteration"] for m in read_metrics(tmp_path / "c")] == [5, 6]
+    assert [m["iter"] for m in read_metrics(tmp_path / "b")] == [3, 4]
+    assert [m["iter"] for m in read_metrics(tmp_path / "c")] == [5, 6]
 
 
 def _gather_bytes_worker(recipe):
@@ -95,7 +95,27 @@ def _gather_bytes_worker(recipe):
 def test_sequence_parallel_gather_moves_fp8_bytes():
     shard = 16 * 2 * 64
     assert run_distributed(_gather_bytes_worker, 2, None)[0] == (2 * shard, 2 * shard)  # bf16 both ways
-    forward, backward = run_distributed(_gather_bytes_worker, 2, "tensorwise")[0]
-    assert forward == shard and backward == 2 * shard  # FP8 forward (one agreed scale, not gathered)
-    forward, _ = run_distributed(_gather_bytes_worker, 2, "mxfp8")[0]
-    assert forward == shard + 4 * (shard // 32)  # bytes plus one fp32-held e8m0 scale per 32
+    # tensorwise: FP8 both ways (one agreed scale, not gathered; backward re-gathers the same bytes)
+    assert run_distributed(_gather_bytes_worker, 2, "tensorwise")[0] == (shard, shard)
+    # rowwise: bytes plus a scale per token row; MX: plus one (fp32-held) e8m0 scale per 32 elements. Their
+    # weight gradient scales x along the tokens, which backward gathers in bf16
+    assert run_distributed(_gather_bytes_worker, 2, "rowwise")[0] == (shard + 4 * 32, 2 * shard)
+    assert run_distributed(_gather_bytes_worker, 2, "mxfp8")[0] == (shard + 4 * (shard // 32), 2 * shard)
+
+
+MOE = ["model=moe_tiny", "train.global_batch_size=4"]
+OTHER_LAYOUTS = {  # name: (processes, reference overrides, run overrides)
+    "pp2": (2, (), ("parallel.pp=2",)),
+    "cp2": (2, (), ("parallel.cp=2",)),
+    "recompute_full": (1, (), ("train.recompute=full",)),
+    "moe_ep2": (2, (*MOE, "train.micro_batch_size=4"), (*MOE, "train.micro_batch_size=2", "parallel.ep=2")),
+    "moe_tp2_sp": (2, (*MOE,), (*MOE, "parallel.tp=2", "parallel.sequence_parallel=true")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
+def test_fp8_other_layouts_equal_the_fp8_one_process_run(name, reference, tmp_path):
+    nproc, ref_overrides, overrides = OTHER_LAYOUTS[name]
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", *FP8, *overrides], nproc=nproc)
+    assert_close_runs(read_metrics(tmp_path), reference("tiny_llama", *FP8, *ref_overrides))

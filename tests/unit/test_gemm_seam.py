@@ -126,3 +126,16 @@ def test_out_of_memory_in_the_weight_gradient_propagates():
         out, a, b = fake_cuda_operands()
         with pytest.raises(torch.OutOfMemoryError), Ops(fail_first=True):
             add_product(out, a, b)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_recomputed_layer_still_fuses_its_weight_gradient(kind):
+    """Under activation recompute backward unpacks a detached copy of the weight, without the engine's
+    accumulate_grad: the fusion used to fall back silently to autograd's p.grad there."""
+    module = layer(kind)
+    w = fake_engine(module)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
+    torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).backward(g)
+    assert w.grad is None and len(w.handed) == 1
+    torch.testing.assert_close(w.main_grad, reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)

@@ -180,6 +180,15 @@ class Fp8Policy(GemmPolicy):
         scale = q.scale if q.scale.dim() == 0 else mappings._gather_first(q.scale, group)
         return Quantized(data, scale, 1, self.name)
 
+    def regather_input(self, x, group):
+        """Tensorwise: the weight gradient's x is the forward's FP8 operand (one scale whatever the
+        axis), so backward gathers FP8 bytes again; the other recipes scale x along the tokens for it,
+        which are split over the ranks: high precision is gathered. Compiled: high precision (the
+        compiled weight-gradient hand-over takes a tensor)."""
+        if self.name != "tensorwise" or torch.compiler.is_compiling():
+            return super().regather_input(x, group)
+        return self.gather_input(x, group)
+
     def input_operand(self, x):
         return self._q(x, E4M3, 1, "mk", "k")
 
@@ -197,11 +206,14 @@ class Fp8Policy(GemmPolicy):
 
     def _weight_product(self, grad, x, out_dtype):
         a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
-        b = self._q(x, E4M3, 0, "mk", "m")
+        if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
+            b = Quantized(x.data, x.scale, 0, x.recipe)
+        else:
+            b = self._q(x, E4M3, 0, "mk", "m")
         return scaled_mm(a, b, out_dtype)
 
     def weight_grad(self, grad, x):
-        return self._weight_product(grad, x, x.dtype)
+        return self._weight_product(grad, x, grad.dtype)
 
     def add_weight_grad(self, main, grad, x):
         main.add_(self._weight_product(grad, x, main.dtype))

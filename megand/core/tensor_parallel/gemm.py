@@ -52,6 +52,11 @@ class GemmPolicy:
         dim 0, as the 2-D operand :meth:`forward` takes."""
         return _gather_first(x, group).reshape(-1, x.shape[-1])
 
+    def regather_input(self, x: torch.Tensor, group):
+        """Backward of a sequence-parallel layer: ``x`` gathered again, as the 2-D operand of the weight
+        gradient (:meth:`weight_grad`, :meth:`add_weight_grad`)."""
+        return _gather_first(x, group).reshape(-1, x.shape[-1])
+
     def input_operand(self, x: torch.Tensor):
         """The operand :meth:`forward` takes for a 2-D input ``x [m, k]`` (a recipe quantises it once for
         the products that share it)."""
@@ -81,24 +86,29 @@ class GemmPolicy:
         return None
 
 
-def fuses_weight_grad(weight: torch.Tensor, fuse: bool = True) -> bool:
-    """Whether the layer hands its weight gradient to the engine (decided in forward: a compiled
-    backward sees a traced weight, not the parameter and its ``accumulate_grad``)."""
-    if torch.compiler.is_compiling() and not COMPILED_FUSION:
-        return False
-    return fused_accumulator(weight, fuse) is not None
-
-
-def weight_grad_pass(policy: GemmPolicy, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor,
-                     fused: bool) -> torch.Tensor | None:
-    """The W pass of one layer: ``dy^T x`` added into the engine's fp32 accumulator (``fused``; now or,
-    inside :class:`DeferredWeightGrads`, later) and None returned, or returned as autograd's gradient."""
-    if not fused:
-        return policy.weight_grad(grad, x)
+def weight_grad_target(weight: torch.Tensor, fuse: bool = True):
+    """Where the layer's W pass goes, decided in forward (which holds the parameter itself: backward
+    unpacks a detached copy under activation recompute, and a traced one under torch.compile): the
+    engine's ``accumulate_grad`` (eager), True (compiled: :func:`weight_grad_op` finds it at run time),
+    or None (autograd's gradient: no engine, or ``fuse`` off)."""
+    accumulate = fused_accumulator(weight, fuse)
+    if accumulate is None:
+        return None
     if torch.compiler.is_compiling():
+        return True if COMPILED_FUSION else None
+    return accumulate
+
+
+def weight_grad_pass(policy: GemmPolicy, weight: torch.Tensor, grad: torch.Tensor, x, target) -> torch.Tensor | None:
+    """The W pass of one layer: ``dy^T x`` added into the engine's fp32 accumulator (``target`` from
+    :func:`weight_grad_target`; now or, inside :class:`DeferredWeightGrads`, later) and None returned, or
+    returned as autograd's gradient (``target`` None)."""
+    if target is None:
+        return policy.weight_grad(grad, x)
+    if target is True:  # compiled: x is a tensor here (a recipe gathers high precision when compiled)
         torch.ops.megand.weight_grad_pass(weight, grad, x, policy.index)
     else:
-        hand_over(weight.accumulate_grad, lambda main: policy.add_weight_grad(main, grad, x))
+        hand_over(target, lambda main: policy.add_weight_grad(main, grad, x))
     return None
 
 

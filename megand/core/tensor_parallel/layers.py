@@ -11,10 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, tag
-from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, fuses_weight_grad, weight_grad_pass
+from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, weight_grad_target, weight_grad_pass
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
-    _gather_first,
     _reduce_scatter_first,
     copy_to_tp,
     reduce_from_tp,
@@ -42,7 +41,7 @@ class ParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, fuse_wgrad, policy=DEFAULT):
         ctx.group, ctx.sequence_parallel, ctx.policy = group, sequence_parallel, policy
-        ctx.fused = fuses_weight_grad(weight, fuse_wgrad)
+        ctx.wgrad_target = weight_grad_target(weight, fuse_wgrad)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         full = policy.gather_input(x, group) if sequence_parallel else policy.input_operand(x.reshape(-1, x.shape[-1]))
@@ -61,8 +60,8 @@ class ParallelLinear(torch.autograd.Function):
             else:
                 grad_x = grad_x.view_as(x)
         if ctx.needs_input_grad[1]:  # after the input gradient: ZeRO-3 may free the weight once it is added
-            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
-            grad_weight = weight_grad_pass(policy, weight, flat_grad, full.reshape(-1, full.shape[-1]), ctx.fused)
+            full = policy.regather_input(x, ctx.group) if ctx.sequence_parallel else x.reshape(-1, x.shape[-1])
+            grad_weight = weight_grad_pass(policy, weight, flat_grad, full, ctx.wgrad_target)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
         return grad_x, grad_weight, grad_bias, None, None, None, None

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megand.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first, copy_to_tp
-from megand.core.tensor_parallel.gemm import DEFAULT, fuses_weight_grad, weight_grad_pass
+from megand.core.tensor_parallel.mappings import _reduce_scatter_first, copy_to_tp
+from megand.core.tensor_parallel.gemm import DEFAULT, weight_grad_target, weight_grad_pass
 
 
 def fuse_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ class SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, policy=DEFAULT):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        ctx.policy, ctx.fused = policy, fuses_weight_grad(weight)
+        ctx.policy, ctx.wgrad_target = policy, weight_grad_target(weight)
         full = policy.gather_input(x, group) if sequence_parallel else policy.input_operand(x.reshape(-1, x.shape[-1]))
         (w_gate, w_up), (b_gate, b_up) = _interleaved(weight), _interleaved(bias) if bias is not None else (None, None)
         gate = policy.forward(full, w_gate, b_gate)
@@ -88,8 +88,8 @@ class SwiGLULinear(torch.autograd.Function):
             else:
                 grad_x = grad_x.view_as(x)
         if ctx.needs_input_grad[1]:
-            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
-            grad_weight = weight_grad_pass(policy, weight, grad_h, full.reshape(-1, full.shape[-1]), ctx.fused)
+            full = policy.regather_input(x, ctx.group) if ctx.sequence_parallel else x.reshape(-1, x.shape[-1])
+            grad_weight = weight_grad_pass(policy, weight, grad_h, full, ctx.wgrad_target)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_h.sum(0)
         return grad_x, grad_weight, grad_bias, None, None, None
