@@ -9,8 +9,13 @@ sequence parallelism and at dp=2 under ZeRO-3; counts the bytes this rank sends 
 sequence-parallel all-gathers (at the collective: the tensor handed to it) and the data-parallel engine's
 parameter all-gathers (its own traffic counter).
 
+``--layouts``: ``tiny_llama`` for 10 steps in FP8 on one process, at tp=2 with sequence parallelism and at
+dp=2 under ZeRO-3 (every layer in FP8); prints each layout's largest relative difference of the loss and
+the grad norm from the one-process FP8 run, per recipe.
+
     python benchmarks/bench_fp8.py --curve --iters 50
     python benchmarks/bench_fp8.py --bytes
+    python benchmarks/bench_fp8.py --layouts
 """
 
 import argparse
@@ -28,13 +33,40 @@ SMALL = ["model=llama_50m", "model.num_layers=6", "model.hidden_size=256", "mode
          "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=128", "model.vocab_size=4096"]
 
 
-def run_losses(run_dir, overrides):
+def run_metrics(run_dir, overrides, nproc=1):
+    """The training lines of metrics.jsonl of ``pretrain_gpt.py`` on ``nproc`` local ranks."""
+    from megand.tools.spawn import free_port
+
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True,
-                   env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    if any(rank.wait() for rank in ranks):
+        raise RuntimeError(f"{' '.join(cmd)} failed on {nproc} ranks")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return [r["loss"] for r in rows if "loss" in r and "iteration" in r]
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def run_losses(run_dir, overrides):
+    return [r["loss"] for r in run_metrics(run_dir, overrides)]
+
+
+def layouts(args):
+    common = ["+experiment=tiny_llama", "train.precision=bf16", "train.fp8_bf16_layers=0", "train.eval_iters=0"]
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in args.recipes:
+            base = [*common, f"train.fp8={recipe}"]
+            ref = run_metrics(os.path.join(tmp, f"{recipe}_1"), base)
+            for name, extra in (("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                                ("dp2_zero3", ["optim.sharding=optim_grads_params"])):
+                run = run_metrics(os.path.join(tmp, f"{recipe}_{name}"), [*base, *extra], nproc=2)
+                table[f"{recipe}/{name}"] = {key: max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(run, ref))
+                                             for key in ("loss", "grad_norm")}
+                print(recipe, name, table[f"{recipe}/{name}"], flush=True)
+    print(json.dumps(table, indent=1))
 
 
 def curve(args):
@@ -97,12 +129,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--curve", action="store_true", help="loss curves of bf16 and the FP8 recipes")
     parser.add_argument("--bytes", action="store_true", help="bytes per step of the sp and ZeRO-3 all-gathers")
+    parser.add_argument("--layouts", action="store_true", help="FP8 layouts against the FP8 one-process run")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--recipes", nargs="+", default=["tensorwise", "rowwise", "mxfp8"])
     parser.add_argument("--cache-dir", default=os.path.join(ROOT, "runs", "cache"))
     args = parser.parse_args()
-    if not (args.curve or args.bytes):
-        parser.error("choose --curve and/or --bytes")
+    if not (args.curve or args.bytes or args.layouts):
+        parser.error("choose --curve, --bytes and/or --layouts")
+    if args.layouts:
+        layouts(args)
     if args.bytes:
         count_bytes(args)
     if args.curve:
