@@ -11,7 +11,7 @@ parameter all-gathers (its own traffic counter).
 
 ``--layouts``: ``tiny_llama`` for 10 steps in FP8 on one process, at tp=2 with sequence parallelism and at
 dp=2 under ZeRO-3 (every layer in FP8); prints each layout's largest relative difference of the loss and
-the grad norm from the one-process FP8 run, per recipe.
+the grad norm from the one-process FP8 run, per recipe (and of bf16 layouts from the bf16 run).
 
     python benchmarks/bench_fp8.py --curve --iters 50
     python benchmarks/bench_fp8.py --bytes
@@ -57,8 +57,8 @@ def layouts(args):
     common = ["+experiment=tiny_llama", "train.precision=bf16", "train.fp8_bf16_layers=0", "train.eval_iters=0"]
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in args.recipes:
-            base = [*common, f"train.fp8={recipe}"]
+        for recipe in ("bf16", *args.recipes):  # bf16: how far bf16 layouts are from the bf16 run
+            base = [*common] if recipe == "bf16" else [*common, f"train.fp8={recipe}"]
             ref = run_metrics(os.path.join(tmp, f"{recipe}_1"), base)
             for name, extra in (("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                                 ("dp2_zero3", ["optim.sharding=optim_grads_params"])):

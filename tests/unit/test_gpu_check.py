@@ -13,13 +13,14 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
 
     out = one_process_world / "report.json"
     results = main(["--sizes", "tiny", "--out", str(out), "--only", "throughput_gpt2_125m", "cp_block_kernel",
-                    "fused_adamw", "memory_stats", "async_checkpoint", "wgrad_fusion"])
+                    "fused_adamw", "memory_stats", "async_checkpoint", "wgrad_fusion", "fp8"])
     report = json.loads(out.read_text())
     status = {r["name"]: r["status"] for r in report["checks"]}
     assert status == {r["name"]: r["status"] for r in results}
     expect_cuda = "ok" if torch.cuda.is_available() else "skipped"
     assert status == {"throughput_gpt2_125m": "ok", "cp_block_kernel": "ok", "fused_adamw": expect_cuda,
-                      "memory_stats": expect_cuda, "async_checkpoint": "ok", "wgrad_fusion": expect_cuda}, report
+                      "memory_stats": expect_cuda, "async_checkpoint": "ok", "wgrad_fusion": expect_cuda,
+                      "fp8": "ok"}, report
     throughput = report["checks"][0]["figures"]
     assert throughput["tokens_per_s"] > 0 and throughput["transformers"]["tokens_per_s"] > 0
     cp = report["checks"][1]["figures"]
@@ -27,5 +28,8 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
         assert all(cp[dtype][name]["rel_err"] <= max(4 * cp[dtype]["sdpa_rel_err"], 1e-4)
                    for name in ("ring", "all_gather", "a2a")), cp
     assert cp["bfloat16"]["fused_blocks"] == torch.cuda.is_available()
+    fp8 = next(r["figures"] for r in report["checks"] if r["name"] == "fp8")
+    assert fp8["fp8_tensorwise"]["loss_first"] != fp8["bf16"]["loss_first"]  # FP8 changes the arithmetic...
+    assert abs(fp8["fp8_tensorwise"]["loss_first"] - fp8["bf16"]["loss_first"]) < 0.02 * fp8["bf16"]["loss_first"]
     printed = capsys.readouterr().out
     assert "throughput_gpt2_125m" in printed and "async_checkpoint" in printed and str(out) in printed
