@@ -368,3 +368,15 @@ def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,
         "model_flops": tokens * model_flops_per_token(model, tp),
         "hardware_flops": tokens * hardware_flops_per_token(model, recompute, tp),
     }
+
+
+def fp8_flops_fraction(model: Mapping[str, Any], fp8_layers: int, tp: int | None = None) -> float:
+    """The share of the model FLOPs (forward and backward) that ``train.fp8`` runs as FP8 GEMMs: the linear
+    and expert products of ``fp8_layers`` transformer layers (the attention core, the router and the
+    output layer stay in bf16). Dense and MoE layers are weighed by their share of the layers."""
+    fwd = forward_flops_per_token(model, tp)
+    if not fp8_layers or not fwd.layers:
+        return 0.0
+    router = 2 * int(_get(model, "hidden_size")) * int(_get(model, "num_experts") or 0)
+    per_layer = (fwd.layers_matmul - fwd.moe_layers * router) / fwd.layers
+    return min(fp8_layers, fwd.layers) * per_layer / fwd.total

@@ -11,13 +11,16 @@ figures; a failure does not stop the rest):
 - ``throughput_llama_1b`` / ``throughput_gpt2_125m``: bf16 training (CUDA; fp32 on CPU) of ``llama_1b`` at
   seq 4096 and ``gpt2_125m``: tokens/s, TFLOP/s, MFU, next to transformers on the same shape and batch in
   this process (``speed_ratio`` = megand / transformers tokens/s);
+- ``fp8``: ``llama_1b`` (as ``throughput_llama_1b``) in bf16 and with ``train.fp8=tensorwise``: tokens/s,
+  MFU and losses of both (on CPU every FP8 product is emulated: correctness only, no speed);
 - ``cp_block_kernel``: context-parallel attention (ring, all-gather, all-to-all; cp=1 in this process)
   against full causal SDPA, forward and input gradients, in fp32 and bf16 (on CUDA the fused flash block
   kernel); and that kernel against the explicit block math;
 - ``fused_adamw``, ``memory_stats``, ``async_checkpoint``, ``compile``: a few training steps of a tiny model
   through each path (torch's fused AdamW and CUDA memory statistics need CUDA: skipped without it);
 - ``wgrad_fusion`` (CUDA): bf16 weight-gradient products added into an fp32 accumulator as the parallel
-  linear layers do, against their float64 sum (whether this torch's ``mm`` has ``out_dtype``);
+  linear layers do, against their float64 sum (whether this torch's ``addmm`` has ``out_dtype``);
+- ``fp8``: llama_1b's bf16 tokens/s against ``train.fp8=tensorwise`` (emulated off CUDA);
 - ``grouped_gemm`` (CUDA): the MoE experts' grouped GEMM (``torch._grouped_mm``) against the loop over
   experts in bf16, forward and gradients;
 - ``flex_documents`` (CUDA): document-masked attention (FlexAttention block masks) against the dense
@@ -58,7 +61,7 @@ THROUGHPUT = {  # name: (full-size overrides, tiny overrides)
     "throughput_gpt2_125m": (["model=gpt2_125m", "train.micro_batch_size=8"],
                              ["+experiment=tiny_gpt", "train.micro_batch_size=2"]),
 }
-CHECKS = ("tests", *THROUGHPUT, "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile",
+CHECKS = ("tests", *THROUGHPUT, "fp8", "cp_block_kernel", "fused_adamw", "memory_stats", "async_checkpoint", "compile",
           "wgrad_fusion", "grouped_gemm", "flex_documents", "sdpa_backend", "nccl_parity")
 NEEDS = {"fused_adamw": "CUDA", "memory_stats": "CUDA", "wgrad_fusion": "CUDA", "grouped_gemm": "CUDA",
          "flex_documents": "CUDA", "sdpa_backend": "CUDA", "nccl_parity": "2+ CUDA devices"}
@@ -125,6 +128,23 @@ def check_throughput(args, name) -> dict:
             "transformers": {k: theirs[k] for k in keys},
             "speed_ratio": mine["tokens_per_s"] / theirs["tokens_per_s"],
             "first_loss_rel_diff": abs(mine["loss_first"] - theirs["loss_first"]) / abs(theirs["loss_first"])}
+
+
+def check_fp8(args) -> dict:
+    from megand.tools.benchmark_megand import benchmark_config, run_megand
+
+    full, tiny = THROUGHPUT["throughput_llama_1b"]
+    n, warmup = (args.steps, 2) if args.sizes == "full" else (1, 1)
+    runs = {}
+    for name, extra in (("bf16", []), ("fp8_tensorwise", ["train.fp8=tensorwise"])):
+        run_dir = tempfile.mkdtemp(prefix="megand_gpu_check_")
+        cfg = benchmark_config([*(full if args.sizes == "full" else tiny), f"run_dir={run_dir}", "train.precision=bf16",
+                                *extra], n, warmup, cuda())
+        runs[name] = run_megand(cfg, n, warmup, peak_cache_dir=run_dir)
+    keys = ("tokens_per_s", "step_time_median_s", "loss_first", "loss_last")  # mfu: against the bf16 peak
+    figures = {name: {k: run.get(k) for k in keys} for name, run in runs.items()}
+    figures["fp8_speedup"] = runs["fp8_tensorwise"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
+    return figures
 
 
 def check_cp_block_kernel(args) -> dict:
@@ -274,10 +294,10 @@ def check_wgrad_fusion(args) -> dict:
         wgrad.add_product(main, g.t(), x)
     exact = sum(g.double().t() @ x.double() for g, x in zip(grads, inputs))
     relative = ((main.double() - exact).norm() / exact.norm()).item()
-    fp32_result = bool(wgrad._mm_has_out_dtype)
+    fp32_result = wgrad._ADDMM_OUT_DTYPE  # the accumulating GEMM: bf16 operands added into fp32 in place
     if fp32_result and relative > 1e-5:
         raise RuntimeError(f"relative error {relative:.2e} of the fp32-accumulated bf16 products")
-    return {"relative_error": relative, "mm_out_dtype_fp32": fp32_result}
+    return {"relative_error": relative, "addmm_out_dtype_fp32": fp32_result}
 
 
 def _rel(a, r) -> float:

@@ -82,6 +82,8 @@ class TrainConfig:
     micro_batch_size: int = 2  # samples per forward/backward on one data-parallel rank
     seed: int = 1234  # seeds init (per parameter name), data order and dropout
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    fp8: Optional[str] = None  # null | tensorwise | rowwise | mxfp8: the transformer layers' linear and expert GEMMs in FP8 (needs precision=bf16)
+    fp8_bf16_layers: int = 1  # with fp8: this many first and last transformer layers stay in bf16 (the output layer and the router always do)
     recompute: str = "none"  # none | selective | full
     compile: bool = False  # torch.compile each transformer layer (regional compilation); the compile time is printed after the first step
     log_interval: int = 1  # console line and metrics.jsonl every N steps
@@ -211,6 +213,9 @@ CHOICES = {
 }
 
 
+FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
+
+
 class ConfigError(ValueError):
     """An invalid configuration; raised before any work, naming the keys and values."""
 
@@ -252,6 +257,19 @@ def check_expert_parallel(cfg, sizes) -> None:
                           f"expert weights shard over their whole expert-data-parallel group; unset parallel.dp_shard")
 
 
+def check_fp8(t) -> None:
+    """``train.fp8``: a known recipe, on a bf16 model."""
+    fp8 = t.get("fp8")
+    if fp8 is None:
+        return
+    if fp8 not in FP8_RECIPES:
+        raise ConfigError(f"train.fp8={fp8!r}: expected null or one of {', '.join(FP8_RECIPES)}")
+    if t.precision != "bf16":
+        raise ConfigError(f"train.fp8={fp8} needs train.precision=bf16 (got {t.precision})")
+    if t.fp8_bf16_layers < 0:
+        raise ConfigError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} must be >= 0")
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
@@ -266,6 +284,7 @@ def validate(cfg, world_size: int) -> None:
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    check_fp8(t)
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                 "make_vocab_size_divisible_by"):
         if m[key] < 1:

@@ -28,31 +28,32 @@ class GpuPeak:
     bf16: float  # dense bf16/fp16 tensor-core TFLOP/s
     tf32: float  # dense TF32 tensor-core TFLOP/s
     fp32: float  # non-tensor fp32 TFLOP/s
+    fp8: Optional[float] = None  # dense FP8 tensor-core TFLOP/s (None: no FP8 tensor cores)
 
 
 # (words that must all appear in torch.cuda.get_device_name(), case-insensitive) -> peak.
 # Names are split into words on non-alphanumerics ("NVIDIA A100-SXM4-80GB" -> NVIDIA A100 SXM4 80GB),
 # so "A10" does not match "A100" nor "L40" match "L40S". The first match wins: variants come first.
 GPU_PEAKS: tuple = (
-    (("GB200",), GpuPeak(bf16=2500.0, tf32=1250.0, fp32=80.0)),
-    (("B200",), GpuPeak(bf16=2250.0, tf32=1100.0, fp32=75.0)),
-    (("H200", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0)),
-    (("H200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
-    (("GH200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
-    (("H100", "PCIE"), GpuPeak(bf16=756.0, tf32=378.0, fp32=51.2)),
-    (("H100", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0)),
-    (("H100",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),  # SXM ("H100 80GB HBM3")
-    (("H800",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9)),
+    (("GB200",), GpuPeak(bf16=2500.0, tf32=1250.0, fp32=80.0, fp8=5000.0)),
+    (("B200",), GpuPeak(bf16=2250.0, tf32=1100.0, fp32=75.0, fp8=4500.0)),
+    (("H200", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0, fp8=1671.0)),
+    (("H200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),
+    (("GH200",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),
+    (("H100", "PCIE"), GpuPeak(bf16=756.0, tf32=378.0, fp32=51.2, fp8=1513.0)),
+    (("H100", "NVL"), GpuPeak(bf16=835.5, tf32=417.5, fp32=60.0, fp8=1671.0)),
+    (("H100",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),  # SXM ("H100 80GB HBM3")
+    (("H800",), GpuPeak(bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),
     (("A100",), GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
     (("A800",), GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
-    (("L40S",), GpuPeak(bf16=362.1, tf32=183.0, fp32=91.6)),
+    (("L40S",), GpuPeak(bf16=362.1, tf32=183.0, fp32=91.6, fp8=733.0)),
     (("L40",), GpuPeak(bf16=181.0, tf32=90.5, fp32=90.5)),
     (("L4",), GpuPeak(bf16=121.0, tf32=60.0, fp32=30.3)),
     (("A10",), GpuPeak(bf16=125.0, tf32=62.5, fp32=31.2)),
     (("RTX", "4090"), GpuPeak(bf16=165.2, tf32=82.6, fp32=82.6)),
     (("RTX", "3090"), GpuPeak(bf16=71.0, tf32=35.6, fp32=35.6)),
     (("V100",), GpuPeak(bf16=125.0, tf32=15.7, fp32=15.7)),  # fp16 tensor cores; no bf16/tf32
-    (("MI300X",), GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
+    (("MI300X",), GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4, fp8=2614.9)),
     (("MI250X",), GpuPeak(bf16=383.0, tf32=95.7, fp32=95.7)),
 )
 
@@ -60,10 +61,13 @@ CPU_CACHE_NAME = "cpu_peak_flops.json"
 
 
 def gpu_peak_flops(device_name: str, precision: str, tf32: bool = False) -> Optional[float]:
-    """Datasheet peak FLOP/s of a GPU by name, or None when the name is not in the table."""
+    """Datasheet peak FLOP/s of a GPU by name, or None when the name is not in the table (or, for
+    ``precision="fp8"``, when the GPU has no FP8 tensor cores)."""
     words = set(re.split(r"[^0-9A-Z]+", device_name.upper()))
     for keys, peak in GPU_PEAKS:
         if all(k.upper() in words for k in keys):
+            if precision == "fp8":
+                return peak.fp8 * TFLOP if peak.fp8 else None
             if precision in ("bf16", "fp16"):
                 return peak.bf16 * TFLOP
             return (peak.tf32 if tf32 else peak.fp32) * TFLOP
@@ -117,9 +121,19 @@ def cpu_peak_flops(cache_dir: Optional[Union[str, Path]] = None, n: int = 2048, 
     return flops
 
 
+def mixed_peak(peak: float, fp8_peak: Optional[float], fp8_fraction: float) -> float:
+    """The peak of a step whose FLOPs are ``fp8_fraction`` FP8 GEMMs (at ``fp8_peak``) and the rest at
+    ``peak``: the FLOPs over the time each part takes at its own peak. No FP8 peak: ``peak``."""
+    if not fp8_fraction or not fp8_peak:
+        return peak
+    return 1.0 / ((1.0 - fp8_fraction) / peak + fp8_fraction / fp8_peak)
+
+
 def device_peak_flops(device: Union[str, torch.device], precision: str = "bf16",
-                      cache_dir: Optional[Union[str, Path]] = None) -> Optional[float]:
+                      cache_dir: Optional[Union[str, Path]] = None, fp8_fraction: float = 0.0) -> Optional[float]:
     """Peak FLOP/s for MFU on ``device``: the table for CUDA GPUs, a cached measurement on CPU.
+    ``fp8_fraction``: the share of the model FLOPs run as FP8 GEMMs (``train.fp8``), counted at the GPU's
+    FP8 peak (:func:`mixed_peak`).
 
     On CPU the measurement is fp32 whatever ``precision`` is (CPU bf16 matmul speed varies by ISA).
     Returns None, with a warning, for a GPU missing from the table: MFU is then not reported.
@@ -133,7 +147,8 @@ def device_peak_flops(device: Union[str, torch.device], precision: str = "bf16",
         peak = gpu_peak_flops(name, precision, tf32=tf32)
         if peak is None:
             warnings.warn(f"unknown GPU {name!r}: no peak FLOP/s, MFU will not be reported")
-        return peak
+            return None
+        return mixed_peak(peak, gpu_peak_flops(name, "fp8"), fp8_fraction)
     warnings.warn(f"no peak FLOP/s known for device type {device.type!r}")
     return None
 

@@ -22,10 +22,11 @@ from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
+from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
 from megand.core.transformer import TransformerConfig, moe
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
-from megand.models.flops import flops_per_iteration
+from megand.models.flops import flops_per_iteration, fp8_flops_fraction
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, rank_microbatches
@@ -65,6 +66,8 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
     chunks = []
     for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank):
         chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device)
+        if cfg.train.get("fp8"):
+            use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers)
         if device is None or torch.device(device).type != "meta":
             init_parameters(chunk, cfg.train.seed)
         chunks.append(chunk)
@@ -227,7 +230,12 @@ class Trainer:
         self.watchdog = None  # started by run()
         self.last_spike = False
         self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
-        self.peak_flops = device_peak_flops(self.topo.device, cfg.train.precision, cfg.run_dir) if logging_rank else None
+        layers = cfg.model.num_layers
+        fp8_layers = sum(in_fp8(i, layers, cfg.train.fp8_bf16_layers) for i in range(layers)) if cfg.train.get("fp8") else 0
+        self.peak_flops = device_peak_flops(
+            self.topo.device, cfg.train.precision, cfg.run_dir,
+            fp8_fraction=fp8_flops_fraction(OmegaConf.to_container(cfg.model, resolve=True), fp8_layers, self.topo.tp_size),
+        ) if logging_rank else None
         if logging_rank:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))

@@ -14,7 +14,7 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
     out = one_process_world / "report.json"
     results = main(["--sizes", "tiny", "--out", str(out), "--only", "throughput_gpt2_125m", "cp_block_kernel",
                     "fused_adamw", "memory_stats", "async_checkpoint", "wgrad_fusion", "grouped_gemm",
-                    "flex_documents", "sdpa_backend", "nccl_parity"])
+                    "flex_documents", "sdpa_backend", "nccl_parity", "fp8"])
     report = json.loads(out.read_text())
     status = {r["name"]: r["status"] for r in report["checks"]}
     assert status == {r["name"]: r["status"] for r in results}
@@ -23,7 +23,7 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
     assert status == {"throughput_gpt2_125m": "ok", "cp_block_kernel": "ok", "fused_adamw": expect_cuda,
                       "memory_stats": expect_cuda, "async_checkpoint": "ok", "wgrad_fusion": expect_cuda,
                       "grouped_gemm": expect_cuda, "flex_documents": expect_cuda, "sdpa_backend": expect_cuda,
-                      "nccl_parity": expect_node}, report
+                      "nccl_parity": expect_node, "fp8": "ok"}, report
     for r in report["checks"]:  # every skip says why
         assert r["status"] != "skipped" or ("needs" in r["error"] and r["needs"]), r
     throughput = report["checks"][0]["figures"]
@@ -34,6 +34,9 @@ def test_gpu_check_tiny_report(one_process_world, capsys):  # noqa: F811
         assert all(cp[dtype][name]["rel_err"] <= max(4 * cp[dtype]["sdpa_rel_err"], 1e-4)
                    for name in ("ring", "all_gather", "a2a")), cp
     assert cp["bfloat16"]["fused_blocks"] == torch.cuda.is_available()
+    fp8 = next(r["figures"] for r in report["checks"] if r["name"] == "fp8")
+    assert fp8["fp8_tensorwise"]["loss_first"] != fp8["bf16"]["loss_first"]  # FP8 changes the arithmetic...
+    assert abs(fp8["fp8_tensorwise"]["loss_first"] - fp8["bf16"]["loss_first"]) < 0.02 * fp8["bf16"]["loss_first"]
     printed = capsys.readouterr().out
     assert "throughput_gpt2_125m" in printed and "async_checkpoint" in printed and str(out) in printed
     assert "needs CUDA" in printed or torch.cuda.is_available()

@@ -11,10 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, split_by_tokens, tag
-from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
+from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, weight_grad_target, weight_grad_pass
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
-    _gather_first,
     _reduce_scatter_first,
     copy_to_tp,
     reduce_from_tp,
@@ -29,8 +28,9 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class ParallelLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` of a parallel layer, its weight gradient added straight into the fp32
-    accumulator of the data-parallel engine when there is one (:mod:`.wgrad`).
+    """``F.linear(x, weight, bias)`` of a parallel layer, its three products run by the layer's
+    :class:`~megand.core.tensor_parallel.gemm.GemmPolicy` (the precision recipe) and its weight gradient
+    added straight into the fp32 accumulator of the data-parallel engine when there is one (:mod:`.wgrad`).
 
     Under sequence parallelism ``x`` is this rank's sequence shard: it is all-gathered over the tp ranks
     here and only the shard is stored for backward, which all-gathers it again for the weight gradient and
@@ -39,41 +39,42 @@ class ParallelLinear(torch.autograd.Function):
     micro-batch in flight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, fuse_wgrad):
-        ctx.group, ctx.sequence_parallel, ctx.fuse_wgrad = group, sequence_parallel, fuse_wgrad
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fuse_wgrad, policy=DEFAULT):
+        ctx.group, ctx.sequence_parallel, ctx.policy = group, sequence_parallel, policy
+        ctx.wgrad_target = weight_grad_target(weight, fuse_wgrad)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_first(x, group) if sequence_parallel else x, weight, bias)
+        full = policy.gather_input(x, group) if sequence_parallel else policy.input_operand(x.reshape(-1, x.shape[-1]))
+        return policy.forward(full, weight, bias).view(-1, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        policy = ctx.policy
         grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)
-            if ctx.sequence_parallel:
-                grad_x = _reduce_scatter_first(grad_x, ctx.group)
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:  # after the input gradient: ZeRO-3 may free the weight once it is added
-            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
-            flat_x = full.reshape(-1, full.shape[-1])
-            accumulate = fused_accumulator(weight, ctx.fuse_wgrad)
-            if accumulate is None:
-                grad_weight = flat_grad.t().matmul(flat_x)
+        if ctx.needs_input_grad[0]:
+            grad_x = policy.input_grad(flat_grad, weight)
+            if ctx.sequence_parallel:
+                grad_x = _reduce_scatter_first(grad_x.view(-1, *x.shape[1:]), ctx.group)
             else:
-                accumulate(lambda main: add_product(main, flat_grad.t(), flat_x))
+                grad_x = grad_x.view_as(x)
+        if ctx.needs_input_grad[1]:  # after the input gradient: ZeRO-3 may free the weight once it is added
+            full = policy.regather_input(x, ctx.group) if ctx.sequence_parallel else x.reshape(-1, x.shape[-1])
+            grad_weight = weight_grad_pass(policy, weight, flat_grad, full, ctx.wgrad_target)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fuse_wgrad: bool = True):
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fuse_wgrad: bool = True,
+                           policy: GemmPolicy = DEFAULT):
     """A column-parallel product: ``x`` is the full activation (replicated over tp) or, under sequence
     parallelism, this rank's sequence shard. ``fuse_wgrad=False`` for a weight that is also read elsewhere
     in the same backward (its gradient then arrives once, summed by autograd)."""
     if not sequence_parallel:
         x = copy_to_tp(x, group)
-    return ParallelLinear.apply(x, weight, bias, group, sequence_parallel, fuse_wgrad)
+    return ParallelLinear.apply(x, weight, bias, group, sequence_parallel, fuse_wgrad, policy)
 
 
 def _param(shape, meta, dtype, device):
@@ -99,9 +100,15 @@ class ColumnParallelLinear(torch.nn.Module):
                                                                  init_std=init_std, padded_size=padded), dtype, device)
         self.bias = _param((local_out,), ParamMeta((out_features,), 0, tp_rank, tp_size, init="zeros",
                                                    padded_size=padded), dtype, device) if bias else None
+        self.set_gemm(DEFAULT)
+
+    def set_gemm(self, policy: GemmPolicy):
+        """Run this layer's products under ``policy`` (a precision recipe)."""
+        self.gemm = policy.bind(self.tp_group, "column")
 
     def forward(self, x):
-        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
+                                      policy=self.gemm)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -120,9 +127,14 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = _param((out_features,), ParamMeta((out_features,), None, tp_rank, tp_size, init="zeros",
                                                       input_split=split_by_tokens(sequence_parallel)),
                            dtype, device) if bias else None
+        self.set_gemm(DEFAULT)
+
+    def set_gemm(self, policy: GemmPolicy):
+        """Run this layer's products under ``policy`` (a precision recipe)."""
+        self.gemm = policy.bind(self.tp_group, "row")
 
     def forward(self, x):
-        y = ParallelLinear.apply(x, self.weight, None, self.tp_group, False, True)
+        y = ParallelLinear.apply(x, self.weight, None, self.tp_group, False, True, self.gemm)
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from megand.core.sharding import retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megand.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first, copy_to_tp
-from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
+from megand.core.tensor_parallel.mappings import _reduce_scatter_first, copy_to_tp
+from megand.core.tensor_parallel.gemm import DEFAULT, weight_grad_target, weight_grad_pass
 
 
 def fuse_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -34,11 +34,14 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
-        gate, up = h[..., 0], h[..., 1]
-        out = torch.empty_like(h)  # [..., f, 2], written in place: no stack of the two halves
-        torch.ops.aten.silu_backward(grad * up, gate, grad_input=out[..., 0])
-        torch.mul(grad, F.silu(gate), out=out[..., 1])
-        return out
+        return _swiglu_grad(grad, h[..., 0], h[..., 1])
+
+
+def _swiglu_grad(grad, gate, up):
+    """The gradient of ``silu(gate) * up`` as the interleaved ``[..., f, 2]`` (gate, up) of its input. No
+    kernel writes into a strided ``out=`` view: torch.compile cannot trace one."""
+    # silu's own backward kernel: silu'(x) = sig(x) (1 + x (1 - sig(x))) in one pass
+    return torch.stack([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
 
 
 def _interleaved(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,54 +60,40 @@ class SwiGLULinear(torch.autograd.Function):
     Saves its input, the gate and the up product (the f-wide tensors the expression needs; silu is
     recomputed in backward). Under sequence parallelism ``x`` is this rank's sequence shard: it is
     all-gathered here, only the shard is saved, and backward gathers it again and reduce-scatters the
-    input gradient (as :class:`~megand.core.tensor_parallel.layers.ParallelLinear`, which also adds the weight
-    gradient straight into the engine's fp32 accumulator, as this does)."""
+    input gradient (as :class:`~megand.core.tensor_parallel.layers.ParallelLinear`). The products run
+    through the layer's GEMM policy; backward forms the gradient of the interleaved fc1 output once, so
+    its input and weight gradients are each one product against the whole fused weight (the weight
+    gradient added into the engine's fp32 accumulator where it fuses)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, policy=DEFAULT):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        full = _gather_first(x, group) if sequence_parallel else x
-        flat = full.reshape(-1, full.shape[-1])
+        ctx.policy, ctx.wgrad_target = policy, weight_grad_target(weight)
+        full = policy.gather_input(x, group) if sequence_parallel else policy.input_operand(x.reshape(-1, x.shape[-1]))
         (w_gate, w_up), (b_gate, b_up) = _interleaved(weight), _interleaved(bias) if bias is not None else (None, None)
-        gate = flat.matmul(w_gate.t()) if b_gate is None else torch.addmm(b_gate, flat, w_gate.t())
-        up = flat.matmul(w_up.t()) if b_up is None else torch.addmm(b_up, flat, w_up.t())
+        gate = policy.forward(full, w_gate, b_gate)
+        up = policy.forward(full, w_up, b_up)
         ctx.save_for_backward(x, weight, gate, up)
-        return (F.silu(gate) * up).view(*full.shape[:-1], -1)
+        return (F.silu(gate) * up).view(-1, *x.shape[1:-1], gate.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, gate, up = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1])
-        # silu's own backward kernel: silu'(x) = sig(x) (1 + x (1 - sig(x))) in one pass
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        grad_up = grad * F.silu(gate)
+        policy = ctx.policy
+        grad_h = _swiglu_grad(grad.reshape(-1, grad.shape[-1]), gate, up).view(gate.shape[0], -1)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w_gate, w_up = _interleaved(weight)
-            grad_x = grad_gate.matmul(w_gate).addmm_(grad_up, w_up)
+            grad_x = policy.input_grad(grad_h, weight)
             if ctx.sequence_parallel:
                 grad_x = _reduce_scatter_first(grad_x.view(-1, *x.shape[1:]), ctx.group)
             else:
                 grad_x = grad_x.view_as(x)
         if ctx.needs_input_grad[1]:
-            full = _gather_first(x, ctx.group) if ctx.sequence_parallel else x
-            flat = full.reshape(-1, full.shape[-1])
-            accumulate = fused_accumulator(weight)
-            if accumulate is None:
-                grad_weight = torch.empty_like(weight)
-                g_gate, g_up = _interleaved(grad_weight)  # each GEMM writes its rows in place
-                torch.mm(grad_gate.t(), flat, out=g_gate)
-                torch.mm(grad_up.t(), flat, out=g_up)
-            else:
-                def add(main):  # into the gate and up rows of the fp32 accumulator
-                    m_gate, m_up = _interleaved(main)
-                    add_product(m_gate, grad_gate.t(), flat)
-                    add_product(m_up, grad_up.t(), flat)
-
-                accumulate(add)
+            full = policy.regather_input(x, ctx.group) if ctx.sequence_parallel else x.reshape(-1, x.shape[-1])
+            grad_weight = weight_grad_pass(policy, weight, grad_h, full, ctx.wgrad_target)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = torch.stack([grad_gate.sum(0), grad_up.sum(0)], dim=-1).view(-1)
-        return grad_x, grad_weight, grad_bias, None, None
+            grad_bias = grad_h.sum(0)
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 class SwiGLUColumnParallelLinear(ColumnParallelLinear):
@@ -114,7 +103,7 @@ class SwiGLUColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x):
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.tp_group)
-        return SwiGLULinear.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        return SwiGLULinear.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, self.gemm)
 
 
 class MLP(torch.nn.Module):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
+from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -178,9 +179,18 @@ class GroupedLinear(torch.nn.Module):
             self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros", **ep,
                                                   input_split=split_by_tokens(split_b is None and sharded_tokens)),
                                dtype, device)
+        self.split_dim, self.tp_group = split_dim, getattr(topo, "tp_group", None)
+        self.set_gemm(DEFAULT)
+
+    def set_gemm(self, policy: GemmPolicy):
+        """Run the experts' products under ``policy`` (a precision recipe); the default runs
+        :func:`grouped_linear`."""
+        self.gemm = policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim])
 
     def forward(self, x, counts, offsets, add_bias=True):
-        return grouped_linear(x, self.weight, counts, offsets, self.bias if add_bias else None)
+        bias = self.bias if add_bias else None
+        out = self.gemm.grouped(x, self.weight, counts, offsets, bias)
+        return grouped_linear(x, self.weight, counts, offsets, bias) if out is None else out
 
 
 class Experts(torch.nn.Module):

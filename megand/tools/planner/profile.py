@@ -46,6 +46,7 @@ class Profile:
     memory_gbps: float
     overhead_s: dict = field(default_factory=lambda: dict.fromkeys(OVERHEADS, 0.0))
     collectives: dict = field(default_factory=dict)  # link -> op -> {"alpha_s": .., "gbps": ..}
+    peak_fp8_tflops: float | None = None  # the device's dense FP8 peak (train.fp8 GEMMs); None: none
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "profile") -> "Profile":
@@ -85,10 +86,12 @@ class Profile:
                     raise ProfileError(f"{where}: collectives.{link}.{op}.alpha_s={alpha!r} must be >= 0")
                 colls[link][op] = {"alpha_s": float(alpha),
                                    "gbps": _positive(entry["gbps"], f"{where}: collectives.{link}.{op}.gbps")}
+        fp8 = d.get("peak_fp8_tflops")
         return cls(name=str(d["name"]), source=str(d.get("source", "")), dtype=str(d.get("dtype", "bf16")),
                    peak_tflops=peak, gemm=tuple(points),
                    memory_gbps=_positive(d["memory_gbps"], f"{where}: memory_gbps"),
-                   overhead_s=overhead, collectives=colls)
+                   overhead_s=overhead, collectives=colls,
+                   peak_fp8_tflops=None if fp8 is None else _positive(fp8, f"{where}: peak_fp8_tflops"))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -166,12 +169,14 @@ def gemm_efficiency(profile: Profile, m: float, n: float, k: float) -> float:
     return min(1.0, tflops / profile.peak_tflops)
 
 
-def gemm_time(profile: Profile, m: float, n: float, k: float, count: float = 1.0) -> float:
-    """Seconds for ``count`` products of shape ``[m, k] @ [k, n]``."""
+def gemm_time(profile: Profile, m: float, n: float, k: float, count: float = 1.0, fp8: bool = False) -> float:
+    """Seconds for ``count`` products of shape ``[m, k] @ [k, n]``; ``fp8``: as FP8 GEMMs, at the
+    profile's FP8 peak with the same efficiency curve (its bf16 peak where it has none)."""
     flops = 2.0 * m * n * k * count
     if flops <= 0:
         return 0.0
-    return flops / (profile.peak_tflops * 1e12 * gemm_efficiency(profile, m, n, k))
+    peak = profile.peak_fp8_tflops if fp8 and profile.peak_fp8_tflops else profile.peak_tflops
+    return flops / (peak * 1e12 * gemm_efficiency(profile, m, n, k))
 
 
 def bus_factor(op: str, n: int) -> float:

@@ -1,0 +1,281 @@
+"""FP8 training recipes on the GEMM seam: tensorwise, rowwise and MXFP8-style block scaling.
+
+Every product of a layer quantises its two operands now, from the current tensors (dynamic scaling: the
+amax of the tensor itself, no history), multiplies them with fp32 accumulation and returns the
+high-precision result; master weights, gradients and optimizer state are untouched. Forward operands (x,
+W) are e4m3; the output gradient is e5m2 (e4m3 under MX, whose block scales leave it the range).
+
+A scale runs along the product's contraction axis ``k`` of each operand (``a [m, k]``, ``b [k, n]``):
+
+- ``tensorwise``: one fp32 scale per operand, ``amax / fmax``;
+- ``rowwise``: one fp32 scale per row of ``a`` and per column of ``b`` (per output element's row/column);
+- ``mxfp8``: one power-of-two scale per 32 consecutive elements along ``k`` (an e8m0 exponent,
+  ``floor(log2(amax)) - emax`` of the element format, OCP MX), elements saturating at ``fmax``.
+
+Dequantised, an element is ``q * scale``. Quantising rounds to nearest even and saturates at the format's
+largest finite value (float8 has no infinity to overflow into).
+
+Layout independence: where tensor parallelism splits an operand, a scale computed on the shard would
+differ from the one-process run's, so the shards agree on it (all-reduce max of the amax over the tp
+group): a tensorwise scale of any split operand, a rowwise scale when the contraction axis is split. MX
+blocks never straddle ranks when each rank's share of the split axis is a multiple of 32.
+
+Products: ``torch._scaled_mm`` for tensorwise and rowwise on CUDA (where its shapes allow; rowwise with
+a bf16 result, as its kernels take it); otherwise, on CPU, and for MX, an exact emulation: the same
+quantised operands dequantised and multiplied in fp32 (the unit tests check the kernel call against it
+on CPU, where torch._scaled_mm runs as a slow reference kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megand.core.tensor_parallel import mappings
+from megand.core.tensor_parallel.gemm import GemmPolicy
+
+RECIPES = ("tensorwise", "rowwise", "mxfp8")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MX_BLOCK = 32
+EMAX = {E4M3: 8, E5M2: 15}  # the largest normal exponent of each element format (448 = 1.75 * 2^8)
+_TINY = 1e-12  # an all-zero tensor's amax: any positive scale quantises it to zeros
+
+
+def fmax(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@dataclasses.dataclass
+class Quantized:
+    """A 2-D tensor in FP8: ``data`` (float8, the source's shape) and fp32 ``scale``, running along ``dim``
+    (the contraction axis): ``[]`` tensorwise; rowwise the source's shape with ``dim`` of size 1; MX the
+    source's shape with ``dim`` cut into blocks of 32 (the last one possibly shorter)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dim: int
+    recipe: str
+
+    def t(self) -> "Quantized":
+        scale = self.scale if self.scale.dim() == 0 else self.scale.t()
+        return Quantized(self.data.t(), scale, 1 - self.dim, self.recipe)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values the FP8 bytes stand for."""
+        data = self.data.float()
+        if self.recipe != "mxfp8":
+            return data * self.scale
+        scale = self.scale.repeat_interleave(MX_BLOCK, dim=self.dim)
+        return data * scale.narrow(self.dim, 0, data.shape[self.dim])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+
+def _agreed_max(amax: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        amax = amax.contiguous()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def mx_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The power-of-two block scale ``2^(floor(log2(amax)) - emax)``, its exponent clamped to e8m0's range
+    [-127, 127] (an all-zero block: 2^-127)."""
+    _, exponent = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1
+    exponent = torch.where(amax > 0, exponent - 1 - EMAX[dtype], -127).clamp(-127, 127)
+    return torch.ldexp(torch.ones_like(amax), exponent)
+
+
+def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None) -> Quantized:
+    """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
+    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales."""
+    src = t.float()
+    if recipe == "tensorwise":
+        scale = _agreed_max(src.abs().amax(), group).clamp(min=_TINY) / fmax(dtype)
+        expanded = scale
+    elif recipe == "rowwise":
+        scale = _agreed_max(src.abs().amax(dim=dim, keepdim=True), group).clamp(min=_TINY) / fmax(dtype)
+        expanded = scale
+    elif recipe == "mxfp8":
+        length = src.shape[dim]
+        blocks = -(-length // MX_BLOCK)
+        padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
+                                         else (0, 0, 0, blocks * MX_BLOCK - length))
+        shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
+        scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
+        expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
+    else:
+        raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    data = (src / expanded).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
+    return Quantized(data, scale, dim, recipe)
+
+
+def scaled_mm_takes(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` runs the product: on CUDA, for the shapes and scalings its kernels
+    accept (on CPU it runs too, but as a slow reference kernel: the emulation is exact and much faster)."""
+    if not a.data.is_cuda or a.recipe == "mxfp8" or a.data.shape[1] % 16 or b.data.shape[1] % 16:
+        return False
+    return a.recipe == "tensorwise" or out_dtype == torch.bfloat16
+
+
+def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` of the operands: ``b`` column-major, rowwise scales ``[m, 1]`` and ``[1, n]``
+    with unit strides (as the kernels check them)."""
+    column_major = b.data.t().contiguous().t()
+    scale_a, scale_b = a.scale, b.scale
+    if a.recipe == "rowwise":
+        scale_a, scale_b = scale_a.reshape(-1).view(-1, 1), scale_b.reshape(-1).view(1, -1)
+    return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (``a [m, k]`` scaled along dim 1, ``b [k, n]`` along dim 0), accumulated in fp32: the
+    kernel where it takes the operands, else the emulation (dequantised operands, an fp32 product)."""
+    if scaled_mm_takes(a, b, out_dtype):
+        return scaled_mm_kernel(a, b, out_dtype)
+    return (a.dequantize() @ b.dequantize()).to(out_dtype)
+
+
+class Fp8Policy(GemmPolicy):
+    """A layer's products in FP8 under one of :data:`RECIPES` (see the module docstring)."""
+
+    def __init__(self, group=None, split=None, recipe: str = "tensorwise"):
+        if recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+        super().__init__(group, split)
+        self.name = recipe
+        self.grad_dtype = E4M3 if recipe == "mxfp8" else E5M2
+        # the logical dims tp splits: a column layer's output features n, a row layer's input features k
+        self.sharded = {"column": {"n"}, "row": {"k"}}.get(split, set()) if self._split_over_tp() else set()
+
+    def _split_over_tp(self) -> bool:
+        return self.group is not None and dist.get_world_size(self.group) > 1
+
+    def __repr__(self):
+        return f"Fp8Policy({self.name!r}, split={self.split!r})"
+
+    def bind(self, group, split):
+        return Fp8Policy(group, split, self.name)
+
+    def _q(self, t, dtype, dim, dims: str, contraction: str) -> Quantized:
+        """Quantise operand ``t`` whose logical dims are ``dims`` (e.g. "mk"), along ``contraction``,
+        agreeing the scale over tp where the split makes the shard's scale differ from the whole's."""
+        if self.name == "tensorwise":
+            agree = bool(self.sharded & set(dims))
+        else:
+            agree = self.name == "rowwise" and contraction in self.sharded
+        return quantize(t, self.name, dtype, dim, self.group if agree else None)
+
+    # -- communication ----------------------------------------------------------------------------
+    def gather_input(self, x, group):
+        """The sequence-parallel all-gather in FP8: the shard is quantised (a tensorwise scale agreed over
+        the tp group first: the shards are split along tokens), then its bytes and scales gathered."""
+        flat = x.reshape(-1, x.shape[-1])
+        q = quantize(flat, self.name, E4M3, 1, group if self.name == "tensorwise" else None)
+        data = mappings._gather_first(q.data.view(torch.uint8), group).view(E4M3)
+        scale = q.scale if q.scale.dim() == 0 else mappings._gather_first(q.scale, group)
+        return Quantized(data, scale, 1, self.name)
+
+    def regather_input(self, x, group):
+        """Tensorwise: the weight gradient's x is the forward's FP8 operand (one scale whatever the
+        axis), so backward gathers FP8 bytes again; the other recipes scale x along the tokens for it,
+        which are split over the ranks: high precision is gathered. Compiled: high precision (the
+        compiled weight-gradient hand-over takes a tensor)."""
+        if self.name != "tensorwise" or torch.compiler.is_compiling():
+            return super().regather_input(x, group)
+        return self.gather_input(x, group)
+
+    def input_operand(self, x):
+        return self._q(x, E4M3, 1, "mk", "k")
+
+    # -- the three products -----------------------------------------------------------------------
+    def forward(self, x, weight, bias=None):
+        a = x if isinstance(x, Quantized) else self.input_operand(x)
+        b = self._q(weight, E4M3, 1, "nk", "k").t()
+        out = scaled_mm(a, b, weight.dtype)
+        return out if bias is None else out + bias
+
+    def input_grad(self, grad, weight):
+        a = self._q(grad, self.grad_dtype, 1, "mn", "n")
+        b = self._q(weight, E4M3, 0, "nk", "n")
+        return scaled_mm(a, b, grad.dtype)
+
+    def _weight_product(self, grad, x, out_dtype):
+        a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
+        if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
+            b = Quantized(x.data, x.scale, 0, x.recipe)
+        else:
+            b = self._q(x, E4M3, 0, "mk", "m")
+        return scaled_mm(a, b, out_dtype)
+
+    def weight_grad(self, grad, x):
+        return self._weight_product(grad, x, grad.dtype)
+
+    def add_weight_grad(self, main, grad, x):
+        main.add_(self._weight_product(grad, x, main.dtype))
+
+    # -- the routed experts ------------------------------------------------------------------------
+    def grouped(self, x, weight, counts, offsets, bias=None):
+        return GroupedFp8Linear.apply(x, weight, bias, offsets, self)
+
+
+def expert_row_splits(x: torch.Tensor, offsets, experts: int) -> list[torch.Tensor]:
+    """The rows of each expert (then the rows of no expert), split at ``offsets`` read on the host (fake
+    tensors of a rehearsal hold no counts: an even split has the same sizes)."""
+    if type(offsets) is torch.Tensor:
+        return list(torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64)))
+    rows = x.shape[0]
+    return list(torch.tensor_split(x, [rows * (e + 1) // experts for e in range(experts)]))
+
+
+class GroupedFp8Linear(torch.autograd.Function):
+    """The routed experts' ``x_e W_e^T (+ b_e)`` per expert in FP8 (each expert's operands scaled on
+    their own, as a grouped scaled GEMM does); rows of no expert come out as zeros."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, policy):
+        ctx.policy, ctx.has_bias = policy, bias is not None
+        ctx.save_for_backward(x, weight, offsets)
+        parts = expert_row_splits(x, offsets, weight.shape[0])
+        outs = [policy.forward(parts[e], weight[e], None if bias is None else bias[e])
+                for e in range(weight.shape[0])]
+        outs.append(x.new_zeros(parts[-1].shape[0], weight.shape[1]))
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets = ctx.saved_tensors
+        policy, experts = ctx.policy, weight.shape[0]
+        xs, gs = expert_row_splits(x, offsets, experts), expert_row_splits(grad, offsets, experts)
+        grad_x = torch.cat([policy.input_grad(gs[e], weight[e]) for e in range(experts)]
+                           + [x.new_zeros(xs[-1].shape)])
+        grad_weight = torch.stack([policy.weight_grad(gs[e], xs[e]) for e in range(experts)])
+        grad_bias = torch.stack([gs[e].sum(0) for e in range(experts)]) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def in_fp8(layer_id: int, num_layers: int, bf16_layers: int) -> bool:
+    """Whether transformer layer ``layer_id`` runs in FP8: all but the first and last ``bf16_layers``."""
+    return bf16_layers <= layer_id < num_layers - bf16_layers
+
+
+def use_fp8(layers, recipe: str, num_layers: int, bf16_layers: int = 1) -> list[int]:
+    """Run the linear and expert GEMMs of the transformer layers ``layers`` (global layer id -> module,
+    as keyed by str or int) under ``recipe``, except the first and last ``bf16_layers`` of the
+    ``num_layers``; the router and anything outside these layers (embedding, output layer) stay as they
+    are. Returns the layer ids now in FP8."""
+    template = Fp8Policy(recipe=recipe)
+    chosen = []
+    for key, layer in layers.items():
+        layer_id = int(key)
+        if not in_fp8(layer_id, num_layers, bf16_layers):
+            continue
+        for module in layer.modules():
+            if hasattr(module, "set_gemm"):
+                module.set_gemm(template)
+        chosen.append(layer_id)
+    return chosen

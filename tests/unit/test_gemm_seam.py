@@ -1,0 +1,141 @@
+"""The GEMM seam of the parallel linear layers: the weight-gradient pass fuses into the engine's fp32
+accumulator also in a compiled backward, can be deferred (a zero-bubble schedule's W pass) and equals the
+immediate one, and the accumulating product neither makes a product-sized temporary nor hides errors."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, add_product
+from megand.core.transformer.mlp import SwiGLU, SwiGLUColumnParallelLinear
+
+KINDS = {"column": ColumnParallelLinear, "row": RowParallelLinear, "swiglu": SwiGLUColumnParallelLinear}
+
+
+@pytest.fixture(autouse=True)
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def layer(kind):
+    torch.manual_seed(0)
+    module = KINDS[kind](32, 48, tp_group=dist.group.WORLD, bias=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+def fake_engine(module):
+    """What the data-parallel engine gives the weight: an fp32 accumulator and ``accumulate_grad``."""
+    w = module.weight
+    w.main_grad, w.handed = torch.zeros_like(w, dtype=torch.float32), []
+    w.accumulate_grad = lambda add: (w.handed.append(1), add(w.main_grad))
+    return w
+
+
+def reference_grad(kind, x, g):
+    module = layer(kind)
+    module(x).backward(g)
+    return module.weight.grad
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compiled_backward_fuses_the_weight_gradient(kind):
+    """Compiled, the layers hand their weight gradient to the engine as in eager mode (it used to come back
+    as a p.grad through autograd), in one graph (SwiGLU's backward wrote into strided out= views)."""
+    torch._dynamo.reset()
+    module = layer(kind)
+    w = fake_engine(module)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 24 if kind == "swiglu" else 48)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        compiled(x).backward(g)
+    assert w.grad is None and len(w.handed) == 2
+    torch.testing.assert_close(w.main_grad, 2 * reference_grad(kind, x, g), rtol=1e-5, atol=1e-4)
+
+
+def test_swiglu_activation_backward_traces_in_one_graph():
+    h = torch.randn(6, 5, 2, requires_grad=True)
+    g = torch.randn(6, 5)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: SwiGLU.apply(t), fullgraph=True, backend="aot_eager")(h)
+    out.backward(g)
+    ref = h.detach().clone().requires_grad_()
+    (torch.nn.functional.silu(ref[..., 0]) * ref[..., 1]).backward(g)
+    torch.testing.assert_close(h.grad, ref.grad)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_deferred_weight_gradient_pass_equals_the_immediate_one(kind):
+    module = layer(kind)
+    w = fake_engine(module)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
+    with DeferredWeightGrads() as w_pass:
+        module(x).backward(g)  # B: the input gradient only
+    assert x.grad is not None and len(w_pass) == 1 and not w.handed and not w.main_grad.any()
+    assert w_pass.run() == 1
+    torch.testing.assert_close(w.main_grad, reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
+
+
+class Ops(TorchDispatchMode):
+    """Records the aten ops (inside FakeTensorMode: fake CUDA tensors on this CPU build). The accumulating
+    GEMM has no fake kernel here: it is answered with its in-place result. ``fail_first``: the first GEMM
+    raises out of memory."""
+
+    def __init__(self, fail_first=False):
+        super().__init__()
+        self.seen, self.fail_first = [], fail_first
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func).startswith("aten."):
+            self.seen.append(str(func))
+        if self.fail_first and "mm" in str(func):
+            self.fail_first = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        if func is torch.ops.aten.addmm.dtype_out:
+            return kwargs["out"]
+        return func(*args, **kwargs)
+
+
+def fake_cuda_operands():
+    out = torch.empty(512, 256, device="cuda")  # the weight's fp32 accumulator
+    a = torch.empty(512, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+    return out, a, b
+
+
+def test_accumulating_gemm_makes_no_weight_sized_temporary():
+    with FakeTensorMode():
+        out, a, b = fake_cuda_operands()
+        with Ops() as ops:
+            add_product(out, a, b)
+    assert ops.seen == ["aten.addmm.dtype_out"], ops.seen  # was mm(out_dtype=fp32) into a temporary, then add_
+
+
+def test_out_of_memory_in_the_weight_gradient_propagates():
+    """An OOM used to be caught with every RuntimeError and turned into a silent switch to bf16 products."""
+    with FakeTensorMode():
+        out, a, b = fake_cuda_operands()
+        with pytest.raises(torch.OutOfMemoryError), Ops(fail_first=True):
+            add_product(out, a, b)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_recomputed_layer_still_fuses_its_weight_gradient(kind):
+    """Under activation recompute backward unpacks a detached copy of the weight, without the engine's
+    accumulate_grad: the fusion used to fall back silently to autograd's p.grad there."""
+    module = layer(kind)
+    w = fake_engine(module)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
+    torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).backward(g)
+    assert w.grad is None and len(w.handed) == 1
+    torch.testing.assert_close(w.main_grad, reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
