@@ -17,7 +17,8 @@ It returns the summed loss (detached) on the last stage, ``None`` elsewhere.
 
 ``grad_sync`` (the data-parallel engine, or None) sees the last backward of the step of each chunk run
 inside ``last_backward(grad_sync)``, so it can start reducing that chunk's gradient buckets while the
-other chunks still run backward (megand/core/distributed/data_parallel.py). ``stats`` (optional :class:`ScheduleStats`) collects compute/communication time and the peak number of
+other chunks still run backward (megand/core/distributed/data_parallel.py). ``stats`` (optional
+:class:`ScheduleStats`) collects compute/communication time and the peak number of
 micro-batches whose activations are stored, for the bubble tool and the tests.
 """
 
