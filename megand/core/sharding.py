@@ -25,9 +25,12 @@ class ParamMeta:
     tp_size: int = 1
     init: str = "normal"  # normal | ones | zeros
     init_std: float = 0.02
-    # Replicated across tp but fed sequence shards under sequence parallelism: each tp rank holds a
-    # partial gradient, summed over tp before the optimizer (norm weights, biases after a reduce-scatter).
-    sequence_parallel_grad: bool = False
+    # How the input of a parameter replicated across tp is split over the tp ranks, declared where the
+    # parameter is made: "tokens" (sequence shards under sequence parallelism, or each rank's share of
+    # routed tokens: norm weights, biases after a reduce-scatter) or "heads" (each rank holds other
+    # attention heads: the per-head q/k norms, at any tp > 1). Either way each tp rank's gradient is partial
+    # and is summed over tp before the optimizer. None: every tp rank sees the whole input.
+    input_split: str | None = None
     copy_of: str | None = None  # name of the parameter this one duplicates (tied output layer on the last stage)
     # One of the two copies of a weight tied across pipeline stages (word embedding and output layer):
     # their gradients are summed over the embedding group so the copies stay equal.
@@ -41,6 +44,9 @@ class ParamMeta:
     expert: bool = False
     ep_rank: int = 0
     ep_size: int = 1
+    # A fused weight (QKV, SwiGLU's gate and up): the rows of each logical matrix in one unit that repeats
+    # along the out dim (dim -2), e.g. (q rows, k rows, v rows) per query group; None: one matrix
+    fused_rows: tuple[int, ...] | None = None
 
     def local_slice(self) -> tuple[slice, ...]:
         """This rank's slice of the full tensor. Along a padded dim (vocab) it may hold fewer rows than
@@ -58,9 +64,22 @@ class ParamMeta:
         return tuple(region)
 
     @property
+    def partial_over_tp(self) -> bool:
+        """Whether each tp rank holds a partial gradient of this replicated parameter (summed over tp)."""
+        return self.split_dim is None and self.input_split is not None
+
+    @property
     def counted_in_norm(self) -> bool:
         """Whether this rank counts the parameter in the global norm: every element counts once over tp."""
         return self.copy_of is None and (self.split_dim is not None or self.tp_rank == 0)
+
+
+TOKENS, HEADS = "tokens", "heads"  # ParamMeta.input_split
+
+
+def split_by_tokens(sharded: bool) -> str | None:
+    """``input_split`` of a replicated parameter whose input is sequence-sharded over tp when ``sharded``."""
+    return TOKENS if sharded else None
 
 
 def tag(param: torch.nn.Parameter, meta: ParamMeta) -> torch.nn.Parameter:

@@ -5,12 +5,15 @@ Conventions (shared by every function here):
 * One multiply-accumulate is 2 FLOPs; only matrix multiplications are counted (norms, activations,
   softmax, RoPE, the loss and the optimizer are elementwise and ignored, as in Megatron and PaLM).
 * Forward matmul FLOPs per token of one layer:
-    - QKV projection  2·h·(h + 2·kv)         kv = num_query_groups · head_dim (GQA shrinks K and V)
-    - attention core  4·s·h                  scores Q·Kᵀ (2·s·h) and context P·V (2·s·h). The causal
+    - QKV projection  2·h·(q + 2·kv)         q = num_attention_heads · head_dim (= h unless head_dim is
+                                             set apart), kv = num_query_groups · head_dim (GQA shrinks K, V)
+    - attention core  4·s·q                  scores Q·Kᵀ (2·s·q) and context P·V (2·s·q). The causal
                                              mask is *not* halved: kernels and Megatron/torchtitan
                                              count the full s×s product, and so does torch's
-                                             FlopCounterMode.
-    - output proj     2·h·h
+                                             FlopCounterMode. A layer with a sliding window w
+                                             counts 4·min(s, w)·q: the band a windowed kernel
+                                             computes (its blocks outside the window are skipped).
+    - output proj     2·q·h
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
     - MoE layer       instead of the MLP: router 2·h·E, the k routed experts a token is sent to (each an
                       MLP of width f_e = moe_ffn_hidden_size), the shared experts (one MLP of width
@@ -36,6 +39,7 @@ matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; f
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megand.core.transformer.config import resolve_head_dim
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 
@@ -78,10 +82,18 @@ class Shape:
     shared_experts: int = 0    # always-on experts: one MLP of width shared_experts·f_e
     shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x @ gate), gate [1, h]
     moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0
+    head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
+    windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:
+        """Width of all query heads (= hidden unless head_dim is set apart)."""
+        return self.heads * self.head_dim
+
+    def keys_seen(self, layer: int) -> int:
+        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window)."""
+        window = self.windows[layer] if self.windows else None
+        return self.seq if window is None else min(self.seq, window)
 
     @property
     def kv_dim(self) -> int:
@@ -118,8 +130,9 @@ class Shape:
         arch = _get(model, "arch", "gpt")
         heads = int(_get(model, "num_attention_heads"))
         hidden = int(_get(model, "hidden_size"))
-        if hidden % heads:
-            raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        head_dim = model.get("head_dim")
+        if head_dim is None and hidden % heads:
+            raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads} (set head_dim)")
         return cls(
             arch=arch,
             layers=int(_get(model, "num_layers")),
@@ -137,8 +150,17 @@ class Shape:
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
+            head_dim=resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim)),
+            windows=_windows(model, int(_get(model, "num_layers"))),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
+
+
+def _windows(model: Mapping[str, Any], layers: int) -> tuple:
+    window = model.get("sliding_window")
+    if window is None:
+        return ()
+    return tuple(window) if isinstance(window, (list, tuple)) or hasattr(window, "__len__") else (window,) * layers
 
 
 def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
@@ -212,12 +234,12 @@ def _mlp_params(shape: Shape, width: int) -> dict:
 
 def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
     """One layer's parameters: a dense layer, or (``moe``) a MoE layer of ``shape``."""
-    h, kv = shape.hidden, shape.kv_dim
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
     bias = shape.linear_bias
     attention = dict(
-        qkv_weight=h * (h + 2 * kv),
-        qkv_bias=(h + 2 * kv) if bias or shape.qkv_bias else 0,
-        proj_weight=h * h,
+        qkv_weight=h * (q + 2 * kv),
+        qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
+        proj_weight=q * h,
         proj_bias=h if bias else 0,
         norms=2 * norm_params(shape),
     )
@@ -277,11 +299,17 @@ class ForwardFlopsPerToken:
     """Forward matmul FLOPs for one token (see the module docstring)."""
 
     layer_dense: int      # QKV, output projection and MLP of one dense layer
-    layer_attention: int  # attention core (scores + context) of one layer
+    layer_attention: int  # attention core (scores + context) of one layer with full attention
     logits: int
     layers: int
     moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
     layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
+    windowed_attention: int | None = None  # the attention cores of all layers when some have a sliding window
+
+    @property
+    def attention(self) -> int:
+        """The attention cores of all layers."""
+        return self.layers * self.layer_attention if self.windowed_attention is None else self.windowed_attention
 
     @property
     def layers_matmul(self) -> int:
@@ -290,21 +318,22 @@ class ForwardFlopsPerToken:
 
     @property
     def total(self) -> int:
-        return self.layers_matmul + self.layers * self.layer_attention + self.logits
+        return self.layers_matmul + self.attention + self.logits
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
     """``tp``: the logits span the vocabulary padded for that tensor-parallel size (None: unpadded)."""
     s = Shape.from_config(model)
-    h = s.hidden
+    h, q = s.hidden, s.q_dim
     mlp = 6 if s.swiglu else 4  # per h·width of one MLP
-    attention = 2 * h * (h + 2 * s.kv_dim) + 2 * h * h
+    attention = 2 * h * (q + 2 * s.kv_dim) + 2 * q * h
     dense = attention + mlp * h * s.ffn
     moe = 0
     if s.moe_layers:
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
-    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * h,
+    windowed = sum(4 * s.keys_seen(i) * q for i in range(s.layers)) if s.windows else None
+    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * q, windowed_attention=windowed,
                                 logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
 
 
@@ -318,8 +347,8 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     fwd = forward_flops_per_token(model, tp)
     extra = {
         "none": 0,
-        "selective": fwd.layers * fwd.layer_attention,
-        "full": fwd.layers_matmul + fwd.layers * fwd.layer_attention,
+        "selective": fwd.attention,
+        "full": fwd.layers_matmul + fwd.attention,
     }
     if recompute not in extra:
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import fields
-
 import torch
 from omegaconf import OmegaConf
 
@@ -24,8 +22,7 @@ from megand.models.gpt import GPTModel
 
 def transformer_config(model_cfg: dict) -> TransformerConfig:
     """The fp32, one-process TransformerConfig of a ``model`` section (as stored with a checkpoint)."""
-    names = {f.name for f in fields(TransformerConfig)}
-    return TransformerConfig(**{k: v for k, v in dict(model_cfg).items() if k in names})
+    return TransformerConfig.from_model(dict(model_cfg))
 
 
 def param_metas(model_cfg) -> dict[str, ParamMeta]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, retag, tag
+from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -39,7 +39,7 @@ class Embedding(torch.nn.Module):
             shape = (cfg.seq_length, cfg.hidden_size)
             # under sequence parallelism each tp rank adds the rows of its sequence shard: partial gradients
             meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                             sequence_parallel_grad=cfg.sequence_parallel)
+                             input_split=split_by_tokens(cfg.sequence_parallel))
             self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
 
     def forward(self, input_ids, positions):
@@ -78,7 +78,8 @@ class GPTModel(torch.nn.Module):
                                            for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if post_process:
-            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel,
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps,
+                                   input_split=split_by_tokens(cfg.sequence_parallel),
                                    tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
             if not (cfg.tie_embeddings and pre_process):
                 self.output_layer = ColumnParallelLinear(
@@ -109,7 +110,7 @@ class GPTModel(torch.nn.Module):
     def rope(self, positions):
         if self.cfg.position_embedding != "rope":
             return None
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.

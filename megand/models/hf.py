@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
 
-An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
-:mod:`megand.models.hf_qwen2_moe`) is the one place that knows how
+An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
+:mod:`megand.models.hf_mistral` (import only), :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
+:mod:`megand.models.hf_qwen2_moe`, :mod:`megand.models.hf_qwen3_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
 :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
 of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
@@ -46,9 +47,17 @@ class Rule:
 
 
 def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """(hidden, heads, query groups, head dim) of a megand ``model`` config."""
+    """(hidden, heads, query groups, head dim) of a megand ``model`` config (the head width derived as the
+    core config does)."""
+    from megand.core.transformer.config import resolve_head_dim
+
     h, heads = m["hidden_size"], m["num_attention_heads"]
-    return h, heads, m.get("num_query_groups") or heads, h // heads
+    return h, heads, m.get("num_query_groups") or heads, resolve_head_dim(h, heads, m.get("head_dim"))
+
+
+def head_dim_derived(m: Mapping[str, Any]) -> bool:
+    """Whether the head width is hidden / heads (architectures without a ``head_dim`` of their own)."""
+    return m.get("head_dim") in (None, m["hidden_size"] // m["num_attention_heads"])
 
 
 def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:
@@ -79,9 +88,10 @@ def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
 
 
 def _adapters():
-    from megand.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe
+    from megand.models import (hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3,
+                               hf_qwen3_moe)
 
-    return (hf_llama, hf_gpt2, hf_mixtral, hf_qwen2_moe)
+    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
 
 
 def adapter_for(m: Mapping[str, Any]):
@@ -95,13 +105,14 @@ def adapter_for(m: Mapping[str, Any]):
             f"moe_router={m.get('moe_router', 'softmax')} moe_shared_experts={m.get('moe_shared_experts', 0)} "
             f"moe_shared_expert_gate={m.get('moe_shared_expert_gate', False)} "
             f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
-            f"qkv_bias={m.get('qkv_bias', False)} (mixtral: llama-style, softmax router, renormalised top-k, "
+            f"qkv_bias={m.get('qkv_bias', False)} head_dim={m.get('head_dim')} (mixtral: llama-style, softmax router, renormalised top-k, "
             "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
-            "shared experts with their gate)")
+            "shared experts with their gate, head_dim null; qwen3_moe: qk_norm, softmax router, no shared experts)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
-                     f"qkv_bias={m.get('qkv_bias', False)} "
-                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; gpt: layernorm+gelu+learned, multi-head)")
+                     f"qkv_bias={m.get('qkv_bias', False)} qk_norm={m.get('qk_norm', False)} head_dim={m.get('head_dim')} "
+                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; qwen2: llama with q/k/v biases, head_dim null; "
+                     f"qwen3: llama with qk_norm; gpt: layernorm+gelu+learned, multi-head, head_dim null)")
 
 
 def adapter_for_hf(config):
@@ -109,7 +120,9 @@ def adapter_for_hf(config):
     for adapter in _adapters():
         if adapter.MODEL_TYPE == config.model_type:
             return adapter
-    raise ValueError(f"model_type={config.model_type!r}: only llama, gpt2, mixtral and qwen2_moe can be imported")
+    # the adapters' MODEL_TYPEs, spelled out (the troubleshooting page quotes this line)
+    raise ValueError(f"model_type={config.model_type!r}"
+                     ": only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe can be imported")
 
 
 def _require_transformers():

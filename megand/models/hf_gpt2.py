@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
-from megand.models.hf import Rule, dims, norm_eps
+from megand.models.hf import Rule, dims, head_dim_derived, norm_eps
 
 MODEL_TYPE = "gpt2"
 MODEL_CLASS = "GPT2LMHeadModel"
@@ -19,7 +19,8 @@ MODEL_CLASS = "GPT2LMHeadModel"
 def matches(m) -> bool:
     return (m["arch"] == "gpt" and m["norm"] == "layernorm" and m["activation"] == "gelu"
             and m["position_embedding"] == "learned"
-            and (m.get("num_query_groups") or m["num_attention_heads"]) == m["num_attention_heads"])
+            and (m.get("num_query_groups") or m["num_attention_heads"]) == m["num_attention_heads"]
+            and head_dim_derived(m))
 
 
 def hf_config(m: dict):

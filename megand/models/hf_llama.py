@@ -1,13 +1,17 @@
 """State-dict adapter: megand LLaMA-style models <-> ``transformers`` ``LlamaForCausalLM``.
 
 Separate ``q_proj``/``k_proj``/``v_proj`` are megand's fused QKV, ``gate_proj``/``up_proj`` its fused
-SwiGLU fc1; both use the rotate-half RoPE; RMSNorm's epsilon is ``model.norm_eps``.
+SwiGLU fc1; both use the rotate-half RoPE; RMSNorm's epsilon is ``model.norm_eps``. RoPE scaling
+(``rope_parameters`` with rope_type linear, llama3 or yarn: Llama 3.1+) is ``model.rope_scaling``, and a
+``head_dim`` apart from hidden/heads is ``model.head_dim``; the LLaMA-family adapters (Qwen2, Qwen3) share
+these helpers.
 """
 
 from __future__ import annotations
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
 from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
+from megand.core.transformer.rope import ROPE_TYPES, RopeScaling
 from megand.models.hf import Rule, dims, norm_eps
 
 MODEL_TYPE = "llama"
@@ -21,7 +25,46 @@ def llama_like(m) -> bool:
 
 
 def matches(m) -> bool:
-    return llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias")
+    return (llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias") and not m.get("qk_norm")
+            and m.get("sliding_window") is None)
+
+
+def rope_parameters(m) -> dict:
+    """The ``transformers`` ``rope_parameters`` of a megand ``model`` config (its theta and scaling)."""
+    out = {"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))}
+    scaling = m.get("rope_scaling")
+    if scaling:
+        scaling = scaling if isinstance(scaling, RopeScaling) else RopeScaling.from_dict(dict(scaling))
+        required = {"linear": ("factor",),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                    "yarn": ("factor", "original_max_position_embeddings")}[scaling.rope_type]
+        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+        defaults = RopeScaling(scaling.rope_type, scaling.factor)
+        out.update({k: getattr(scaling, k) for k in required}, rope_type=scaling.rope_type)
+        if scaling.rope_type == "yarn":  # the optional keys only where they differ from their defaults
+            out.update({k: getattr(scaling, k) for k in optional if getattr(scaling, k) != getattr(defaults, k)})
+    return out
+
+
+def rope_keys(config) -> dict:
+    """megand's ``rope_theta`` and ``rope_scaling`` of a ``transformers`` config; ValueError naming what
+    megand does not implement (another rope type, partial rotary)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+    partial = rope.pop("partial_rotary_factor", None) or getattr(config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial}: megand rotates the whole head (1.0)")
+    if kind == "default":
+        return dict(rope_theta=float(theta), rope_scaling=None)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling {kind!r} is not supported (megand has {', '.join(ROPE_TYPES)})")
+    known = set(RopeScaling.__dataclass_fields__)
+    scaling = {k: v for k, v in rope.items() if k in known and v is not None}
+    if kind == "yarn" and scaling.get("factor") is None:  # DeepSeek-style: the ratio of the two contexts
+        scaling["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    RopeScaling.from_dict({"rope_type": kind, **scaling})  # refuses a missing key in one line
+    return dict(rope_theta=float(theta), rope_scaling={"rope_type": kind, **scaling})
 
 
 def hf_config(m: dict):
@@ -32,7 +75,7 @@ def hf_config(m: dict):
                        num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                        head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
                        initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
-                       rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
+                       rope_parameters=rope_parameters(m),
                        tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False, mlp_bias=False,
                        attention_dropout=m.get("attention_dropout", 0.0),
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -43,20 +86,18 @@ def llama_like_config(config) -> dict:
     embeddings); ValueError for what megand does not implement."""
     h, heads, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     groups = config.num_key_value_heads or heads
-    hd = h // heads
-    if (getattr(config, "head_dim", None) or hd) != hd:
-        raise ValueError(f"head_dim={config.head_dim} != hidden_size/num_attention_heads={hd}: not supported")
+    head_dim = getattr(config, "head_dim", None)
+    head_dim = None if head_dim in (None, h // heads) else head_dim  # megand's null: derived
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported")
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return dict(arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
-                num_attention_heads=heads, num_query_groups=groups, seq_length=config.max_position_embeddings,
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=true (sliding_window={config.sliding_window}): Qwen's per-layer "
+                         f"window layout is not mapped to model.sliding_window yet")
+    return dict(**rope_keys(config), arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
+                num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
+                seq_length=config.max_position_embeddings,
                 vocab_size=config.vocab_size, norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu",
-                position_embedding="rope",
-                rope_theta=float(theta), tie_embeddings=bool(config.tie_word_embeddings),
+                position_embedding="rope", tie_embeddings=bool(config.tie_word_embeddings),
                 init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
 
 
@@ -69,7 +110,7 @@ def model_config(config) -> dict:
 
 def attention_rules(m: dict, p: str, q: str) -> list[Rule]:
     """Attention and the two norms of layer prefix ``p`` (megand) / ``q`` (HF) in a LLaMA-family model;
-    with ``model.qkv_bias`` also the q/k/v biases (Qwen2)."""
+    with ``model.qkv_bias`` also the q/k/v biases (Qwen2), with ``model.qk_norm`` the per-head q/k norms (Qwen3)."""
     _, heads, groups, _ = dims(m)
     names = {kind: tuple(q + f"self_attn.{x}_proj.{kind}" for x in "qkv") for kind in ("weight", "bias")}
     out = [Rule(p + "attention.qkv.weight", names["weight"],
@@ -77,6 +118,9 @@ def attention_rules(m: dict, p: str, q: str) -> list[Rule]:
     if m.get("qkv_bias"):
         out.append(Rule(p + "attention.qkv.bias", names["bias"],
                         lambda t: split_qkv(t, heads, groups), lambda bq, bk, bv: fuse_qkv(bq, bk, bv, groups)))
+    if m.get("qk_norm"):
+        out += [Rule(p + "attention.q_norm.weight", (q + "self_attn.q_norm.weight",)),
+                Rule(p + "attention.k_norm.weight", (q + "self_attn.k_norm.weight",))]
     return out + [
         Rule(p + "attention.proj.weight", (q + "self_attn.o_proj.weight",)),
         Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),

@@ -11,7 +11,7 @@ layout (what ``save_pretrained`` writes and Mistral's checkpoints use): per laye
 from __future__ import annotations
 
 from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, norm_eps
-from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config
+from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config, rope_parameters
 
 MODEL_TYPE = "mixtral"
 MODEL_CLASS = "MixtralForCausalLM"
@@ -20,7 +20,8 @@ MODEL_CLASS = "MixtralForCausalLM"
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and not m.get("moe_shared_experts")
             and m.get("moe_router", "softmax") == "softmax" and m.get("moe_norm_topk_prob", True)
-            and (m.get("moe_layer_freq") or 1) == 1 and not m.get("qkv_bias"))
+            and (m.get("moe_layer_freq") or 1) == 1 and not m.get("qkv_bias") and not m.get("qk_norm")
+            and m.get("sliding_window") is None)
 
 
 def expert_width(m) -> int:
@@ -35,7 +36,7 @@ def hf_config(m: dict):
                          num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                          head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
                          initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
-                         rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
+                         rope_parameters=rope_parameters(m),
                          tie_word_embeddings=bool(m["tie_embeddings"]), sliding_window=None,
                          attention_dropout=m.get("attention_dropout", 0.0),
                          num_local_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),

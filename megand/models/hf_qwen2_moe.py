@@ -14,8 +14,10 @@ layout (``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as ``save_pretrained``
 
 from __future__ import annotations
 
-from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
-from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules
+from megand.models.hf import (Rule, dims, experts_fc1_rule, experts_fc2_rule, head_dim_derived, moe_layer_ids,
+                              norm_eps)
+from megand.models.hf_llama import (attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules,
+                                    rope_parameters)
 
 MODEL_TYPE = "qwen2_moe"
 MODEL_CLASS = "Qwen2MoeForCausalLM"
@@ -23,7 +25,8 @@ MODEL_CLASS = "Qwen2MoeForCausalLM"
 
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and (m.get("moe_shared_experts") or 0) > 0
-            and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax")
+            and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax"
+            and head_dim_derived(m) and not m.get("qk_norm") and m.get("sliding_window") is None)
 
 
 def expert_width(m) -> int:
@@ -39,7 +42,7 @@ def hf_config(m: dict):
                           num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                           hidden_act="silu", max_position_embeddings=m["seq_length"],
                           initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
-                          rope_parameters={"rope_type": "default", "rope_theta": float(m.get("rope_theta", 10000.0))},
+                          rope_parameters=rope_parameters(m),
                           tie_word_embeddings=bool(m["tie_embeddings"]), use_sliding_window=False,
                           attention_dropout=m.get("attention_dropout", 0.0), decoder_sparse_step=1,
                           mlp_only_layers=[i for i in range(m["num_layers"]) if i not in moe],

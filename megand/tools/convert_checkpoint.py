@@ -1,12 +1,14 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
-        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama),
-        GPT2LMHeadModel (gpt), MixtralForCausalLM or Qwen2MoeForCausalLM (MoE models): safetensors shards
+        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama, with
+        its RoPE scaling and head_dim), Qwen2ForCausalLM (llama + qkv_bias), Qwen3ForCausalLM (llama +
+        qk_norm), GPT2LMHeadModel (gpt), MixtralForCausalLM or Qwen2MoeForCausalLM (MoE models): safetensors shards
         (+ model.safetensors.index.json when there are several) and config.json
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
-        local transformers directory (safetensors) -> megand checkpoint (model only, iteration 0), loadable
-        at any layout with `checkpoint.load=ckpts/imported`
+        local transformers directory (safetensors; llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe)
+        -> megand checkpoint (model only, iteration 0), loadable at any layout with
+        `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model)
 
 Both directions stream: one tensor is read, converted and written at a time (peak memory about the
 largest tensor), shapes are checked from the config before any tensor is read,
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="local transformers directory (llama, gpt2, mixtral or qwen2_moe; safetensors)")
+    i.add_argument("--hf", required=True, help="local transformers directory (llama, qwen2, qwen3, mistral, gpt2, mixtral or "
+                                                   "qwen2_moe; safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
     i.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")

@@ -47,7 +47,7 @@ def _embed(run_dir):
     # the position gradient is now partial over the sequence shards: the engine sums it over tp
     position_ok = torch.equal(_summed(got[1]), want[1])
     return dict(calls=calls, same=torch.equal(x, expected), word_grad_ok=word_grad_ok, position_ok=position_ok,
-                shape=tuple(x.shape), partial_flag=embedding.position.meta.sequence_parallel_grad)
+                shape=tuple(x.shape), partial_flag=embedding.position.meta.partial_over_tp)
 
 
 def _summed(t):

@@ -103,7 +103,7 @@ def check_row(r: Ranks, sp: bool):
     (y * (r.seq_shard(grad_out) if sp else grad_out)).sum().backward()
     close(x.grad, dx.grad[..., cols], f"{what} input grad")
     close(layer.weight.grad, dw.grad[:, cols], f"{what} weight grad")
-    assert layer.bias.meta.split_dim is None and layer.bias.meta.sequence_parallel_grad == sp, what
+    assert layer.bias.meta.split_dim is None and layer.bias.meta.partial_over_tp == sp, what
     bias_grad = layer.bias.grad.clone()
     if sp:  # each rank holds the gradient of its tokens only; the sum over tp is the full gradient
         close(bias_grad, r.seq_shard(grad_out).sum((0, 1)), f"{what} local bias grad")

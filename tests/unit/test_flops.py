@@ -10,6 +10,7 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num
              num_query_groups=2, seq_length=32, vocab_size=256, norm="rmsnorm", activation="swiglu",
              position_embedding="rope", rope_theta=10000.0, tie_embeddings=False, init_std=0.02,
              hidden_dropout=0.0, attention_dropout=0.0)
+HEAD_DIM_APART = {**LLAMA, "head_dim": 24}  # q width 96 != hidden 64 (Qwen3/Gemma-style)
 GPT = dict(arch="gpt", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
            num_query_groups=4, seq_length=32, vocab_size=256, norm="layernorm", activation="gelu",
            position_embedding="learned", tie_embeddings=True, init_std=0.02,
@@ -22,13 +23,13 @@ def _hf_model(cfg):
     return build_hf_model(cfg, attn_implementation="eager")
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, HEAD_DIM_APART], ids=["llama", "gpt", "head_dim"])
 def test_param_count_matches_transformers(cfg):
     model = _hf_model(cfg)
     assert flops.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, HEAD_DIM_APART], ids=["llama", "gpt", "head_dim"])
 def test_model_flops_match_flop_counter(cfg):
     model = _hf_model(cfg)
     batch = 2
@@ -41,7 +42,8 @@ def test_model_flops_match_flop_counter(cfg):
     # the acceptance bound is 5%; with these conventions the count is exact for both reference models
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
     # attention matmuls were seen: dropping the attention term from the prediction breaks the match
-    attention = 3 * batch * cfg["seq_length"] * cfg["num_layers"] * 4 * cfg["seq_length"] * cfg["hidden_size"]
+    q_width = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    attention = 3 * batch * cfg["seq_length"] * cfg["num_layers"] * 4 * cfg["seq_length"] * q_width
     assert abs(predicted - attention - measured) / measured > 0.05
 
 
@@ -160,3 +162,17 @@ def test_training_logs_tflops_of_the_active_parameters(tmp_path):
     active = flops.flops_per_iteration(model, batch, tp=1)["model_flops"]
     every_expert = flops.flops_per_iteration(dict(model, moe_top_k=model["num_experts"]), batch, tp=1)["model_flops"]
     assert logged == pytest.approx(active, rel=1e-9) and active < every_expert
+
+
+def test_sliding_windows_count_the_band_each_query_sees():
+    """A layer with a window w counts 4·min(s, w)·q for its attention core (a windowed kernel skips the
+    blocks outside the band); per-layer windows (null: full attention) count layer by layer."""
+    s, q = LLAMA["seq_length"], LLAMA["hidden_size"]
+    full = flops.forward_flops_per_token(LLAMA)
+    assert full.attention == LLAMA["num_layers"] * 4 * s * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": 8}).attention == 2 * 4 * 8 * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": [8, None]}).attention == 4 * 8 * q + 4 * s * q
+    assert flops.forward_flops_per_token({**LLAMA, "sliding_window": 64}).total == full.total  # no shorter than s
+    windowed = {**LLAMA, "sliding_window": 8}
+    assert (flops.hardware_flops_per_token(windowed, "selective") - flops.model_flops_per_token(windowed)
+            == 2 * 4 * 8 * q)

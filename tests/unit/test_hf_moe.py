@@ -1,5 +1,5 @@
-"""Hugging Face conversion of Mixture-of-Experts models: MixtralForCausalLM and Qwen2MoeForCausalLM
-(gated shared experts, q/k/v biases, dense layers between MoE layers). Random megand checkpoints round-trip
+"""Hugging Face conversion of Mixture-of-Experts models: MixtralForCausalLM, Qwen2MoeForCausalLM (gated
+shared experts, q/k/v biases, dense layers between MoE layers) and Qwen3MoeForCausalLM (q/k norms, head_dim). Random megand checkpoints round-trip
 through the published per-expert safetensors layout bit-identically, transformers computes the same logits
 from the export, greedy decoding equals transformers' greedy generate, directories that transformers wrote
 import, and what a family cannot express is refused up front in one line."""
@@ -25,8 +25,11 @@ MIXTRAL = dict(BASE, ffn_hidden_size=48, num_experts=4, moe_top_k=2, moe_ffn_hid
 # no top-k renormalisation, RMSNorm epsilon 1e-6
 QWEN2_MOE = dict(BASE, num_layers=3, num_experts=8, moe_top_k=3, moe_ffn_hidden_size=32, moe_shared_experts=2,
                  moe_shared_expert_gate=True, moe_layer_freq=2, moe_norm_topk_prob=False, qkv_bias=True, norm_eps=1e-6)
-MODELS = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
-CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# Qwen3-MoE: per-head q/k norms, a head width of its own, layers 0 and 2 MoE, no shared experts
+QWEN3_MOE = dict(BASE, num_layers=3, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32, moe_layer_freq=2,
+                 moe_norm_topk_prob=True, qk_norm=True, head_dim=24, norm_eps=1e-6)
+MODELS = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +110,12 @@ def test_import_of_a_directory_written_by_transformers(family, topo, tmp_path, c
     assert full.read_config(str(tmp_path / "ckpt")).model.num_experts == m["num_experts"]
     assert {t.dtype for t in offline.load_full_tensors(str(tmp_path / "ckpt")).values()} == {torch.bfloat16}
     ours, _ = full.load_model(str(tmp_path / "ckpt"), topo)
+    # the reference reads the same files in fp32 (a bf16 model cast back with .float() keeps bf16-rounded
+    # RoPE frequencies in some families' rotary buffers: Qwen3-MoE's)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     ids = torch.randint(0, m["vocab_size"], (2, m["seq_length"]), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert (ours(input_ids=ids) - theirs.float()(input_ids=ids).logits).abs().max().item() <= 1e-4
+        assert (ours(input_ids=ids) - reference(input_ids=ids).logits).abs().max().item() <= 1e-4
 
 
 def write_config(tmp_path, family, **changes):

@@ -26,6 +26,7 @@ FORMAT = 1
 
 
 from megand.core.checkpointing.errors import CheckpointError  # noqa: E402  (re-exported)
+from megand.core.transformer.config import ARCHITECTURE_FIELDS, comparable  # noqa: E402
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -152,14 +153,16 @@ def check_shapes(iter_dir: str, metadata, expected: dict[str, tuple[int, ...]], 
                               + "; ".join(problems[:5]) + more)
 
 
-STRUCTURE_KEYS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "vocab_size", "norm", "activation", "position_embedding", "tie_embeddings")
+# every key that shapes the weights or what they compute (the model schema's architecture keys)
+STRUCTURE_KEYS = tuple(sorted(ARCHITECTURE_FIELDS))
 
 
 def check_model_config(iter_dir: str, saved: dict | None, current: dict) -> None:
     if not saved:
         return
+    present = set(saved)
+    saved, current = comparable(saved), comparable(current)
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
-             for k in STRUCTURE_KEYS if k in saved and saved.get(k) != current.get(k)]
+             for k in STRUCTURE_KEYS if k in present and saved.get(k) != current.get(k)]
     if diffs:
         raise CheckpointError(f"{iter_dir} holds a different model: " + "; ".join(diffs))

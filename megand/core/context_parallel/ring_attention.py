@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megand.core.context_parallel.block_kernels import blocks_for
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
+from megand.core.attention_masks import visible
 
 # ---------------------------------------------------------------- block attention (no communication)
 
@@ -40,16 +41,19 @@ def _check(q, k, v):
         raise ValueError(f"the local sequence ({q.shape[2]}) must be two equal chunks (load-balanced layout)")
 
 
-def _document_pieces(pieces, ids, q_pos, k_pos):
+def _document_pieces(pieces, ids, q_pos, k_pos, window=None):
     """``(q slice, kv slice, causal, allowed)`` of the pieces that do any work. Without documents
-    (``ids`` None) the pieces as they are; with them the [b, sq, sk] mask of each piece (same document,
-    key not after the query), fully masked pieces left out."""
+    (``ids`` None) and window the pieces as they are; with either the [b, sq, sk] mask of each piece (same
+    document, key not after the query and within the sliding ``window``; batch 1 without documents), fully
+    masked pieces left out: a block wholly outside the window is neither computed nor, in backward, worked on."""
     for qs, ks, causal in pieces:
-        if ids is None:
+        if ids is None and window is None:
             yield qs, ks, causal, None
             continue
         qp, kp = q_pos[qs], k_pos[ks]
-        allowed = (ids[:, qp][:, :, None] == ids[:, kp][:, None, :]) & (qp[:, None] >= kp[None, :])
+        allowed = visible(qp, kp, window)[None]
+        if ids is not None:
+            allowed = (ids[:, qp][:, :, None] == ids[:, kp][:, None, :]) & allowed
         if bool(allowed.any()):
             yield qs, ks, False, allowed
 
@@ -85,7 +89,7 @@ def _ring_pieces(step, src, cp_rank, half):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids):
+    def forward(ctx, q, k, v, cp_group, scale, ids, window):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
@@ -100,7 +104,7 @@ class _RingAttention(torch.autograd.Function):
             block_k, block_v = blocks.prepare(kv).unbind(0)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
-            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos, window):
                 _merge(out[:, :, qs], lse[:, :, qs],
                        *blocks.forward(qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal, allowed))
             if step + 1 < cp_size:
@@ -108,14 +112,14 @@ class _RingAttention(torch.autograd.Function):
                     req.wait()
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale, ctx.ids = cp_group, scale, ids
+        ctx.cp_group, ctx.scale, ctx.ids, ctx.window = cp_group, scale, ids, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale, ids = ctx.cp_group, ctx.scale, ctx.ids
+        cp_group, scale, ids, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
@@ -133,7 +137,7 @@ class _RingAttention(torch.autograd.Function):
             block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
-            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos):
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos, window):
                 block_dq, block_dk, block_dv = blocks.backward(
                     doutb[:, :, qs], qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], out[:, :, qs], lse[:, :, qs],
                     delta[:, :, qs], scale, causal, allowed)
@@ -156,19 +160,20 @@ class _RingAttention(torch.autograd.Function):
                 req.wait()
         else:
             dkv = block_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
+def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
     ``documents`` (anything with ``ids [b, s]``, the whole sequence's document ids): attention within documents.
+    ``window``: sliding-window attention (blocks wholly outside it are skipped).
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _RingAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids)
+    return _RingAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids, window)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -203,26 +208,26 @@ def _all_gather_pieces(cp_rank, cp_size, half, ids=None, q_pos=None):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids):
+    def forward(ctx, q, k, v, cp_group, scale, ids, window):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
         qb = blocks.prepare(q)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, window):
             out[:, :, qs], lse[:, :, qs] = blocks.forward(qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
                                                           causal, allowed)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale, ctx.ids = cp_group, scale, ids
+        ctx.cp_group, ctx.scale, ctx.ids, ctx.window = cp_group, scale, ids, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale, ids = ctx.cp_group, ctx.scale, ctx.ids
+        cp_group, scale, ids, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
@@ -230,7 +235,7 @@ class _AllGatherAttention(torch.autograd.Function):
         delta = (dout.float() * out).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
-        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids):
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, window):
             dq[:, :, qs], dk, dv = blocks.backward(doutb[:, :, qs], qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
                                                    out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal,
                                                    allowed)
@@ -240,18 +245,18 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
         local_dkv = torch.empty_like(dkv_by_rank[:2])
         _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
-        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None, None
 
 
-def _all_gather_work(q, cp_rank, cp_size, ids):
+def _all_gather_work(q, cp_rank, cp_size, ids, window):
     half = q.shape[2] // 2
     q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
     k_pos = torch.arange(2 * half * cp_size, device=q.device)
-    return _document_pieces(_all_gather_pieces(cp_rank, cp_size, half, ids, q_pos), ids, q_pos, k_pos)
+    return _document_pieces(_all_gather_pieces(cp_rank, cp_size, half, ids, q_pos), ids, q_pos, k_pos, window)
 
 
-def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
+def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
     """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _AllGatherAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids)
+    return _AllGatherAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids, window)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megand.core.attention_masks import local_attention
 from megand.core.context_parallel.sequence import cp_positions
 
 
@@ -73,7 +74,7 @@ def check_ulysses_heads(num_heads: int, tp: int, cp: int) -> None:
                          f"to be divisible by parallel.cp={cp}")
 
 
-def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
+def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
@@ -91,8 +92,7 @@ def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
     natural = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, cp_group).index_select(2, natural) for t in (q, k, v))
     if documents is not None:
-        out = documents.attend(q, k, v, scale=softmax_scale)
+        out = documents.attend(q, k, v, scale=softmax_scale, window=window)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = local_attention(q, k, v, window, scale=softmax_scale)
     return _HeadsToSeq.apply(out.index_select(2, order), cp_group)

@@ -51,7 +51,7 @@ def all_reduce_layout_grads(params, topo):
         # under expert parallelism the routed experts' tp peers may hold other experts: their gradients
         # are complete after the expert-data-parallel reduction (whose group spans the tp ranks with etp=1)
         expert_parallel = getattr(topo, "ep", 1) > 1
-        tp_summed = [g for p, g in grads if p.meta.sequence_parallel_grad
+        tp_summed = [g for p, g in grads if p.meta.partial_over_tp
                      and not (expert_parallel and getattr(p.meta, "expert", False))]
         for same_dtype in _by_dtype(tp_summed):
             _all_reduce_coalesced(same_dtype, topo.tp_group)

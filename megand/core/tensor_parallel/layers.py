@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, tag
+from megand.core.sharding import ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
@@ -118,7 +118,7 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = _param((out_features, local_in), ParamMeta((out_features, in_features), 1, tp_rank, tp_size,
                                                                  init_std=init_std), dtype, device)
         self.bias = _param((out_features,), ParamMeta((out_features,), None, tp_rank, tp_size, init="zeros",
-                                                      sequence_parallel_grad=sequence_parallel),
+                                                      input_split=split_by_tokens(sequence_parallel)),
                            dtype, device) if bias else None
 
     def forward(self, x):

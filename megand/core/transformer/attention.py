@@ -10,12 +10,14 @@ earlier tokens are kept, so each new token costs one position instead of the who
 """
 
 import torch
-import torch.nn.functional as F
 
+from megand.core.attention_masks import local_attention
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
+from megand.core.sharding import HEADS, retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
+from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import apply_rope
 
 
@@ -40,35 +42,43 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[tor
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, cfg, topo, rng, device=None):
+    def __init__(self, cfg, topo, rng, device=None, layer_id=0):
         super().__init__()
         self.cfg, self.rng = cfg, rng
+        self.window = cfg.window(layer_id)  # sliding-window attention of this layer (None: full causal)
         self.cp_group = topo.cp_group if topo.cp_size > 1 else None
         tp = topo.tp_size
         self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
-        qkv_size = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
+        qkv_size = cfg.query_width + 2 * cfg.kv_width
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
                                         **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
-        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+        # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
+        retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim, cfg.head_dim, cfg.head_dim))
+        self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
+            norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
+                        dtype=cfg.params_dtype, device=common["device"])
+            self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
 
     def core(self, q, k, v, documents=None):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
         ``documents``: a :class:`DocumentMask`; tokens then attend only within their document."""
+        window = {} if self.window is None else {"window": self.window}
         if self.cp_group is not None:  # the other tokens of the sequence live on the other cp ranks
             attend = CP_ATTENTION[self.cfg.cp_comm]
             if documents is not None:
-                return attend(q, k, v, self.cp_group, documents=documents)
-            return attend(q, k, v, self.cp_group)
+                return attend(q, k, v, self.cp_group, documents=documents, **window)
+            return attend(q, k, v, self.cp_group, **window)
         if documents is not None:  # attention dropout with document masks is refused by the config
-            return documents.attend(q, k, v)
+            return documents.attend(q, k, v, **window)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return local_attention(q, k, v, self.window, dropout_p=dropout)
 
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
@@ -77,11 +87,13 @@ class Attention(torch.nn.Module):
         qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.cfg.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.cfg.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
-            out = cached_attention(q, *cache.append(k, v))
+            out = cached_attention(q, *cache.append(k, v), window=self.window)
         elif self.cfg.recompute == "selective":
             out = checkpoint(self.core, q, k, v, documents, rng=self.rng)
         else:

@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from megand.core.attention_masks import visible
+
 
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """``[b, s]`` index of the document of each token (0 for the first one); EOD closes its document."""
@@ -31,10 +33,15 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(first, dim=-1).values
 
 
-def dense_document_mask(q_doc, k_doc, q_pos, k_pos) -> torch.Tensor:
-    """``[b, 1, sq, sk]`` boolean: same document and key not after the query. The CPU reference."""
+def dense_document_mask(q_doc, k_doc, q_pos, k_pos, window=None) -> torch.Tensor:
+    """``[b, 1, sq, sk]`` boolean: same document and key visible (causal, within the window). The CPU
+    reference."""
     same = q_doc[:, :, None] == k_doc[:, None, :]
-    causal = q_pos[:, None] >= k_pos[None, :] if q_pos.dim() == 1 else q_pos[:, :, None] >= k_pos[:, None, :]
+    if q_pos.dim() == 1:
+        causal = visible(q_pos, k_pos, window)
+    else:
+        distance = q_pos[:, :, None] - k_pos[:, None, :]
+        causal = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
     return (same & causal)[:, None]
 
 
@@ -55,30 +62,32 @@ class DocumentMask:
         self.ids = ids
         self._block_masks = {}
 
-    def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None):
+    def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None, window=None):
         """``q [b, h, sq, d]``, ``k, v [b, g, sk, d]`` at global positions ``q_pos [sq]``, ``k_pos [sk]``
-        (default: the whole sequence). Rows with no visible key (none when q_pos covers k_pos) give 0."""
+        (default: the whole sequence); ``window``: sliding-window attention. Rows with no visible key (none
+        when q_pos covers k_pos) give 0."""
         if q_pos is None:
             q_pos = torch.arange(q.shape[2], device=q.device)
         if k_pos is None:
             k_pos = torch.arange(k.shape[2], device=k.device)
         gqa = k.shape[1] != q.shape[1]
         if q.device.type == "cuda":
-            return self._flex(q, k, v, q_pos, k_pos, gqa, scale)
+            return self._flex(q, k, v, q_pos, k_pos, gqa, scale, window)
         q_doc, k_doc = self.ids[:, q_pos], self.ids[:, k_pos]
-        mask = dense_document_mask(q_doc, k_doc, q_pos, k_pos)
+        mask = dense_document_mask(q_doc, k_doc, q_pos, k_pos, window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
-    def _flex(self, q, k, v, q_pos, k_pos, gqa, scale):
+    def _flex(self, q, k, v, q_pos, k_pos, gqa, scale, window=None):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        key = (q_pos.data_ptr(), q_pos.numel(), k_pos.data_ptr(), k_pos.numel())
+        key = (q_pos.data_ptr(), q_pos.numel(), k_pos.data_ptr(), k_pos.numel(), window)
         block_mask = self._block_masks.get(key)
         if block_mask is None:
             ids, qp, kp = self.ids, q_pos, k_pos
+            reach = window if window is not None else ids.shape[1] + 1  # beyond any distance: no window
 
             def mask_mod(b, h, qi, ki):
-                return (ids[b, qp[qi]] == ids[b, kp[ki]]) & (qp[qi] >= kp[ki])
+                return (ids[b, qp[qi]] == ids[b, kp[ki]]) & (qp[qi] >= kp[ki]) & (qp[qi] - kp[ki] < reach)
 
             block_mask = create_block_mask(mask_mod, B=ids.shape[0], H=None, Q_LEN=q_pos.numel(),
                                            KV_LEN=k_pos.numel(), device=q.device, _compile=True)

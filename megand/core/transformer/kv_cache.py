@@ -4,6 +4,8 @@ far, per layer, and attention of new queries over them."""
 import torch
 import torch.nn.functional as F
 
+from megand.core.attention_masks import local_attention
+
 
 class LayerKVCache:
     """One layer's keys and values ``[b, groups, max_len, d]`` of the tokens seen so far."""
@@ -36,14 +38,11 @@ class KVCache:
         return next(iter(self.layers.values())).length if self.layers else 0
 
 
-def cached_attention(q, k, v):
+def cached_attention(q, k, v, window=None):
     """Attention of the new queries ``[b, heads, s_new, d]`` over every cached key/value ``[b, groups, s, d]``:
-    query i is the token at position ``s - s_new + i`` and sees the keys up to it."""
+    query i is the token at position ``s - s_new + i`` and sees the keys up to it (the ``window`` latest
+    with sliding-window attention)."""
     s_new, s = q.shape[2], k.shape[2]
-    gqa = k.shape[1] != q.shape[1]
-    if s_new == s:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if s_new == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - s_new, s, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if s_new == 1 and (window is None or window >= s):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+    return local_attention(q, k, v, window)

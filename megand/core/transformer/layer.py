@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from megand.core.sharding import split_by_tokens
 from megand.core.tensor_parallel import checkpoint
 from megand.core.transformer.attention import Attention
 from megand.core.transformer.mlp import MLP
@@ -17,10 +18,10 @@ class TransformerLayer(torch.nn.Module):
         device = topo.device if device is None else device
         super().__init__()
         self.cfg, self.rng = cfg, rng
-        norm = dict(eps=cfg.norm_eps, sequence_parallel=cfg.sequence_parallel, tp_rank=topo.tp_rank,
+        norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
                     tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, topo, rng, device)
+        self.attention = Attention(cfg, topo, rng, device, layer_id)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.expert_parallel import AllToAllDispatcher
-from megand.core.sharding import ParamMeta, tag
+from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -86,7 +86,7 @@ class Router(torch.nn.Module):
         self.norm_topk = cfg.moe_norm_topk_prob
         shape = (cfg.num_experts, cfg.hidden_size)
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                                              sequence_parallel_grad=sharded_tokens), cfg.params_dtype, device)
+                                              input_split=split_by_tokens(sharded_tokens)), cfg.params_dtype, device)
         if self.kind == "sigmoid":
             # state, not a parameter; tiny: created on the run's device even when the model is built on meta
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=topo.device))
@@ -168,7 +168,7 @@ class GroupedLinear(torch.nn.Module):
         local = tuple(n // tp_size if d == split_dim else n for d, n in enumerate(full))
         local = (local_experts,) + local[1:]
         self.weight = _param(local, ParamMeta(full, split_dim, tp_rank, tp_size, init_std=init_std,
-                                              sequence_parallel_grad=split_dim is None and sharded_tokens, **ep),
+                                              input_split=split_by_tokens(split_dim is None and sharded_tokens), **ep),
                              dtype, device)
         self.bias = None
         if bias:
@@ -176,7 +176,7 @@ class GroupedLinear(torch.nn.Module):
             split_b = 1 if bias_split else None
             local_b = (local_experts, out_features // tp_size if bias_split else out_features)
             self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros", **ep,
-                                                  sequence_parallel_grad=split_b is None and sharded_tokens),
+                                                  input_split=split_by_tokens(split_b is None and sharded_tokens)),
                                dtype, device)
 
     def forward(self, x, counts, offsets, add_bias=True):
@@ -194,6 +194,8 @@ class Experts(torch.nn.Module):
                       device=device)
         self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu else 1), split_dim=1 if split else None,
                                  init_std=cfg.init_std, bias_split=split, **common)
+        if self.swiglu:  # rows alternate gate, up
+            retag(self.fc1.weight, fused_rows=(1, 1))
         # split over tp, fc2's bias is added once after the tp reduction (by the MoE block)
         self.fc2 = GroupedLinear(e, f, h, split_dim=2 if split else None,
                                  init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, bias_split=False, **common)
@@ -266,7 +268,7 @@ class GateWeight(torch.nn.Module):
         super().__init__()
         shape = (1, cfg.hidden_size)
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                                              sequence_parallel_grad=cfg.sequence_parallel), cfg.params_dtype, device)
+                                              input_split=split_by_tokens(cfg.sequence_parallel)), cfg.params_dtype, device)
 
     def forward(self, x):
         return F.linear(x, self.weight)

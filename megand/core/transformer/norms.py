@@ -9,11 +9,13 @@ from megand.core.sharding import ParamMeta, tag
 class Norm(torch.nn.Module):
     """``kind`` is layernorm (weight and bias) or rmsnorm (weight only).
 
-    Under sequence parallelism each tp rank normalises a different sequence shard, so its weight
-    gradient is partial: the tag tells the optimizer to sum it over tp.
+    ``input_split``: how the normalised input is split over tp (:class:`ParamMeta`): under sequence
+    parallelism each tp rank normalises a different sequence shard ("tokens"); a per-head norm sees only
+    the rank's own heads ("heads"). Either way the weight gradient is partial: the tag tells the optimizer
+    to sum it over tp.
     """
 
-    def __init__(self, kind, hidden_size, *, eps=1e-5, sequence_parallel=False, tp_rank=0, tp_size=1,
+    def __init__(self, kind, hidden_size, *, eps=1e-5, input_split=None, tp_rank=0, tp_size=1,
                  dtype=torch.float32, device=None):
         super().__init__()
         if kind not in ("layernorm", "rmsnorm"):
@@ -21,7 +23,7 @@ class Norm(torch.nn.Module):
         self.kind, self.eps, self.shape = kind, eps, (hidden_size,)
 
         def param(init):
-            meta = ParamMeta(self.shape, None, tp_rank, tp_size, init=init, sequence_parallel_grad=sequence_parallel)
+            meta = ParamMeta(self.shape, None, tp_rank, tp_size, init=init, input_split=input_split)
             return tag(torch.nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device)), meta)
 
         self.weight = param("ones")

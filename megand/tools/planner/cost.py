@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megand.models.flops import Shape, flops_per_iteration, layer_params
-from megand.tools.estimate_memory import Layout, estimate_memory, stage_params
+from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
-from megand.tools.planner.profile import collective_time, gemm_time
+from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
 from megand.tools.planner.simulate import simulate
 
 GIB = 2 ** 30
@@ -66,7 +66,7 @@ def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
                   sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
-                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout)
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -111,22 +111,22 @@ class LayerTimes:
 
 
 def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str) -> LayerTimes:
-    h, f, kv, s, e = shape.hidden, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
+    h, q, f, kv, s, e = shape.hidden, shape.q_dim, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
     tp, cp = c.tp, c.cp
     tokens = c.micro_batch_size * s / cp
     mlp_in = (2 if shape.swiglu else 1) * f
-    gemm = (gemm_time(profile, tokens, (h + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, h / tp)
+    gemm = (gemm_time(profile, tokens, (q + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, q / tp)
             + gemm_time(profile, tokens, mlp_in / tp, h) + gemm_time(profile, tokens, h, f / tp))
-    # attention core: scores and context, 4*s*h FLOPs per token over the local heads (flops.py's count),
+    # attention core: scores and context, 4*s*q FLOPs per token over the local heads (flops.py's count),
     # run as batched [s/cp, d] x [d, s] products
     heads = shape.heads / tp
-    attn_flops = 4.0 * tokens * s * h / tp
+    attn_flops = 4.0 * tokens * s * q / tp
     unit = gemm_time(profile, s / cp, s, shape.head_dim)  # one head's scores product
     unit_flops = 2.0 * (s / cp) * s * shape.head_dim
     attn = attn_flops * unit / unit_flops if unit_flops else 0.0
     split = tp if c.sequence_parallel and tp > 1 else 1
     act = (3 if shape.swiglu else 2) * f / tp
-    rope = 4 * (h + kv) / tp if not shape.learned_positions else 0
+    rope = 4 * (q + kv) / tp if not shape.learned_positions else 0
     mem_bytes = e * tokens * ((4 * h + 6 * h) / split + act + rope)  # norms r/w, residual adds, activation, rope
     if not c.fused:  # s x s scores written, softmax read and written, probabilities read by the context product
         mem_bytes += 4 * e * tokens * heads * s
@@ -323,6 +323,12 @@ def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, forw
     level = c.sharding if d > 1 else "none"
     main_params = params / (shard if level != "none" else 1)
     opt = main_params * ADAM_BYTES_PER_MAIN_PARAM / (prof.memory_gbps * 1e9)
+    if c.optimizer == "muon":  # Newton-Schulz on this rank's share of the matrices, and moving the pieces
+        muon, h = muon_step_cost(model, layout, r), Shape.from_config(model).hidden
+        opt += muon["flops"] / (prof.peak_tflops * 1e12 * gemm_efficiency(prof, h, h, h))
+        local = muon["bytes"] / 2  # fp32 layer matrices of this tp rank: reduced to and broadcast from owners
+        opt += collective_time(prof, "all_reduce", local, shard if level != "none" else d, links["dp_shard"][r])
+        opt += 2 * collective_time(prof, "all_gather", local * c.tp, c.tp, links["tp"][r])  # gather + scatter
     if d <= 1:
         return 0.0, 0.0, opt
     bucket = min(1.0, c.bucket_size / max(params, 1.0))

@@ -1,0 +1,30 @@
+"""Which keys a query sees: causal, optionally within a sliding window (Mistral), and the local attention
+that applies it with SDPA. Shared by the layer, the context-parallel variants, document masks and the KV
+cache, so that every attention path agrees on the window's edge."""
+
+import torch
+import torch.nn.functional as F
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[sq, sk]`` boolean for global positions ``[sq]``, ``[sk]``: the key is not after the query and, with a
+    sliding ``window``, fewer than ``window`` tokens before it (the query sees the ``window`` latest keys,
+    itself included; as Hugging Face's ``sliding_window``)."""
+    distance = q_pos[:, None] - k_pos[None, :]
+    return (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+
+
+def local_attention(q, k, v, window=None, dropout_p=0.0, scale=None, q_offset=0):
+    """Causal attention of ``q [b, h, sq, d]`` over ``k, v [b, g, sk, d]`` (the last query is the last key's
+    token; ``q_offset``: the first query's position minus the first key's when the queries are a suffix),
+    within ``window`` when set. Full-causal windows (no shorter than the keys) take the causal kernel."""
+    sq, sk = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if window is None or window >= sk:
+        if sq == sk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                                  enable_gqa=gqa)
+        window = None
+    q_pos = torch.arange(sk - sq, sk, device=q.device)
+    mask = visible(q_pos, torch.arange(sk, device=q.device), window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,38 @@
+"""State-dict adapter: megand Qwen2/Qwen2.5-style dense models <-> ``transformers`` ``Qwen2ForCausalLM``:
+the LLaMA layout with biases on the query, key and value projections (``model.qkv_bias``)."""
+
+from __future__ import annotations
+
+from megand.models.hf import dims, head_dim_derived, norm_eps
+from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
+from megand.models.hf_llama import rules as llama_rules
+
+MODEL_TYPE = "qwen2"
+MODEL_CLASS = "Qwen2ForCausalLM"
+
+
+def matches(m) -> bool:
+    return (llama_like(m) and not m.get("num_experts") and bool(m.get("qkv_bias")) and not m.get("qk_norm")
+            and head_dim_derived(m) and m.get("sliding_window") is None)
+
+
+def hf_config(m: dict):
+    from transformers import Qwen2Config
+
+    h, heads, groups, _ = dims(m)
+    return Qwen2Config(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
+                       num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
+                       hidden_act="silu", max_position_embeddings=m["seq_length"],
+                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
+                       rope_parameters=rope_parameters(m), tie_word_embeddings=bool(m["tie_embeddings"]),
+                       use_sliding_window=False, attention_dropout=m.get("attention_dropout", 0.0),
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``Qwen2Config``; ValueError for what megand does not implement."""
+    return dict(llama_like_config(config), qkv_bias=True)
+
+
+def rules(m: dict):
+    return llama_rules(m)

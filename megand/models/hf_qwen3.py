@@ -1,0 +1,42 @@
+"""State-dict adapter: megand Qwen3-style dense models <-> ``transformers`` ``Qwen3ForCausalLM``: the LLaMA
+layout with an RMSNorm over each query and key head before RoPE (``model.qk_norm``) and a head width of its
+own (``model.head_dim``)."""
+
+from __future__ import annotations
+
+from megand.models.hf import dims, norm_eps
+from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
+from megand.models.hf_llama import rules as llama_rules
+
+MODEL_TYPE = "qwen3"
+MODEL_CLASS = "Qwen3ForCausalLM"
+
+
+def matches(m) -> bool:
+    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm")) and not m.get("qkv_bias") and m.get("sliding_window") is None
+
+
+def hf_config(m: dict):
+    from transformers import Qwen3Config
+
+    h, heads, groups, hd = dims(m)
+    return Qwen3Config(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
+                       num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
+                       head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
+                       initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
+                       rope_parameters=rope_parameters(m), tie_word_embeddings=bool(m["tie_embeddings"]),
+                       attention_bias=False, use_sliding_window=False,
+                       attention_dropout=m.get("attention_dropout", 0.0),
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``Qwen3Config``; ValueError for what megand does not implement."""
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention_bias=true: Qwen3 then has a bias on o_proj too; megand's qkv_bias covers "
+                         "q/k/v only")
+    return dict(llama_like_config(config), qk_norm=True)
+
+
+def rules(m: dict):
+    return llama_rules(m)

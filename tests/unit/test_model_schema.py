@@ -1,0 +1,68 @@
+"""One model schema: the run's ``model`` keys are core's TransformerConfig fields, the head width is derived
+once (in core) and every reader (layers, FLOPs, estimator, checkpoint adapters) follows it; a key core does
+not declare is an error naming it."""
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from megand.core.transformer.config import MODEL_FIELDS, TransformerConfig
+from megand.models import flops
+from megand.models.full import param_metas, transformer_config
+from megand.models.hf import dims
+from megand.training.config import ConfigError, ModelConfig, compose, validate
+from megand.training.config import transformer_config as run_transformer_config
+
+QWEN3_LIKE = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                  num_query_groups=2, head_dim=24, seq_length=32, vocab_size=256, norm="rmsnorm",
+                  activation="swiglu", position_embedding="rope", tie_embeddings=False)
+
+
+def test_the_run_schema_and_core_declare_the_same_model_keys():
+    assert {f.name for f in fields(ModelConfig)} == MODEL_FIELDS
+
+
+def test_head_dim_is_derived_when_null_and_widths_follow_it():
+    derived = TransformerConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2)
+    assert (derived.head_dim, derived.query_width, derived.kv_width) == (16, 64, 32)
+    apart = TransformerConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=24)
+    assert (apart.head_dim, apart.query_width, apart.kv_width) == (24, 96, 48)
+
+
+def test_every_reader_agrees_with_the_core_config():
+    cfg = transformer_config(QWEN3_LIKE)
+    shape = flops.Shape.from_config(QWEN3_LIKE)
+    assert (shape.head_dim, shape.q_dim, shape.kv_dim) == (cfg.head_dim, cfg.query_width, cfg.kv_width)
+    assert dims(QWEN3_LIKE)[3] == cfg.head_dim
+    shapes = {n: m.full_shape for n, m in param_metas(QWEN3_LIKE).items()}
+    assert shapes["layers.0.attention.qkv.weight"] == (96 + 2 * 48, 64)
+    assert shapes["layers.0.attention.proj.weight"] == (64, 96)
+    counted = sum(torch.Size(s).numel() for s in shapes.values())
+    assert flops.param_counts(QWEN3_LIKE).total == counted
+
+
+def test_an_unknown_model_key_is_named_not_dropped():
+    with pytest.raises(ValueError, match=r"unknown model key\(s\) model.kv_channels"):
+        transformer_config({**QWEN3_LIKE, "kv_channels": 24})
+
+
+def test_a_run_with_head_dim_apart_from_hidden_over_heads_validates():
+    cfg = compose(["model=llama_tiny", "model.hidden_size=62", "model.head_dim=16"])
+    validate(cfg, 1)
+    assert run_transformer_config(cfg).query_width == 64
+    with pytest.raises(ConfigError, match=r"model.hidden_size=62 is not divisible by model.num_attention_heads=4 "
+                                          r"\(or set model.head_dim\)"):
+        validate(compose(["model=llama_tiny", "model.hidden_size=62"]), 1)
+    with pytest.raises(ConfigError, match="rope needs an even head dim, got 15"):
+        validate(compose(["model=llama_tiny", "model.head_dim=15"]), 1)
+
+
+def test_the_import_refusal_names_every_adapter():
+    from types import SimpleNamespace
+
+    from megand.models import hf
+
+    with pytest.raises(ValueError) as e:
+        hf.adapter_for_hf(SimpleNamespace(model_type="deepseek_v3"))
+    assert ", ".join(a.MODEL_TYPE for a in hf._adapters()) in str(e.value)
