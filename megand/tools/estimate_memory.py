@@ -38,7 +38,9 @@ query seeing all s keys (all-gather semantics, an upper bound for ring attention
 
 Pipeline: 1F1B keeps min(pp - r, m) micro-batches in flight on stage r (stage 0 is the most loaded);
 the interleaved schedule with v virtual stages keeps min(2·(pp - r - 1) + (v - 1)·pp + 1, m·v) model
-chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0. An uneven
+chunks of L/(pp·v) layers in flight, i.e. Megatron's factor (1 + (pp - 1)/(pp·v)) on stage 0 (with
+m = pp it runs every forward first: m·v chunks on every stage). Both are counted on the action list the
+executor runs (megand/core/pipeline_parallel/actions.py), not from these formulas. An uneven
 ``parallel.pipeline_layout`` counts each stage's own layers (its chunks at their mean size).
 
 Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_freq == 0):
@@ -80,6 +82,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
+from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.models.flops import Shape, layer_params, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -268,19 +271,19 @@ def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
-    """Layers × micro-batches whose activations are alive at once on pipeline ``stage`` (peak)."""
+    """Layers × micro-batches whose activations are alive at once on pipeline ``stage`` (peak): the most
+    chunk forwards the stage's action list holds before their backward (the schedule the executor runs),
+    each chunk counted at the stage's mean chunk size."""
     pp, m = layout.pp, layout.num_microbatches
     if pp == 1:
         return float(num_layers)  # one micro-batch at a time through every layer
     layers = stage_layer_count(num_layers, layout, stage)
-    if not layout.interleaved:
-        inflight = pp - stage if m is None else min(pp - stage, m)
-        return inflight * layers
-    v = layout.vpp
-    chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1
-    if m is not None:
-        chunks = min(chunks, m * v)
-    return chunks * layers / v  # chunks of uneven sizes: counted at this stage's mean chunk size
+    v = layout.vpp if layout.interleaved else 1
+    if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
+        m = 2 * pp if v > 1 else pp
+    elif v > 1 and m % pp:  # the executor refuses it; count the next multiple of pp
+        m += pp - m % pp
+    return peak_live_chunks(pp, v, m, stage) * layers / v
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:

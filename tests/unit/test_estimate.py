@@ -70,6 +70,13 @@ def test_microbatches_in_flight():
     assert layer_microbatches_in_flight(8, Layout(pp=4, vpp=2, num_microbatches=8), 0) == 8 * (1 + 3 / 8)
 
 
+def test_interleaved_with_as_many_microbatches_as_stages_holds_every_chunk():
+    # m == pp: interleaving runs every forward before any backward, so every stage holds all m·v chunks
+    # (the warm-up formula said 2·(pp-r-1) + (v-1)·pp + 1, i.e. 5 of 8 chunks on the last stage)
+    layout = Layout(pp=4, vpp=2, num_microbatches=4)
+    assert [layer_microbatches_in_flight(8, layout, r) for r in range(4)] == [8, 8, 8, 8]
+
+
 def test_stage_params_by_hand():
     # layer per tp rank: (qkv 64·128 + proj 64·64 + gate/up 2·64·96 + down 96·64)/2 + norms 2·64 = 15488
     layout = Layout(tp=2, pp=2)

@@ -1,5 +1,7 @@
-"""Pipeline parallelism: stage construction (layout.py), p2p communication (p2p.py) and schedules (schedules.py)."""
+"""Pipeline parallelism: stage construction (layout.py), p2p communication (p2p.py), the schedules as
+action lists per rank (actions.py) and their executor (schedules.py)."""
 
+from megand.core.pipeline_parallel.actions import Action, Placement, interleaved_placement, schedule_actions
 from megand.core.pipeline_parallel.schedules import (
     ScheduleStats,
     forward_backward_fill_drain,
@@ -7,4 +9,5 @@ from megand.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_schedule,
+    run_actions,
 )

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from megand.core.pipeline_parallel.actions import interleaved_placement
+
 
 class PipelineLayoutError(ValueError):
     """Layers that cannot be split as asked over the pipeline stages; the message names the values."""
@@ -33,12 +35,14 @@ class ChunkSpec:
 
 def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int) -> list[ChunkSpec]:
     """The model chunks of pipeline rank ``pp_rank``. With v = len(layers_per_stage) / pp virtual stages
-    per rank, chunk ``c`` of rank ``r`` is virtual stage ``c*pp + r`` (Megatron's interleaving), so
-    consecutive virtual stages live on consecutive ranks."""
+    per rank, chunk ``c`` of rank ``r`` is the virtual stage :func:`interleaved_placement` gives it
+    (``c*pp + r``, Megatron's interleaving), so consecutive virtual stages live on consecutive ranks."""
     num_stages = len(layers_per_stage)
+    placement = interleaved_placement(pp_size, num_stages // pp_size)
     starts = [sum(layers_per_stage[:i]) for i in range(num_stages)]
     specs = []
-    for stage in range(pp_rank, num_stages, pp_size):
+    for chunk in range(placement.vpp):
+        stage = placement.stage(pp_rank, chunk)
         ids = list(range(starts[stage], starts[stage] + layers_per_stage[stage]))
         specs.append(ChunkSpec(ids, stage == 0, stage == num_stages - 1))
     return specs

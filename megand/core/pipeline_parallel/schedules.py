@@ -1,21 +1,24 @@
 """Forward/backward schedules over the micro-batches of one step.
 
-A schedule calls ``forward_step(chunk, microbatch, hidden)``, which returns the chunk's output: hidden
-states, or on the last stage the micro-batch's loss already divided by the global batch's token count
-(so summing micro-batches and data-parallel replicas gives the global mean). It returns the summed
-loss (detached) on the last stage, ``None`` elsewhere.
+What each rank runs, and in which order, is its action list (megand/core/pipeline_parallel/actions.py,
+the one description of the schedules, which the planner's replay and the memory estimator read too);
+:func:`run_actions` runs it. A schedule calls ``forward_step(chunk, microbatch, hidden)``, which returns
+the chunk's output: hidden states, or on the last stage the micro-batch's loss already divided by the
+global batch's token count (so summing micro-batches and data-parallel replicas gives the global mean).
+It returns the summed loss (detached) on the last stage, ``None`` elsewhere.
 
 - no pipelining (pp=1): gradient accumulation, one micro-batch alive at a time;
 - 1F1B (pp>1): stage r runs ``pp-r-1`` warm-up forwards, then alternates one forward and one backward,
   then drains the remaining backwards; stage 0 holds at most pp micro-batches of activations.
-  ``forward_backward_fill_drain`` (GPipe: all forwards, then all backwards) is the same code with m
-  warm-up forwards and holds m; it is kept for comparison;
+  ``forward_backward_fill_drain`` (GPipe: all forwards, then all backwards) holds m; it is kept for
+  comparison;
 - interleaved 1F1B (pp>1, vpp chunks per rank): Megatron's schedule, micro-batches in groups of pp run
   through chunk 0, then chunk 1, ...; the bubble shrinks by v.
 
 ``grad_sync`` (the data-parallel engine, or None) sees the last backward of the step of each chunk run
 inside ``last_backward(grad_sync)``, so it can start reducing that chunk's gradient buckets while the
-other chunks still run backward (megand/core/distributed/data_parallel.py). ``stats`` (optional :class:`ScheduleStats`) collects compute/communication time and the peak number of
+other chunks still run backward (megand/core/distributed/data_parallel.py). ``stats`` (optional
+:class:`ScheduleStats`) collects compute/communication time and the peak number of
 micro-batches whose activations are stored, for the bubble tool and the tests.
 """
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megand.core.distributed import last_backward
+from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, schedule_actions
 from megand.core.pipeline_parallel.p2p import PipelineP2P, tensor_shape
 
 
@@ -82,25 +86,82 @@ class _Steps:
         return None if input_tensor is None else input_tensor.grad
 
 
+def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
+    """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``.
+
+    Each action's receive is posted with the previous action's send, in one call (the first action's
+    alone), so a stage that sends one way and receives the other at once cannot deadlock against its
+    neighbour doing the mirror call; :class:`PipelineP2P` prefetches receives and leaves sends in
+    flight while the next action computes. Messages in each direction arrive in the order they are
+    sent, and the action lists consume them in that order, so each receive is the input of the action
+    it is posted for.
+    """
+    steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync)
+    p2p = _p2p(chunks, microbatches, topo, steps, actions) if topo.pp_size > 1 else None
+    inputs, outputs = {}, {}  # (chunk, micro-batch) -> the forward's input and output, kept for its backward
+    received = _communicate(p2p, None, None, actions[0] if actions else None)
+    for index, action in enumerate(actions):
+        key = action.chunk, action.microbatch
+        send_next = send_prev = None
+        if action.kind == FORWARD:
+            output = steps.forward(action.chunk, microbatches[action.microbatch], received)
+            if not forward_only:
+                inputs[key], outputs[key] = received, output
+            if action.send_to is not None:
+                send_next = output
+        elif action.kind == BACKWARD:
+            input_grad = steps.backward(inputs.pop(key), outputs.pop(key), received, action.chunk)
+            if action.send_to is not None:
+                send_prev = input_grad
+        else:
+            raise ValueError(f"pipeline schedule: no executor for action kind {action.kind!r}")
+        following = actions[index + 1] if index + 1 < len(actions) else None
+        received = _communicate(p2p, send_next, send_prev, following)
+    if p2p is None:
+        return steps.total
+    return _finish(p2p, steps, topo, stats)
+
+
+def _communicate(p2p, send_next, send_prev, following):
+    """Post the sends of the action just run with the receive of ``following``; return what it receives."""
+    if p2p is None:
+        return None
+    recv_prev = following is not None and following.kind == FORWARD and following.recv_from is not None
+    recv_next = following is not None and following.kind != FORWARD and following.recv_from is not None
+    if send_next is None and send_prev is None and not recv_prev and not recv_next:
+        return None
+    from_prev, from_next = p2p.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
+                                           recv_next=recv_next)
+    return from_prev if recv_prev else from_next
+
+
+def _actions(chunks, microbatches, topo, forward_only, fill_drain=False):
+    actions = schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
+                               forward_only=forward_only)
+    if topo.pp_size > 1:  # the p2p links only neighbours (the placement's peers must be those)
+        prev, next_ = (topo.pp_rank - 1) % topo.pp_size, (topo.pp_rank + 1) % topo.pp_size
+        for action in actions:
+            peers = (prev, next_) if action.kind == FORWARD else (next_, prev)
+            if action.recv_from not in (None, peers[0]) or action.send_to not in (None, peers[1]):
+                raise ValueError(f"pipeline rank {topo.pp_rank}: {action} talks to a rank that is not its "
+                                 f"neighbour ({prev} before, {next_} after); the pipeline p2p links neighbours only")
+    return actions
+
+
 def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                    grad_sync=None):
     """Gradient accumulation: forward and backward of each micro-batch in turn (pp == 1)."""
-    steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync)
-    for microbatch in microbatches:
-        loss = steps.forward(0, microbatch, None)
-        if not forward_only:
-            steps.backward(None, loss, None)
-    return steps.total
+    actions = schedule_actions(1, 1, len(microbatches), 0, forward_only=forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def _p2p(chunks, microbatches, topo, steps, forward_only):
-    """The stage's p2p, told what it receives this step: an activation for every forward but those of
-    the first virtual stage, a gradient for every backward but those of the last."""
+def _p2p(chunks, microbatches, topo, steps, actions):
+    """The stage's p2p, told what it receives this step: an activation for every forward that has a
+    sender, a gradient for every backward that has one."""
     cfg = chunks[0].cfg
     p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
-    m, v = len(microbatches), len(chunks)
-    from_prev = m * v - (m if chunks[0].pre_process else 0)
-    from_next = 0 if forward_only else m * v - (m if chunks[-1].post_process else 0)
+    from_prev = sum(1 for a in actions if a.kind == FORWARD and a.recv_from is not None)
+    from_next = sum(1 for a in actions if a.kind != FORWARD and a.recv_from is not None)
     p2p.expect(from_prev, from_next)
     steps.p2p = p2p
     return p2p
@@ -114,174 +175,26 @@ def _finish(p2p, steps, topo, stats):
 
 
 def forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
-                                                     stats=None, grad_sync=None, num_warmup=None):
-    """1F1B (one chunk per rank). ``num_warmup`` overrides the warm-up forwards (m: fill-drain)."""
+                                                     stats=None, grad_sync=None):
+    """1F1B (one chunk per rank)."""
     (_,) = chunks
-    m = len(microbatches)
-    steps = _Steps(chunks, forward_step, topo, forward_only, stats, m, grad_sync)
-    p2p = _p2p(chunks, microbatches, topo, steps, forward_only)
-    first, last = topo.is_first_stage, topo.is_last_stage
-    if forward_only:
-        num_warmup = m
-    elif num_warmup is None:
-        num_warmup = min(topo.pp_size - topo.pp_rank - 1, m)
-    num_steady = m - num_warmup
-    inputs, outputs = [], []  # stored for the backward, oldest first
-
-    def send_forward(output):
-        if not last:
-            p2p.send_forward(output)
-
-    for i in range(num_warmup):  # warm-up: forwards only
-        input_tensor = p2p.recv_forward(recv=not first)
-        output = steps.forward(0, microbatches[i], input_tensor)
-        send_forward(output)
-        if not forward_only:
-            inputs.append(input_tensor)
-            outputs.append(output)
-
-    input_tensor = p2p.recv_forward(recv=not first) if num_steady > 0 else None
-    for i in range(num_steady):  # steady state: one forward, one backward
-        output = steps.forward(0, microbatches[num_warmup + i], input_tensor)
-        output_grad = None if last else p2p.send_forward_recv_backward(output)
-        inputs.append(input_tensor)
-        outputs.append(output)
-        input_grad = steps.backward(inputs.pop(0), outputs.pop(0), output_grad)
-        if i == num_steady - 1:
-            if not first:
-                p2p.send_backward(input_grad)
-        else:
-            input_tensor = p2p.send_backward_recv_forward(None if first else input_grad, recv=not first)
-
-    if not forward_only:
-        for _ in range(num_warmup):  # cool-down: the remaining backwards
-            output_grad = p2p.recv_backward(recv=not last)
-            input_grad = steps.backward(inputs.pop(0), outputs.pop(0), output_grad)
-            if not first:
-                p2p.send_backward(input_grad)
-    return _finish(p2p, steps, topo, stats)
+    actions = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
-    return forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only,
-                                                            stats, grad_sync, num_warmup=len(microbatches))
+    (_,) = chunks
+    actions = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
                                                   stats=None, grad_sync=None):
-    """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r.
-
-    Step k of this rank's 2·v·m forward/backward sequence works on micro-batch group k // (pp·v),
-    chunk (k // pp) % v (reversed for backwards), micro-batch ``group·pp + k % pp``.
-    """
-    pp, rank, v, m = topo.pp_size, topo.pp_rank, len(chunks), len(microbatches)
-    if m % pp:
-        raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of pp={pp}")
-    total = m * v
-    steps = _Steps(chunks, forward_step, topo, forward_only, stats, m, grad_sync)
-    p2p = _p2p(chunks, microbatches, topo, steps, forward_only)
-    first_rank, last_rank = topo.is_first_stage, topo.is_last_stage
-
-    all_warmup = forward_only or m == pp
-    if all_warmup:
-        num_warmup = total
-    else:
-        num_warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    num_steady = total - num_warmup
-
-    def chunk_id(k, forward):
-        c = (k % (pp * v)) // pp
-        return c if forward else v - 1 - c
-
-    def microbatch_id(k):
-        return (k // (pp * v)) * pp + k % pp
-
-    inputs = [[] for _ in range(v)]
-    outputs = [[] for _ in range(v)]
-    output_grads = [[] for _ in range(v)]
-
-    def forward_k(k):
-        c = chunk_id(k, True)
-        if chunks[c].pre_process and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)  # the first virtual stage reads its micro-batch, receives nothing
-        output = steps.forward(c, microbatches[microbatch_id(k)], inputs[c][-1])
-        outputs[c].append(output)
-        if forward_only:  # nothing to keep for a backward
-            inputs[c].pop()
-            outputs[c].pop()
-        return output
-
-    def backward_k(k):
-        c = chunk_id(k, False)
-        if chunks[c].post_process and not output_grads[c]:
-            output_grads[c].append(None)  # the loss: no gradient comes from a next stage
-        return steps.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), c)
-
-    # warm-up
-    inputs[0].append(p2p.recv_forward(recv=not first_rank))
-    for k in range(num_warmup):
-        output = forward_k(k)
-        if chunks[chunk_id(k, True)].post_process:
-            output = None  # the last virtual stage sends nothing on
-        next_c = chunk_id(k + 1, True)
-        recv_prev = not (first_rank and next_c == 0) and k != total - 1
-        if k == num_warmup - 1 and not all_warmup:
-            input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
-                output, None, recv_prev=recv_prev, recv_next=not last_rank)
-            output_grads[v - 1].append(output_grad)
-        else:
-            input_tensor = p2p.send_forward_recv_forward(output, recv=recv_prev)
-        inputs[next_c].append(input_tensor)
-
-    # steady state: one forward and one backward per step
-    for k in range(num_steady):
-        fk, bk = k + num_warmup, k
-        output = forward_k(fk)
-        input_grad = backward_k(bk)
-        if chunks[chunk_id(fk, True)].post_process:
-            output = None
-        if chunks[chunk_id(bk, False)].pre_process:
-            input_grad = None
-
-        recv_prev = True
-        if first_rank:  # what arrives from the last rank now is for the chunk after the one it left
-            next_fc = chunk_id(fk - (pp - 1), True)
-            if next_fc == v - 1:
-                recv_prev = False
-            next_fc += 1
-        else:
-            next_fc = chunk_id(fk + 1, True)
-        recv_next = True
-        if last_rank:
-            next_bc = chunk_id(bk - (pp - 1), False)
-            if next_bc == 0:
-                recv_next = False
-            next_bc -= 1
-        else:
-            next_bc = chunk_id(bk + 1, False)
-        if k == num_steady - 1:
-            recv_prev = False
-        input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
-            output, input_grad, recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            inputs[next_fc].append(input_tensor)
-        if recv_next:
-            output_grads[next_bc].append(output_grad)
-
-    # cool-down
-    if not forward_only:
-        if all_warmup:
-            output_grads[v - 1].append(p2p.recv_backward(recv=not last_rank))
-        for k in range(num_steady, total):
-            input_grad = backward_k(k)
-            if chunks[chunk_id(k, False)].pre_process:
-                input_grad = None
-            next_bc = chunk_id(k + 1, False)
-            recv_next = not (last_rank and next_bc == v - 1) and k != total - 1
-            output_grads[next_bc].append(p2p.send_backward_recv_backward(input_grad, recv=recv_next))
-    return _finish(p2p, steps, topo, stats)
+    """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r."""
+    actions = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def get_schedule(topo, fill_drain=False):

@@ -1,9 +1,9 @@
 """Replay megand's pipeline schedules on per-stage forward/backward times.
 
-Each pipeline rank runs its forwards and backwards in exactly the order of
-megand/core/pipeline_parallel/schedules.py (1F1B: ``pp - r - 1`` warm-up forwards, then one forward and
-one backward, then the remaining backwards; interleaved: Megatron's chunk order over groups of pp
-micro-batches). An operation starts when its rank is free and its input has arrived: the previous
+Each pipeline rank runs its forwards and backwards in the order of its action list, the one the
+executor runs (megand/core/pipeline_parallel/actions.py: 1F1B's ``pp - r - 1`` warm-up forwards, then
+one forward and one backward, then the remaining backwards; interleaved: Megatron's chunk order over
+groups of pp micro-batches). An operation starts when its rank is free and its input has arrived: the previous
 virtual stage's forward of the same micro-batch (plus the p2p time of that boundary), or the next
 virtual stage's backward. The step's pipeline time, each rank's busy time and the bubble come out of
 the replay, so uneven stages, interleaving and slow links are accounted as they happen, not by the
@@ -14,38 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megand.core.pipeline_parallel.actions import interleaved_placement, schedule_actions
+
 
 def rank_operations(pp: int, vpp: int | None, m: int, rank: int) -> list:
-    """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F or B).
-
-    Virtual stage ``c * pp + rank`` is this rank's chunk ``c`` (megand/core/pipeline_parallel/layout.py).
-    """
-    v = vpp or 1
-    if pp == 1 or v == 1:
-        warmup = min(pp - rank - 1, m)
-        ops = [("F", rank, i) for i in range(warmup)]
-        for i in range(m - warmup):
-            ops += [("F", rank, warmup + i), ("B", rank, i)]
-        ops += [("B", rank, i) for i in range(m - warmup, m)]
-        return ops
-    if m % pp:
-        raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of pp={pp}")
-    total = m * v
-    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-
-    def chunk(k, forward):
-        c = (k % (pp * v)) // pp
-        return c if forward else v - 1 - c
-
-    def micro(k):
-        return (k // (pp * v)) * pp + k % pp
-
-    ops = [("F", chunk(k, True) * pp + rank, micro(k)) for k in range(warmup)]
-    for k in range(total - warmup):
-        fk = k + warmup
-        ops += [("F", chunk(fk, True) * pp + rank, micro(fk)), ("B", chunk(k, False) * pp + rank, micro(k))]
-    ops += [("B", chunk(k, False) * pp + rank, micro(k)) for k in range(total - warmup, total)]
-    return ops
+    """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F or B):
+    the keys of the action list megand's executor runs (megand/core/pipeline_parallel/actions.py)."""
+    return [action.key for action in schedule_actions(pp, vpp, m, rank)]
 
 
 @dataclass
@@ -75,6 +50,7 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
         raise ValueError(f"need {stages} forward and backward times, got {len(forward)} and {len(backward)}")
     p2p = list(p2p) if p2p is not None else [0.0] * max(stages - 1, 0)
     orders = [rank_operations(pp, vpp, m, r) for r in range(pp)]
+    placement = interleaved_placement(pp, vpp or 1)
     position, free = [0] * pp, [0.0] * pp
     busy, done = [0.0] * pp, {}
     remaining = sum(len(o) for o in orders)
@@ -105,6 +81,7 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
             raise RuntimeError(f"schedule replay deadlocked (pp={pp}, vpp={vpp}, m={m}): a bug")
     last_backward = []
     for r in range(pp):  # a chunk's gradients are final during its last micro-batch's backward
-        first_final = min(done[("B", s, m - 1)][0] for s in range(r, stages, pp))
+        own = [placement.stage(r, c) for c in range(placement.vpp)]
+        first_final = min(done[("B", s, m - 1)][0] for s in own)
         last_backward.append(free[r] - first_final)
     return Timeline(makespan=max(free), busy=busy, finish=list(free), last_backward=last_backward, ops=done)
