@@ -237,9 +237,9 @@ class Trainer:
         # the data position: samples consumed so far (a changed global batch size continues from there)
         self.sample_offset = loaded.consumed_samples - loaded.iteration * self.cfg.train.global_batch_size
         if self.topo.is_logging_rank:
+            rng = "yes" if loaded.rng_restored else f"partly: {loaded.rng_notice}" if loaded.rng_notice else "no, layout changed"
             print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
-                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
-                  f"{'yes' if loaded.rng_restored else 'no, layout changed'})", flush=True)
+                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: {rng})", flush=True)
 
     def save_checkpoint(self) -> bool:
         """Save (collective); False when nothing was saved: non-finite state, or a failed write under
