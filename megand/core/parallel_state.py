@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -201,13 +202,19 @@ def choose_device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed() -> torch.device:
-    """Join (or create) the default process group; a plain ``python`` launch is a world of one."""
+def init_distributed(timeout_s: float | None = None) -> torch.device:
+    """Join (or create) the default process group; a plain ``python`` launch is a world of one.
+
+    ``timeout_s``: how long a collective may wait before the backend aborts it (NCCL's watchdog, gloo's
+    timeout); None keeps torch's default (10 minutes for NCCL, 30 for gloo). Groups made by
+    :class:`Topology` take the same value."""
     device, backend = choose_device_and_backend()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if timeout_s is not None and timeout_s > 0:  # a bad value is reported by the config check
+            kwargs["timeout"] = timedelta(seconds=timeout_s)
         if "RANK" not in os.environ:  # not launched by torchrun: a one-process world, no rendezvous needed
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:

@@ -17,7 +17,7 @@ from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
-from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
+from megand.core.parallel_state import ParallelSizes, Topology, choose_device_and_backend, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
@@ -32,9 +32,11 @@ from megand.training.batches import Prefetcher, loss_token_count, rank_microbatc
 from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
+    collective_timeout_s,
     data_parallel_config,
     document_flags,
     optimizer_config,
+    save_timeout_s,
     transformer_config,
     validate,
 )
@@ -118,13 +120,6 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def collective_timeout_s(cfg, device) -> float:
-    """The hang watchdog's timeout: ``train.collective_timeout_s``, or 600 s on GPU, 1800 s on CPU."""
-    if cfg.train.collective_timeout_s is not None:
-        return float(cfg.train.collective_timeout_s)
-    return 600.0 if device.type == "cuda" else 1800.0
-
-
 def new_wandb_run_id() -> str:
     """A fresh wandb run id, drawn on rank 0 and the same on every rank (collective)."""
     import secrets
@@ -144,7 +139,8 @@ class Trainer:
 
     def __init__(self, cfg, wandb_run_id: str | None = None):
         self.cfg = cfg
-        device = init_distributed()
+        # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first)
+        device = init_distributed(collective_timeout_s(cfg, choose_device_and_backend()[0]))
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
@@ -248,7 +244,7 @@ class Trainer:
 
         t = self.cfg.train
         self.last_save_attempt = self.iteration
-        self._progress("checkpoint save")
+        self._progress("checkpoint save", save_timeout_s(self.cfg))
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
         # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
         weights = [data for _, _, _, data in self.ddp.param_shards()]
@@ -275,6 +271,7 @@ class Trainer:
         """Wait for an asynchronous save to be complete and published (its failure handled as a save's)."""
         from megand.core.checkpointing import CheckpointWriteError
 
+        self._progress("checkpoint save (the last asynchronous write)", save_timeout_s(self.cfg))
         try:
             self.checkpointer.close()
         except CheckpointWriteError as e:
@@ -356,9 +353,12 @@ class Trainer:
         loss_bad, loss_value, grad_bad, grad_norm = box.tolist()  # the one device-to-host sync of the step
         return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad)
 
-    def _progress(self, phase: str) -> None:
+    def _progress(self, phase: str, timeout_s: float | None = None) -> None:
+        """Report progress to the hang watchdog; ``timeout_s``: this phase's own budget (a checkpoint save's
+        is ``checkpoint.save_timeout_s``), else ``train.collective_timeout_s``."""
         if self.watchdog is not None:
-            self.watchdog.progress(self.iteration + 1, phase)
+            key = "train.collective_timeout_s" if timeout_s is None else "checkpoint.save_timeout_s"
+            self.watchdog.progress(self.iteration + 1, phase, timeout_s, key)
 
     def _read_step(self, iteration, offset, dataset):
         """Step ``iteration``'s micro-batches of this rank, on the host (the prefetcher's reader)."""
@@ -457,7 +457,7 @@ class Trainer:
     def roll_back(self, spike_iteration: int) -> None:
         """Reload the last checkpoint and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
-        self._progress("spike rollback: loading the last checkpoint")
+        self._progress("spike rollback: loading the last checkpoint", save_timeout_s(self.cfg))
         self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
         position = self.sample_offset + spike_iteration * t.global_batch_size  # after the spike's batch
         loaded = self.checkpointer.load(self.cfg.checkpoint.save)

@@ -29,6 +29,7 @@ import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,7 @@ class Checkpointer:
         self.rngs = rng.tp_rngs(chunks)
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
         # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
         self.rank = dist.get_rank()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
         self.pending: Future | None = None
