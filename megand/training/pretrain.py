@@ -50,7 +50,8 @@ from megand.training.wandb_logger import WandbLogger
 def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp)
+    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp,
+                    timeout_s=collective_timeout_s(cfg, device))
 
 
 def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
