@@ -22,6 +22,7 @@ from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
+from megand.core.timing import device_timer
 from megand.core.transformer import TransformerConfig, moe
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
@@ -115,12 +116,6 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def synchronize(device) -> None:
-    """Wait for the device's queued work (for wall-clock timings of device work)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def new_wandb_run_id() -> str:
     """A fresh wandb run id, drawn on rank 0 and the same on every rank (collective)."""
     import secrets
@@ -178,7 +173,7 @@ class Trainer:
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
         self.rollbacks = 0
-        self.busy_s = 0.0  # this rank's time in forward/backward since the last log line
+        self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
 
     def rollback_sample_budget(self) -> int:
@@ -383,11 +378,9 @@ class Trainer:
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, len(microbatches))
         self._progress("forward-backward (pipeline schedule)")
-        busy_start = time.perf_counter()
+        self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
-        if self.iteration % t.log_interval == t.log_interval - 1:
-            synchronize(self.topo.device)  # device work counts in the busy time of the steps logged
-        self.busy_s += time.perf_counter() - busy_start  # before the waits for other ranks' gradients
+        self.busy.stop()  # before the waits for other ranks' gradients
         self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
         self._progress("loss agreement")
@@ -508,13 +501,13 @@ class Trainer:
         self._progress("logging")
         # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
         # ranks' gradients)
-        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
+        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy.seconds,
                              float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
         every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(every, mine)
-        self.busy_s = 0.0
+        self.busy.reset()
         mem_peak = max(x[0] for x in every)  # the most loaded rank
         state_bytes = max(x[2] for x in every)
         busy = [float(x[1]) for x in every]
