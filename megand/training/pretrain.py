@@ -159,6 +159,8 @@ class Trainer:
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
         self.stop = StopOnSignal()
+        self.agreed_stop = None  # the ranks' stop decision, taken with the last step's all-reduce
+        self.best_val = float("inf")  # the best validation loss of this run so far
         if cfg.checkpoint.load:
             from megand.training.resume import load_path
 
@@ -214,7 +216,7 @@ class Trainer:
         self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
         self.started = time.monotonic()  # train.exit_duration_mins counts from here
         self.watchdog = None  # started by run()
-        self.last_spike = False
+        self.last_spike, self.last_loss = False, None
         self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
         self.peak_flops = device_peak_flops(self.topo.device, cfg.train.precision, cfg.run_dir) if logging_rank else None
         if logging_rank:
@@ -276,14 +278,23 @@ class Trainer:
             if self.topo.is_logging_rank:
                 print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
 
+    def limits_reached(self, iteration: int) -> tuple[bool, bool]:
+        """``(over_time, over_iters)`` of this rank once ``iteration`` is done."""
+        t = self.cfg.train
+        minutes = (time.monotonic() - self.started) / 60
+        return (t.exit_duration_mins is not None and minutes >= t.exit_duration_mins,
+                t.exit_interval is not None and iteration >= t.exit_interval)
+
     def checkpoint_step(self) -> bool:
         """After each step: save when due, or when a stop signal reached any rank, or a time or iteration
-        limit is reached (all ranks agree: the max of their clocks); True: stop now."""
+        limit is reached (all ranks agree: the max of their votes, taken with the step's own all-reduce);
+        True: stop now."""
         c, t = self.cfg.checkpoint, self.cfg.train
-        minutes = (time.monotonic() - self.started) / 60
-        over_time = t.exit_duration_mins is not None and minutes >= t.exit_duration_mins
-        over_iters = t.exit_interval is not None and self.iteration >= t.exit_interval
-        stop = self.stop.agreed(limit_reached=over_time or over_iters)
+        stop = self.agreed_stop
+        if stop is None:  # no step since the votes were last counted (none taken yet): count them now
+            stop = self.stop.agreed(limit_reached=any(self.limits_reached(self.iteration)))
+        self.agreed_stop = None
+        over_iters = self.limits_reached(self.iteration)[1]
         if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
             self.save_checkpoint()
         if stop and self.topo.is_logging_rank:
@@ -326,12 +337,14 @@ class Trainer:
             dist.all_reduce(local_loss_sum, group=self.topo.dp_cp_group)
         return local_loss_sum
 
-    def agreed_step_values(self, loss, grad_stats) -> tuple[float, float, bool]:
+    def agreed_step_values(self, loss, grad_stats, stop_vote: int = 0) -> tuple[float, float, bool, int]:
         """Collective over all ranks, and the step's one read of device values: ``(loss, grad_norm,
-        found_inf)``, identical on every rank, so every rank takes the same guard decisions.
+        found_inf, stop)``, identical on every rank, so every rank takes the same guard decisions.
 
         ``loss``: :meth:`global_loss` (known on the last stage, None elsewhere); NaN when not finite on
-        any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``."""
+        any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``.
+        ``stop_vote``: this rank's :meth:`StopOnSignal.flag`; ``stop`` is the largest over the ranks (the
+        stop decision rides on this all-reduce instead of a world-wide one of its own)."""
         device = self.topo.device
         if loss is None:  # a stage without the loss: neutral under MAX
             loss_bad = torch.zeros((), dtype=torch.float64, device=device)
@@ -343,11 +356,12 @@ class Trainer:
             loss_value = torch.where(finite, loss, torch.full_like(loss, -math.inf))
         sum_sq = grad_stats[0]
         grad_bad = ((grad_stats[1] > 0) | ~torch.isfinite(sum_sq)).double()
-        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double()])
+        vote = torch.full((), float(stop_vote), dtype=torch.float64, device=device)  # a fill, not a copy
+        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double(), vote])
         if self.topo.world_size > 1:
             dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        loss_bad, loss_value, grad_bad, grad_norm = box.tolist()  # the one device-to-host sync of the step
-        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad)
+        loss_bad, loss_value, grad_bad, grad_norm, stop = box.tolist()  # the one device-to-host sync of the step
+        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad), int(stop)
 
     def _progress(self, phase: str, timeout_s: float | None = None) -> None:
         """Report progress to the hang watchdog; ``timeout_s``: this phase's own budget (a checkpoint save's
@@ -385,8 +399,9 @@ class Trainer:
         self.ddp.finish_grad_sync()
         self._progress("loss agreement")
         grad_stats = self.optimizer.prepare_grads()  # unscaled (fp16), all-reduced on device; nothing read
-        loss, grad_norm, found_inf = self.agreed_step_values(
-            self.global_loss(None if loss_sum is None else loss_sum / loss_scale), grad_stats)
+        vote = self.stop.flag(limit_reached=any(self.limits_reached(self.iteration + 1)))
+        loss, grad_norm, found_inf, self.agreed_stop = self.agreed_step_values(
+            self.global_loss(None if loss_sum is None else loss_sum / loss_scale), grad_stats, vote)
         spike = self.spikes.is_spike(loss)
         self._progress("optimizer step")
         result = self.optimizer_step(loss, grad_norm, found_inf, skip=spike and self.can_roll_back())
@@ -422,7 +437,7 @@ class Trainer:
             print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
                   f"forward calls on this rank; backward graphs compile during the first backward)", flush=True)
         self.iteration += 1
-        self.last_spike = spike
+        self.last_spike, self.last_loss = spike, loss
         self.guard_skips(loss, result)
         return loss, result
 
@@ -557,28 +572,37 @@ class Trainer:
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
+    def iterate(self) -> bool:
+        """One iteration of the run's loop, everything a run does per step: the step, its log line (when
+        due), evaluation, checkpoint and the stop decision (when due). True: the run stops here. (What
+        ``tools/benchmark.py`` times.)"""
+        t = self.cfg.train
+        step_start = time.perf_counter()
+        loss, result = self.step()
+        self.log(loss, result, time.perf_counter() - step_start)
+        if self.skips.exhausted:  # every rank alike; nothing is saved from this state
+            raise NonFiniteStop(self.skips.message())
+        if self.last_spike and self.can_roll_back():
+            self.roll_back(self.iteration)
+            return False
+        if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
+            self._progress("evaluation")
+            if t.eval_iters > 0:
+                val_loss = self.evaluate()
+                self.best_val = min(self.best_val, val_loss)
+                self.writer.write({"iter": self.iteration, "val_loss": val_loss})
+                self.wandb.log({"val_loss": val_loss}, step=self.iteration)
+                if self.topo.is_logging_rank:
+                    print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+        return self.checkpoint_step()
+
     def _loop(self, start, best_val):
         t = self.cfg.train
+        self.best_val = best_val
         while self.iteration < t.iters:
-            step_start = time.perf_counter()
-            loss, result = self.step()
-            self.log(loss, result, time.perf_counter() - step_start)
-            if self.skips.exhausted:  # every rank alike; nothing is saved from this state
-                raise NonFiniteStop(self.skips.message())
-            if self.last_spike and self.can_roll_back():
-                self.roll_back(self.iteration)
-                continue
-            if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
-                self._progress("evaluation")
-                if t.eval_iters > 0:
-                    val_loss = self.evaluate()
-                    best_val = min(best_val, val_loss)
-                    self.writer.write({"iter": self.iteration, "val_loss": val_loss})
-                    self.wandb.log({"val_loss": val_loss}, step=self.iteration)
-                    if self.topo.is_logging_rank:
-                        print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
-            if self.checkpoint_step():
+            if self.iterate():
                 break
+        best_val = self.best_val
         if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt,
                                                                self.loaded_iteration):
             self.save_checkpoint()
