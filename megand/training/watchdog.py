@@ -53,10 +53,14 @@ class HangWatchdog:
             last, timeout_s, key, iteration, phase = self.current
             waited = time.monotonic() - last
             if waited > timeout_s:
+                if key == "train.collective_timeout_s":
+                    head = (f"megand: rank {self.rank}: hang detected: no progress for {waited:.0f} s "
+                            f"(train.collective_timeout_s={timeout_s:g})")
+                else:  # a phase with a budget of its own (a checkpoint save)
+                    head = f"megand: rank {self.rank}: hang detected: no progress for {waited:.0f} s ({key}={timeout_s:g})"
                 sys.stdout.flush()
                 sys.stderr.write(
-                    f"megand: rank {self.rank}: hang detected: no progress for {waited:.0f} s "
-                    f"({key}={timeout_s:g}) in iteration {iteration}, phase "
+                    f"{head} in iteration {iteration}, phase "
                     f"'{phase}': another rank is dead or stuck; stacks of all threads of this rank follow, "
                     f"then exit {EXIT_HANG}\n")
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
