@@ -487,7 +487,7 @@ def checkpoint_config(cfg):
     from megand.core.checkpointing.config import CheckpointConfig
 
     keys = _known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True))
-    return CheckpointConfig(**{**keys, "timeout_s": save_timeout_s(cfg)})
+    return CheckpointConfig(**{**keys, "timeout_s": backend_timeout_s(save_timeout_s(cfg))})
 
 
 def collective_timeout_s(cfg, device) -> float:
@@ -496,6 +496,16 @@ def collective_timeout_s(cfg, device) -> float:
     if cfg.train.collective_timeout_s is not None:
         return float(cfg.train.collective_timeout_s)
     return 600.0 if device.type == "cuda" else 1800.0
+
+
+# The process groups' own timeout comes this much after the watchdog's: the watchdog, which prints where
+# each rank is, reports a hang first; the backend's abort (NCCL's watchdog, gloo's timeout) is the backstop.
+BACKEND_TIMEOUT_GRACE_S = 60.0
+
+
+def backend_timeout_s(budget_s: float) -> float:
+    """The process-group timeout for collectives whose watchdog budget is ``budget_s``."""
+    return budget_s + BACKEND_TIMEOUT_GRACE_S
 
 
 def save_timeout_s(cfg) -> float:

@@ -32,6 +32,7 @@ from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import Prefetcher, loss_token_count, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
+    backend_timeout_s,
     checkpoint_config,
     collective_timeout_s,
     data_parallel_config,
@@ -52,7 +53,7 @@ def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
     return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp,
-                    timeout_s=collective_timeout_s(cfg, device))
+                    timeout_s=backend_timeout_s(collective_timeout_s(cfg, device)))
 
 
 def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
@@ -135,8 +136,9 @@ class Trainer:
 
     def __init__(self, cfg, wandb_run_id: str | None = None):
         self.cfg = cfg
-        # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first)
-        device = init_distributed(collective_timeout_s(cfg, choose_device_and_backend()[0]))
+        # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first), a
+        # little after the watchdog's, which reports where each rank is
+        device = init_distributed(backend_timeout_s(collective_timeout_s(cfg, choose_device_and_backend()[0])))
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
