@@ -366,11 +366,11 @@ class Trainer:
         return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad), int(stop)
 
     def _progress(self, phase: str, timeout_s: float | None = None) -> None:
-        """Report progress to the hang watchdog; ``timeout_s``: this phase's own budget (a checkpoint save's
-        is ``checkpoint.save_timeout_s``), else ``train.collective_timeout_s``."""
+        """Report progress to the hang watchdog; ``timeout_s``: a phase of file I/O (a checkpoint save or
+        load, budget ``checkpoint.save_timeout_s``), where the process's own writes count as
+        progress (see megand/training/watchdog.py)."""
         if self.watchdog is not None:
-            key = "train.collective_timeout_s" if timeout_s is None else "checkpoint.save_timeout_s"
-            self.watchdog.progress(self.iteration + 1, phase, timeout_s, key)
+            self.watchdog.progress(self.iteration + 1, phase, timeout_s)
 
     def _read_step(self, iteration, offset, dataset):
         """Step ``iteration``'s micro-batches of this rank, on the host (the prefetcher's reader)."""

@@ -37,8 +37,8 @@ import os, time
 _fsync = os.fsync
 
 
-def slow_fsync(fd):  # every flush to the disk takes 2 s: a slow network filesystem
-    time.sleep(2.0)
+def slow_fsync(fd):  # every flush to the disk takes 1.2 s: a slow network filesystem
+    time.sleep(1.2)
     return _fsync(fd)
 
 
