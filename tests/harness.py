@@ -6,6 +6,30 @@ from megand.tools.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Multi-rank tests run on CUDA (nccl) only where the machine has a GPU for every rank of every one of
+# them: a node of this many GPUs. Elsewhere they, and the one-process reference runs they are compared
+# with, run on the CPU with gloo: NCCL refuses two ranks on one GPU, and a parity test must not compare
+# a CPU run with a GPU one. Single-process tests run on whatever device there is.
+GPUS_FOR_MULTI_RANK_TESTS = 8
+
+
+def ranks_device(nproc: int, reference: bool = False) -> str:
+    """Where a test run of ``nproc`` local ranks runs ("cuda" or "cpu"); ``reference``: a one-process run
+    that multi-rank runs are compared with (placed as they are)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    if nproc == 1 and not reference:
+        return "cuda"
+    return "cuda" if torch.cuda.device_count() >= GPUS_FOR_MULTI_RANK_TESTS else "cpu"
+
+
+def ranks_env(nproc: int, reference: bool = False) -> dict:
+    """The environment variables that place a test run as :func:`ranks_device` says: no visible CUDA
+    device for a run kept on the CPU (megand then chooses the CPU and gloo itself)."""
+    return {} if ranks_device(nproc, reference) == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+
 
 def read_metrics(run_dir) -> list[dict]:
     """The training lines of ``metrics.jsonl`` (evaluation lines left out)."""
@@ -16,14 +40,15 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, extra_env=None, check=True,
-                 torchrun: bool = False, preexec_fn=None):
+                 torchrun: bool = False, preexec_fn=None, reference: bool = False):
     """Run ``pretrain_gpt.py`` on ``nproc`` local ranks (gloo on CPU); return a CompletedProcess whose
     stdout/stderr hold every rank's output. The run's files go to ``run_dir``.
 
     By default the ranks are started directly with torchrun's environment variables (the env://
     rendezvous a one-node torchrun sets up), which saves the launcher's own torch import per run;
     ``torchrun=True`` goes through ``torch.distributed.run`` exactly as a user does. ``preexec_fn`` runs in
-    each rank's process before it starts (e.g. to set a resource limit from outside megand).
+    each rank's process before it starts (e.g. to set a resource limit from outside megand). The ranks run
+    where :func:`ranks_device` says (``reference``: a one-process run that multi-rank runs are compared with).
     """
     import subprocess
     import sys
@@ -31,7 +56,8 @@ def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, ex
 
     root = ROOT
     script = [os.path.join(root, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc, reference),
+           **(extra_env or {})}
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -201,13 +202,19 @@ def choose_device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed() -> torch.device:
-    """Join (or create) the default process group; a plain ``python`` launch is a world of one."""
+def init_distributed(timeout_s: float | None = None) -> torch.device:
+    """Join (or create) the default process group; a plain ``python`` launch is a world of one.
+
+    ``timeout_s``: how long a collective may wait before the backend aborts it (NCCL's watchdog, gloo's
+    timeout); None keeps torch's default (10 minutes for NCCL, 30 for gloo). Groups made by
+    :class:`Topology` take the same value."""
     device, backend = choose_device_and_backend()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if timeout_s is not None and timeout_s > 0:  # a bad value is reported by the config check
+            kwargs["timeout"] = timedelta(seconds=timeout_s)
         if "RANK" not in os.environ:  # not launched by torchrun: a one-process world, no rendezvous needed
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -243,6 +250,49 @@ def restart_store() -> dict:
     return dict(store=dist.PrefixStore(f"megand/attempt_{attempt}", store), rank=rank, world_size=world)
 
 
+def splits_communicators() -> bool:
+    """Whether the default group makes subgroups by splitting its communicator (NCCL bound to a device,
+    as :func:`init_distributed` binds it): each ``new_group`` is then a split over the whole world, which
+    every rank, member or not, takes part in."""
+    default = dist.distributed_c10d._get_default_group()
+    device = getattr(default, "bound_device_id", None)
+    if device is None:
+        return False
+    try:
+        return bool(default._get_backend(device).supports_splitting)
+    except RuntimeError:  # no backend for that device
+        return False
+
+
+def create_groups(lists: dict[str, list[list[int]]], rank: int, timeout: timedelta | None = None):
+    """This rank's live group of each kind of ``lists`` (:func:`rank_groups`); collective: every rank
+    calls it with the same lists.
+
+    Identical groups are made once (``dp_shard`` = ``dp_cp`` without HSDP, expert groups that equal dense
+    ones, every kind whose groups are single ranks). Where subgroups are communicator splits, each
+    distinct kind is one split making all its groups at once (``split_group``): at 1024 ranks about ten
+    world-wide splits instead of one per group (over a thousand). Elsewhere (gloo, the fake backend, lazily
+    initialised NCCL) ``new_group`` costs ranks outside the group nothing but a counter, and is used."""
+    groups: dict[str, dist.ProcessGroup] = {}
+    if splits_communicators():
+        made_kinds: dict[tuple, dist.ProcessGroup | None] = {}  # each distinct partition: this rank's group
+        for kind, rank_lists in lists.items():
+            key = tuple(map(tuple, rank_lists))
+            if key not in made_kinds:
+                made_kinds[key] = dist.split_group(split_ranks=rank_lists, timeout=timeout, group_desc=kind)
+            if made_kinds[key] is not None:  # None: this rank is in no group of the kind (embedding, pp > 2)
+                groups[kind] = made_kinds[key]
+        return groups
+    made: dict[tuple, dist.ProcessGroup] = {}
+    for kind, rank_lists in lists.items():
+        for ranks in rank_lists:  # every rank takes part in creating every group, in the same order
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups[kind] = made[tuple(ranks)]
+    return groups
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and its live process groups.
@@ -259,6 +309,7 @@ class Topology:
     dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
+    timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -268,16 +319,11 @@ class Topology:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
         self.coords = rank_coords(self.rank, self.sizes, self.order)
         self.etp = check_expert_layout(self.sizes, self.ep, self.etp)
-        self.ranks: dict[str, list[int]] = {}
-        self.groups: dict[str, dist.ProcessGroup] = {}
-        made: dict[tuple, dist.ProcessGroup] = {}  # dense groups by members, for expert groups that equal them
-        for kind, rank_lists in rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp).items():
-            for ranks in rank_lists:  # every rank must take part in creating every group
-                reuse = made.get(tuple(ranks)) if kind in EXPERT_GROUP_DIMS else None
-                group = reuse if reuse is not None else dist.new_group(ranks)
-                made.setdefault(tuple(ranks), group)
-                if self.rank in ranks:
-                    self.ranks[kind], self.groups[kind] = ranks, group
+        lists = rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp)
+        self.ranks = {kind: mine for kind, rank_lists in lists.items()
+                      for mine in rank_lists if self.rank in mine}
+        timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+        self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
 
     # sizes and ranks within each dimension
     tp_size = property(lambda self: self.sizes.tp)

@@ -1,4 +1,7 @@
-"""megand's own benchmark mode: the real ``Trainer`` built in-process, timed over ``step()`` calls.
+"""megand's own benchmark mode: the real ``Trainer`` built in-process, timed over what a run does per
+iteration (``Trainer.iterate``: the step, its log line at the configured ``train.log_interval``, the
+checkpoint and stop decision), so host work outside the step counts as it does in a user's run. The
+console lines go to ``console.log`` in the run directory (stdout keeps the one JSON line).
 
 A plain ``python`` launch is a world of one; under ``torchrun`` every rank runs this and rank 0 reports.
 The keys are those of the baseline (``megand/tools/benchmark_baseline.py``), so ``--mode both`` divides one by
@@ -7,6 +10,7 @@ the other. Step times are the max over ranks of each step; peak memory is the ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -37,7 +41,7 @@ def benchmark_config(overrides, steps: int, warmup: int, cuda: bool):
 
     overrides = list(overrides)
     given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    defaults = [f"train.iters={steps + warmup}", "train.eval_iters=0", f"train.log_interval={steps + warmup}"]
+    defaults = [f"train.iters={steps + warmup}", "train.eval_iters=0"]
     if "run_dir" not in given:
         defaults.append(f"run_dir={default_run_dir()}")
     if cuda and "train.precision" not in given:
@@ -52,8 +56,9 @@ def benchmark_config(overrides, steps: int, warmup: int, cuda: bool):
 
 
 def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = None) -> Optional[dict]:
-    """Build ``Trainer(cfg)``, run ``warmup`` then ``steps`` timed train steps; return the metrics on
-    rank 0 (None elsewhere). The process group stays up (the caller may run the baseline next)."""
+    """Build ``Trainer(cfg)``, run ``warmup`` then ``steps`` timed iterations (:meth:`Trainer.iterate`);
+    return the metrics on rank 0 (None elsewhere). The process group stays up (the caller may run the
+    baseline next)."""
     from megand.training.pretrain import Trainer
 
     if steps < 1:
@@ -62,16 +67,19 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
     trainer = Trainer(cfg)
     topo, device = trainer.topo, trainer.topo.device
     losses = []
-    for _ in range(warmup):
-        losses.append(trainer.step()[0])
-    reset_peak_memory(device)
-    step_times = []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        losses.append(trainer.step()[0])
-        synchronize(device)
-        step_times.append(time.perf_counter() - start)
+    with open(os.path.join(cfg.run_dir, "console.log"), "w") as console, contextlib.redirect_stdout(console):
+        for _ in range(warmup):
+            trainer.iterate()
+            losses.append(trainer.last_loss)
+        reset_peak_memory(device)
+        step_times = []
+        for _ in range(steps):
+            synchronize(device)
+            start = time.perf_counter()
+            trainer.iterate()
+            losses.append(trainer.last_loss)
+            synchronize(device)
+            step_times.append(time.perf_counter() - start)
 
     # the slowest rank sets the step time; the most loaded rank the memory
     times = torch.tensor(step_times, dtype=torch.float64, device=device)

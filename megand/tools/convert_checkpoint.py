@@ -9,6 +9,10 @@
         local transformers directory (safetensors; llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe)
         -> megand checkpoint (model only, iteration 0), loadable at any layout with
         `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model)
+    python tools/convert_checkpoint.py upgrade-rng --load ckpts/run
+        a checkpoint written by a megand whose RNG files were pickles of Python objects (which resume
+        refuses to unpickle: a shared file could run code) -> RNG files of plain tensors, in place. Run it
+        only on checkpoints you trust: it unpickles those files.
 
 Both directions stream: one tensor is read, converted and written at a time (peak memory about the
 largest tensor), shapes are checked from the config before any tensor is read,
@@ -157,6 +161,39 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
           f"{sum(torch.Size(s).numel() for s, _ in shapes.values()):,} parameters) to {path}")
 
 
+def upgrade_rng(load: str) -> None:
+    """Rewrite the format-1 RNG files of the checkpoint ``load`` (trusted by whoever runs this) as plain
+    tensors, and their checksums in the manifest."""
+    import json
+
+    from megand.core.checkpointing import rng
+    from megand.core.checkpointing.checkpointer import write_torch
+
+    iter_dir = files.resolve(load)
+    rng_dir = os.path.join(iter_dir, "rng")
+    names = sorted(n for n in os.listdir(rng_dir) if n.endswith(".pt")) if os.path.isdir(rng_dir) else []
+    manifest_path = os.path.join(iter_dir, files.MANIFEST)
+    manifest = json.load(open(manifest_path)) if os.path.isfile(manifest_path) else None
+    upgraded = 0
+    for name in names:
+        path = os.path.join(rng_dir, name)
+        try:
+            rng.read(path)
+            continue  # already plain tensors
+        except CheckpointError:
+            pass
+        old = torch.load(path, weights_only=False)  # the user vouches for this checkpoint
+        tmp = f"{path}.tmp{os.getpid()}"
+        write_torch(rng.from_format1(old), tmp)
+        os.replace(tmp, path)
+        if manifest is not None and os.path.join("rng", name) in manifest["crc32"]:
+            manifest["crc32"][os.path.join("rng", name)] = files.file_crc(path)
+        upgraded += 1
+    if manifest is not None and upgraded:
+        files.atomic_write_text(manifest_path, json.dumps(manifest))
+    print(f"upgraded {upgraded} of {len(names)} RNG files in {rng_dir}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -176,11 +213,15 @@ def main(argv=None) -> int:
     i.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")
     i.add_argument("--force", action="store_true", help="import into a directory that already holds checkpoints")
+    u = sub.add_parser("upgrade-rng", help="rewrite an older megand checkpoint's RNG files as plain tensors (in place)")
+    u.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir, from a source you trust")
     args = p.parse_args(argv)
-    dtype = DTYPES[args.dtype] if args.dtype else None  # None: keep each tensor's dtype
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None  # None: keep each tensor's dtype
     try:
         if args.command == "export":
             export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)
+        elif args.command == "upgrade-rng":
+            upgrade_rng(args.load)
         else:
             import_(args.hf, args.save, dtype, args.force)
     except (CheckpointError, ValueError) as err:

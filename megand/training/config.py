@@ -95,7 +95,7 @@ class TrainConfig:
     spike_window: int = 20  # recent steps in the running median; the spike guard starts once it is full
     spike_rollback: bool = False  # on a spike reload the last checkpoint and skip the data up to the spike
     max_rollbacks: int = 3  # spike rollbacks allowed in one run; later spikes are only logged
-    collective_timeout_s: Optional[float] = None  # hang watchdog: no step progress for this long dumps stacks and exits; null: 600 on GPU, 1800 on CPU
+    collective_timeout_s: Optional[float] = None  # hang watchdog (no step progress for this long dumps stacks and exits) and the process groups' collective timeout; null: 600 on GPU, 1800 on CPU
     straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
     exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
     exit_interval: Optional[int] = None  # save and exit 0 after this iteration
@@ -157,6 +157,7 @@ class CheckpointConfig:
     async_save: bool = False  # write checkpoints in the background after a copy to CPU
     keep_last: Optional[int] = None  # keep only the newest N iter_* directories after each save; null: keep all
     continue_on_error: bool = False  # a failed save only warns (default: the run stops, exit code 1)
+    save_timeout_s: Optional[float] = None  # longest a checkpoint save or load may take before the hang watchdog fires (also its collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
 
 
 @dataclass
@@ -426,7 +427,8 @@ def validate_fault_keys(cfg) -> None:
     positive += [(k, v) for k, v in (("train.collective_timeout_s", t.collective_timeout_s),
                                       ("train.exit_duration_mins", t.exit_duration_mins),
                                       ("train.exit_interval", t.exit_interval),
-                                      ("checkpoint.keep_last", c.keep_last)) if v is not None]
+                                      ("checkpoint.keep_last", c.keep_last),
+                                      ("checkpoint.save_timeout_s", c.save_timeout_s)) if v is not None]
     for key, value in positive:
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
@@ -552,4 +554,32 @@ def data_parallel_config(cfg):
 def checkpoint_config(cfg):
     from megand.core.checkpointing.config import CheckpointConfig
 
-    return CheckpointConfig(**_known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True)))
+    keys = _known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True))
+    return CheckpointConfig(**{**keys, "timeout_s": backend_timeout_s(save_timeout_s(cfg))})
+
+
+def collective_timeout_s(cfg, device) -> float:
+    """How long a rank may wait in one phase of a step (the hang watchdog) and in one collective (the
+    process groups' timeout): ``train.collective_timeout_s``, or 600 s on GPU, 1800 s on CPU."""
+    if cfg.train.collective_timeout_s is not None:
+        return float(cfg.train.collective_timeout_s)
+    return 600.0 if device.type == "cuda" else 1800.0
+
+
+# The process groups' own timeout comes this much after the watchdog's: the watchdog, which prints where
+# each rank is, reports a hang first; the backend's abort (NCCL's watchdog, gloo's timeout) is the backstop.
+BACKEND_TIMEOUT_GRACE_S = 60.0
+
+
+def backend_timeout_s(budget_s: float) -> float:
+    """The process-group timeout for collectives whose watchdog budget is ``budget_s``."""
+    return budget_s + BACKEND_TIMEOUT_GRACE_S
+
+
+def save_timeout_s(cfg) -> float:
+    """The budget of one checkpoint save or load, which may take far longer than a step's collective (a
+    large model on a slow filesystem): ``checkpoint.save_timeout_s``, or the larger of an hour and
+    ``train.collective_timeout_s``."""
+    if cfg.checkpoint.save_timeout_s is not None:
+        return float(cfg.checkpoint.save_timeout_s)
+    return max(3600.0, float(cfg.train.collective_timeout_s or 0.0))

@@ -17,12 +17,13 @@ from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
-from megand.core.parallel_state import ParallelSizes, Topology, init_distributed
+from megand.core.parallel_state import ParallelSizes, Topology, choose_device_and_backend, init_distributed
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
+from megand.core.timing import device_timer
 from megand.core.transformer import TransformerConfig, moe
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
@@ -32,10 +33,13 @@ from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
+    backend_timeout_s,
     checkpoint_config,
+    collective_timeout_s,
     data_parallel_config,
     document_flags,
     optimizer_config,
+    save_timeout_s,
     transformer_config,
     validate,
 )
@@ -50,7 +54,8 @@ from megand.training.wandb_logger import WandbLogger
 def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp)
+    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp,
+                    timeout_s=backend_timeout_s(collective_timeout_s(cfg, device)))
 
 
 def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
@@ -116,19 +121,6 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def synchronize(device) -> None:
-    """Wait for the device's queued work (for wall-clock timings of device work)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def collective_timeout_s(cfg, device) -> float:
-    """The hang watchdog's timeout: ``train.collective_timeout_s``, or 600 s on GPU, 1800 s on CPU."""
-    if cfg.train.collective_timeout_s is not None:
-        return float(cfg.train.collective_timeout_s)
-    return 600.0 if device.type == "cuda" else 1800.0
-
-
 def new_wandb_run_id() -> str:
     """A fresh wandb run id, drawn on rank 0 and the same on every rank (collective)."""
     import secrets
@@ -148,7 +140,9 @@ class Trainer:
 
     def __init__(self, cfg, wandb_run_id: str | None = None):
         self.cfg = cfg
-        device = init_distributed()
+        # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first), a
+        # little after the watchdog's, which reports where each rank is
+        device = init_distributed(backend_timeout_s(collective_timeout_s(cfg, choose_device_and_backend()[0])))
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
@@ -178,6 +172,8 @@ class Trainer:
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
         self.stop = StopOnSignal()
+        self.agreed_stop = None  # the ranks' stop decision, taken with the last step's all-reduce
+        self.best_val = float("inf")  # the best validation loss of this run so far
         if cfg.checkpoint.load:
             from megand.training.resume import load_path
 
@@ -191,7 +187,7 @@ class Trainer:
             self.train_data, self.valid_data = build_datasets(cfg, self.topo,
                                                               sample_offset + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
-        self.busy_s = 0.0  # this rank's time in forward/backward since the last log line
+        self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
 
     def rollback_sample_budget(self) -> int:
@@ -228,7 +224,7 @@ class Trainer:
         self.writer = MetricsWriter(cfg.run_dir, logging_rank, append=self.iteration > 0)
         self.started = time.monotonic()  # train.exit_duration_mins counts from here
         self.watchdog = None  # started by run()
-        self.last_spike = False
+        self.last_spike, self.last_loss = False, None
         self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
         layers = cfg.model.num_layers
         fp8_layers = sum(in_fp8(i, layers, cfg.train.fp8_bf16_layers) for i in range(layers)) if cfg.train.get("fp8") else 0
@@ -275,9 +271,9 @@ class Trainer:
         # the data position: samples consumed so far (a changed global batch size continues from there)
         self.consumed_samples = loaded.consumed_samples
         if self.topo.is_logging_rank:
+            rng = "yes" if loaded.rng_restored else f"partly: {loaded.rng_notice}" if loaded.rng_notice else "no, layout changed"
             print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
-                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
-                  f"{'yes' if loaded.rng_restored else 'no, layout changed'})", flush=True)
+                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: {rng})", flush=True)
 
     def save_checkpoint(self) -> bool:
         """Save (collective); False when nothing was saved: non-finite state, or a failed write under
@@ -287,7 +283,7 @@ class Trainer:
 
         t = self.cfg.train
         self.last_save_attempt = self.iteration
-        self._progress("checkpoint save")
+        self._progress("checkpoint save", save_timeout_s(self.cfg))
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
         # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
         weights = [data for _, _, _, data in self.ddp.param_shards()]
@@ -317,6 +313,7 @@ class Trainer:
         """Wait for an asynchronous save to be complete and published (its failure handled as a save's)."""
         from megand.core.checkpointing import CheckpointWriteError
 
+        self._progress("checkpoint save (the last asynchronous write)", save_timeout_s(self.cfg))
         try:
             self.checkpointer.close()
         except CheckpointWriteError as e:
@@ -325,14 +322,23 @@ class Trainer:
             if self.topo.is_logging_rank:
                 print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
 
+    def limits_reached(self, iteration: int) -> tuple[bool, bool]:
+        """``(over_time, over_iters)`` of this rank once ``iteration`` is done."""
+        t = self.cfg.train
+        minutes = (time.monotonic() - self.started) / 60
+        return (t.exit_duration_mins is not None and minutes >= t.exit_duration_mins,
+                t.exit_interval is not None and iteration >= t.exit_interval)
+
     def checkpoint_step(self) -> bool:
         """After each step: save when due, or when a stop signal reached any rank, or a time or iteration
-        limit is reached (all ranks agree: the max of their clocks); True: stop now."""
+        limit is reached (all ranks agree: the max of their votes, taken with the step's own all-reduce);
+        True: stop now."""
         c, t = self.cfg.checkpoint, self.cfg.train
-        minutes = (time.monotonic() - self.started) / 60
-        over_time = t.exit_duration_mins is not None and minutes >= t.exit_duration_mins
-        over_iters = t.exit_interval is not None and self.iteration >= t.exit_interval
-        stop = self.stop.agreed(limit_reached=over_time or over_iters)
+        stop = self.agreed_stop
+        if stop is None:  # no step since the votes were last counted (none taken yet): count them now
+            stop = self.stop.agreed(limit_reached=any(self.limits_reached(self.iteration)))
+        self.agreed_stop = None
+        over_iters = self.limits_reached(self.iteration)[1]
         if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
             self.save_checkpoint()
         if stop and self.topo.is_logging_rank:
@@ -376,12 +382,14 @@ class Trainer:
             dist.all_reduce(local_loss_sum, group=self.topo.dp_cp_group)
         return local_loss_sum
 
-    def agreed_step_values(self, loss, grad_stats) -> tuple[float, float, bool]:
+    def agreed_step_values(self, loss, grad_stats, stop_vote: int = 0) -> tuple[float, float, bool, int]:
         """Collective over all ranks, and the step's one read of device values: ``(loss, grad_norm,
-        found_inf)``, identical on every rank, so every rank takes the same guard decisions.
+        found_inf, stop)``, identical on every rank, so every rank takes the same guard decisions.
 
         ``loss``: :meth:`global_loss` (known on the last stage, None elsewhere); NaN when not finite on
-        any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``."""
+        any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``.
+        ``stop_vote``: this rank's :meth:`StopOnSignal.flag`; ``stop`` is the largest over the ranks (the
+        stop decision rides on this all-reduce instead of a world-wide one of its own)."""
         device = self.topo.device
         if loss is None:  # a stage without the loss: neutral under MAX
             loss_bad = torch.zeros((), dtype=torch.float64, device=device)
@@ -393,15 +401,19 @@ class Trainer:
             loss_value = torch.where(finite, loss, torch.full_like(loss, -math.inf))
         sum_sq = grad_stats[0]
         grad_bad = ((grad_stats[1] > 0) | ~torch.isfinite(sum_sq)).double()
-        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double()])
+        vote = torch.full((), float(stop_vote), dtype=torch.float64, device=device)  # a fill, not a copy
+        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double(), vote])
         if self.topo.world_size > 1:
             dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        loss_bad, loss_value, grad_bad, grad_norm = box.tolist()  # the one device-to-host sync of the step
-        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad)
+        loss_bad, loss_value, grad_bad, grad_norm, stop = box.tolist()  # the one device-to-host sync of the step
+        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad), int(stop)
 
-    def _progress(self, phase: str) -> None:
+    def _progress(self, phase: str, timeout_s: float | None = None) -> None:
+        """Report progress to the hang watchdog; ``timeout_s``: a phase of file I/O (a checkpoint save or
+        load, budget ``checkpoint.save_timeout_s``), where the process's own writes count as
+        progress (see megand/training/watchdog.py)."""
         if self.watchdog is not None:
-            self.watchdog.progress(self.iteration + 1, phase)
+            self.watchdog.progress(self.iteration + 1, phase, timeout_s)
 
     def _read_step(self, position, dataset):
         """This rank's micro-batches of the global batch that starts after ``position`` consumed samples, on
@@ -434,17 +446,16 @@ class Trainer:
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, len(microbatches))
         self._progress("forward-backward (pipeline schedule)")
-        busy_start = time.perf_counter()
+        self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
-        if self.iteration % t.log_interval == t.log_interval - 1:
-            synchronize(self.topo.device)  # device work counts in the busy time of the steps logged
-        self.busy_s += time.perf_counter() - busy_start  # before the waits for other ranks' gradients
+        self.busy.stop()  # before the waits for other ranks' gradients
         self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
         self._progress("loss agreement")
         grad_stats = self.optimizer.prepare_grads()  # unscaled (fp16), all-reduced on device; nothing read
-        loss, grad_norm, found_inf = self.agreed_step_values(
-            self.global_loss(None if loss_sum is None else loss_sum / loss_scale), grad_stats)
+        vote = self.stop.flag(limit_reached=any(self.limits_reached(self.iteration + 1)))
+        loss, grad_norm, found_inf, self.agreed_stop = self.agreed_step_values(
+            self.global_loss(None if loss_sum is None else loss_sum / loss_scale), grad_stats, vote)
         spike = self.spikes.is_spike(loss)
         self._progress("optimizer step")
         result = self.optimizer_step(loss, grad_norm, found_inf, skip=spike and self.can_roll_back())
@@ -491,7 +502,7 @@ class Trainer:
             print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
                   f"forward calls on this rank; backward graphs compile during the first backward)", flush=True)
         self.iteration += 1
-        self.last_spike = spike
+        self.last_spike, self.last_loss = spike, loss
         self.guard_skips(loss, result)
         return loss, result
 
@@ -519,7 +530,7 @@ class Trainer:
         """Reload the checkpoint this run came from or saved last (never another run's newer one), with the
         spike window as it was there, and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
-        self._progress("spike rollback: loading the last checkpoint")
+        self._progress("spike rollback: loading the last checkpoint", save_timeout_s(self.cfg))
         self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
         position = self.consumed_samples  # after the spike's batch
         rollbacks = self.rollbacks + 1
@@ -571,13 +582,13 @@ class Trainer:
         self._progress("logging")
         # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
         # ranks' gradients)
-        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
+        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy.seconds,
                              float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
         every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(every, mine)
-        self.busy_s = 0.0
+        self.busy.reset()
         mem_peak = max(x[0] for x in every)  # the most loaded rank
         state_bytes = max(x[2] for x in every)
         busy = [float(x[1]) for x in every]
@@ -629,28 +640,37 @@ class Trainer:
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
+    def iterate(self) -> bool:
+        """One iteration of the run's loop, everything a run does per step: the step, its log line (when
+        due), evaluation, checkpoint and the stop decision (when due). True: the run stops here. (What
+        ``tools/benchmark.py`` times.)"""
+        t = self.cfg.train
+        step_start = time.perf_counter()
+        loss, result = self.step()
+        self.log(loss, result, time.perf_counter() - step_start)
+        if self.skips.exhausted:  # every rank alike; nothing is saved from this state
+            raise NonFiniteStop(self.skips.message())
+        if self.last_spike and self.can_roll_back():
+            self.roll_back(self.iteration)
+            return False
+        if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
+            self._progress("evaluation")
+            if t.eval_iters > 0:
+                val_loss = self.evaluate()
+                self.best_val = min(self.best_val, val_loss)
+                self.writer.write({"iter": self.iteration, "val_loss": val_loss})
+                self.wandb.log({"val_loss": val_loss}, step=self.iteration)
+                if self.topo.is_logging_rank:
+                    print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
+        return self.checkpoint_step()
+
     def _loop(self, start, best_val):
         t = self.cfg.train
+        self.best_val = best_val
         while self.iteration < t.iters:
-            step_start = time.perf_counter()
-            loss, result = self.step()
-            self.log(loss, result, time.perf_counter() - step_start)
-            if self.skips.exhausted:  # every rank alike; nothing is saved from this state
-                raise NonFiniteStop(self.skips.message())
-            if self.last_spike and self.can_roll_back():
-                self.roll_back(self.iteration)
-                continue
-            if (t.eval_interval and self.iteration % t.eval_interval == 0) or self.iteration == t.iters:
-                self._progress("evaluation")
-                if t.eval_iters > 0:
-                    val_loss = self.evaluate()
-                    best_val = min(best_val, val_loss)
-                    self.writer.write({"iter": self.iteration, "val_loss": val_loss})
-                    self.wandb.log({"val_loss": val_loss}, step=self.iteration)
-                    if self.topo.is_logging_rank:
-                        print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
-            if self.checkpoint_step():
+            if self.iterate():
                 break
+        best_val = self.best_val
         if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt,
                                                                self.loaded_iteration):
             self.save_checkpoint()

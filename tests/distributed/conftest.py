@@ -14,7 +14,7 @@ def reference_dir(tmp_path_factory):
         key = (experiment, *overrides)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"ref_{experiment}")
-            run_pretrain(run_dir, [f"+experiment={experiment}", *overrides], nproc=1)
+            run_pretrain(run_dir, [f"+experiment={experiment}", *overrides], nproc=1, reference=True)
             cache[key] = run_dir
         return cache[key]
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.harness import read_metrics
+from tests.harness import ranks_env, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +18,7 @@ def start(run_dir, save, nproc=2):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "launch.py"), "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "pretrain_gpt.py"), "+experiment=tiny_gpt", "train.iters=500",
            f"run_dir={run_dir}", f"checkpoint.save={save}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, **ranks_env(nproc)}
     # a session of its own, as a job started from a terminal: its process group is what Ctrl-C reaches
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -9,7 +9,7 @@ import sys
 import uuid
 
 from megand.tools.spawn import free_port
-from tests.harness import read_metrics, run_pretrain
+from tests.harness import ranks_env, read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=4", "train.batch_checksum=true"]
@@ -17,7 +17,7 @@ OVERRIDES = ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=4", "train.ba
 
 def _two_agents(run_dir, timeout=600):
     port, job = free_port(), uuid.uuid4().hex[:8]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(4)}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",

@@ -9,6 +9,7 @@ import threading
 import time
 
 from megand.tools.spawn import free_port
+from tests.harness import ranks_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,7 +20,7 @@ class Job:
     def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1):
         self.lines: list[tuple[float, str]] = []
         port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc * nnodes)}
         script = [os.path.join(ROOT, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
         self.agents = []
         for node in range(nnodes):

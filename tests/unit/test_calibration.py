@@ -12,6 +12,7 @@ from megand.tools.calibrate import build_profile, modelled_compute_s, rank_path
 from megand.tools.calibration.fit import (bus_factor, fit_alpha_beta, fit_overheads, nonnegative_lstsq,
                                           predict_overheads)
 from megand.tools.calibration.overheads import DESIGN, steady_step_seconds
+from tests.harness import ranks_device, ranks_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = [1024 * 4 ** i for i in range(8)]
@@ -164,8 +165,8 @@ def test_rank_paths():
     assert rank_path("cpu", 0) == "cpu.rank0.json"
 
 
-def calibrate(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+def calibrate(*args, nproc=1):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **ranks_env(nproc)}
     return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), *map(str, args)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
@@ -189,10 +190,11 @@ def test_bad_input_is_one_line(tmp_path, args, named):
 def test_quick_calibration_writes_a_profile(tmp_path):
     """Two ranks, the smallest grids and no training runs: the command end to end, not its figures."""
     out = tmp_path / "cpu.json"
-    proc = calibrate("--nproc", 2, "--quick", "--no-overheads", "--per-rank", "--output", out)
+    proc = calibrate("--nproc", 2, "--quick", "--no-overheads", "--per-rank", "--output", out, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     profile = json.loads(out.read_text())
-    assert profile["dtype"] == "fp32" and profile["peak_tflops"] > 0 and len(profile["gemm"]) == 8
+    # calibrate.py's GEMM dtype: bf16 on CUDA, fp32 on the CPU
+    assert profile["dtype"] == ("bf16" if ranks_device(2) == "cuda" else "fp32") and profile["peak_tflops"] > 0 and len(profile["gemm"]) == 8
     assert profile["overhead_s"] == {"per_layer_step": 0.0, "per_microbatch": 0.0, "per_step": 0.0}
     for link in ("intra_node", "inter_node"):
         for fit in profile["collectives"][link].values():

@@ -11,6 +11,7 @@ from megand.training.config import ConfigError, compose, validate
     (["train.exit_duration_mins=0"], r"train.exit_duration_mins=0.0 must be positive"),
     (["train.exit_interval=0"], r"train.exit_interval=0 must be positive"),
     (["checkpoint.keep_last=0"], r"checkpoint.keep_last=0 must be positive"),
+    (["checkpoint.save_timeout_s=0"], r"checkpoint.save_timeout_s=0.0 must be positive"),
     (["train.spike_factor=1"], r"train.spike_factor=1.0 must be greater than 1"),
     (["train.straggler_ratio=0.5"], r"train.straggler_ratio=0.5 must be at least 1"),
     (["train.spike_rollback=true"], r"train.spike_rollback=true needs checkpoints to roll back to: "

@@ -24,21 +24,19 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
-import random
 import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from megand.core.checkpointing import files, sharded
+from megand.core.checkpointing import files, rng, sharded
 from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
 from megand.core.checkpointing.files import CheckpointError
@@ -54,32 +52,12 @@ class LoadedState:
     optimizer_loaded: bool
     rng_restored: bool
     extra_state: dict | None = None  # what the trainer stored with the save (opaque here)
+    rng_notice: str | None = None  # why some random streams were re-seeded rather than restored
 
 
 def layout_of(topo) -> dict:
     return {"tp": topo.tp_size, "cp": topo.cp_size, "dp": topo.dp_size, "pp": topo.pp_size, "vpp": topo.vpp,
             "order": topo.order, "world_size": topo.world_size}
-
-
-def tp_rngs(chunks):
-    """The model-parallel RNG streams used by the chunks (one object shared by all, in practice)."""
-    from megand.core.tensor_parallel import TensorParallelRNG
-
-    seen = {}
-    for chunk in chunks:
-        for module in chunk.modules():
-            rng = getattr(module, "rng", None)
-            if isinstance(rng, TensorParallelRNG):
-                seen[id(rng)] = rng
-    return list(seen.values())
-
-
-def rng_state(rngs, device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tp": [r.state.clone() for r in rngs]}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
 
 
 def write_torch(obj, path: str) -> None:
@@ -91,26 +69,16 @@ def write_torch(obj, path: str) -> None:
         f.write(buffer.getbuffer())
 
 
-def set_rng_state(state, rngs, device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    for r, s in zip(rngs, state["tp"]):
-        r.state = s.to(r.state.device) if hasattr(r.state, "to") else s
-
-
 class Checkpointer:
     def __init__(self, config: CheckpointConfig, topo, named_params, optimizer, chunks, config_yaml: str,
                  model_cfg: dict):
         self.cfg, self.topo, self.optimizer = config, topo, optimizer
         self.named_params = list(named_params)
         self.named_buffers = sharded.state_buffers(chunks)
-        self.rngs = tp_rngs(chunks)
+        self.rngs = rng.tp_rngs(chunks)
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
         # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
         self.rank = dist.get_rank()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
         self.pending: Future | None = None
@@ -139,7 +107,7 @@ class Checkpointer:
         self._agree(make_dir, tmp)
 
         def write_small_files():
-            write_torch(rng_state(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
+            write_torch(rng.capture(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
             if self.rank == 0:
                 common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
                           "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
@@ -249,16 +217,21 @@ class Checkpointer:
     def _check_files_together(self, iter_dir, metadata) -> None:
         """Each rank checksums a share of the files; every rank raises the same error if any fails."""
         world = dist.get_world_size(self.group)
+        self._agreed(lambda: files.check_files(iter_dir, metadata, part=(dist.get_rank(self.group), world)))
+
+    def _agreed(self, local_check):
+        """``local_check()``'s result; if it raised CheckpointError on any rank, every rank raises the first."""
+        result, problem = None, None
         try:
-            files.check_files(iter_dir, metadata, part=(dist.get_rank(self.group), world))
-            problem = None
+            result = local_check()
         except CheckpointError as e:
             problem = str(e)
-        problems = [None] * world
+        problems = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(problems, problem, group=self.group)
         problems = [p for p in problems if p]
         if problems:
             raise CheckpointError(problems[0])
+        return result
 
     def load(self, path: str) -> LoadedState:
         iter_dir = files.resolve(path)
@@ -291,14 +264,12 @@ class Checkpointer:
             raise CheckpointError(f"{iter_dir}: reading the checkpoint failed: {type(e).__name__}: {e}") from e
         if has_optimizer:
             self.optimizer.load_scalar_state(common["optimizer"])
-        rng_restored = False
+        rng_restored, rng_notice = False, None
         rng_file = os.path.join(iter_dir, "rng", f"rank_{self.rank:05d}.pt")
         if common.get("layout") == layout_of(self.topo) and os.path.isfile(rng_file):
-            try:
-                set_rng_state(torch.load(rng_file, weights_only=False), self.rngs, self.topo.device)
-            except (OSError, pickle.UnpicklingError, EOFError, RuntimeError) as e:
-                raise CheckpointError(f"{rng_file}: corrupted ({type(e).__name__}: {e})") from None
-            rng_restored = True
+            state = self._agreed(lambda: rng.read(rng_file))  # a refused file stops every rank alike
+            rng_notice = rng.restore(state, self.rngs, self.topo.device)
+            rng_restored = rng_notice is None
         dist.barrier(group=self.group)
         return LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
-                           iter_dir, has_optimizer, rng_restored, common.get("extra"))
+                           iter_dir, has_optimizer, rng_restored, extra_state=common.get("extra"), rng_notice=rng_notice)

@@ -33,11 +33,12 @@ posted with the call that waits for it.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
+
+from megand.core.timing import device_timer
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -53,13 +54,14 @@ def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
 class PipelineP2P:
     """Sends and receives between this stage and its pipeline neighbours (global ranks, pp group).
 
-    ``comm_seconds`` accumulates the wall time spent posting and waiting (the bubble tool reads it).
+    ``comm_seconds``: the time spent posting and waiting (the bubble tool reads it), measured by the
+    device's timer (:mod:`megand.core.timing`: on CUDA, how long the compute stream waited).
     """
 
     def __init__(self, topo, shape, dtype):
         self.group, self.prev, self.next = topo.pp_group, topo.pp_prev_rank, topo.pp_next_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
-        self.comm_seconds = 0.0
+        self.timer = device_timer(self.device)
         self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
         self.prefetching = self.tagged
@@ -84,14 +86,18 @@ class PipelineP2P:
         already posted (called before each forward or backward, so they arrive during it)."""
         if not self.prefetching:
             return
-        start = time.perf_counter()
+        self.timer.start()
         for tag, peer in ((FORWARD_TAG, self.prev), (BACKWARD_TAG, self.next)):
             if not self._prefetched[tag] and self._to_post[tag]:
                 tensor = self._empty()
                 (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, tag)])
                 self._prefetched[tag].append((request, tensor))
                 self._to_post[tag] -= 1
-        self.comm_seconds += time.perf_counter() - start
+        self.timer.stop()
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.timer.seconds
 
     def _receive(self, tag, peer, ops, releases, waits):
         """The tensor of the next receive from ``peer``: the prefetched one (its request added to
@@ -124,7 +130,7 @@ class PipelineP2P:
             releases.append(None)
         if recv_next:
             from_next = self._receive(BACKWARD_TAG, self.next, ops, releases, waits)
-        start = time.perf_counter()
+        self.timer.start()
         self.wait_sends()  # the previous call's sends ran while this stage computed
         if ops:
             requests = dist.batch_isend_irecv(ops)
@@ -142,7 +148,7 @@ class PipelineP2P:
                         release_storage(release)
         for request in waits:  # prefetched receives: waited only now, once this call's sends are posted
             request.wait()
-        self.comm_seconds += time.perf_counter() - start
+        self.timer.stop()
         return from_prev, from_next
 
     def wait_sends(self) -> None:
@@ -155,9 +161,9 @@ class PipelineP2P:
 
     def finish(self) -> None:
         """At the end of a schedule: nothing may stay in flight."""
-        start = time.perf_counter()
+        self.timer.start()
         self.wait_sends()
-        self.comm_seconds += time.perf_counter() - start
+        self.timer.stop()
         left = {tag: len(q) for tag, q in self._prefetched.items() if q}
         if left:  # a receive no call took would match a message of the next step
             raise RuntimeError(f"pipeline p2p: prefetched receives never taken (tag: count): {left}")

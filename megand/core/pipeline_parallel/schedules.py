@@ -24,7 +24,7 @@ micro-batches whose activations are stored, for the bubble tool and the tests.
 
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +32,27 @@ import torch
 from megand.core.distributed import last_backward
 from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, schedule_actions
 from megand.core.pipeline_parallel.p2p import PipelineP2P, tensor_shape
+from megand.core.timing import device_timer
+
+
+class _Timed:
+    """Times the compute of a schedule when statistics are asked for (nothing otherwise)."""
+
+    def __init__(self, device):
+        self.timer = device_timer(device)
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.stop()
 
 
 @dataclass
 class ScheduleStats:
-    compute_seconds: float = 0.0  # wall time inside forward and backward steps
-    comm_seconds: float = 0.0  # wall time posting and waiting on pipeline p2p
+    # measured by the device's timer (megand/core/timing.py): device time on CUDA, wall time on the CPU
+    compute_seconds: float = 0.0  # time inside forward and backward steps
+    comm_seconds: float = 0.0  # time posting and waiting on pipeline p2p
     peak_live: int = 0  # most micro-batch forwards stored at once (awaiting their backward)
     live: int = 0
 
@@ -48,6 +63,7 @@ class _Steps:
     def __init__(self, chunks, forward_step, topo, forward_only, stats, num_microbatches, grad_sync):
         self.chunks, self.forward_step, self.forward_only = chunks, forward_step, forward_only
         self.stats = stats or ScheduleStats()
+        self.timed = _Timed(topo.device) if stats is not None else nullcontext()
         self.num_microbatches, self.grad_sync = num_microbatches, grad_sync
         self.backwards_done = [0] * len(chunks)
         self.total = torch.zeros((), dtype=torch.float32, device=topo.device)
@@ -56,17 +72,16 @@ class _Steps:
     def forward(self, chunk_id, microbatch, input_tensor):
         if self.p2p is not None:
             self.p2p.prefetch()  # the next receives arrive while this forward runs
-        start = time.perf_counter()
         chunk = self.chunks[chunk_id]
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
-        output = self.forward_step(chunk, microbatch, input_tensor)
-        if chunk.post_process:
-            self.total += output.detach().float()
+        with self.timed:
+            output = self.forward_step(chunk, microbatch, input_tensor)
+            if chunk.post_process:
+                self.total += output.detach().float()
         if not self.forward_only:
             self.stats.live += 1
             self.stats.peak_live = max(self.stats.peak_live, self.stats.live)
-        self.stats.compute_seconds += time.perf_counter() - start
         return output
 
     def backward(self, input_tensor, output, output_grad, chunk_id=0):
@@ -74,16 +89,22 @@ class _Steps:
         return the gradient of the chunk's input (None on the first stage)."""
         if self.p2p is not None:
             self.p2p.prefetch()
-        start = time.perf_counter()
         self.backwards_done[chunk_id] += 1
-        if self.backwards_done[chunk_id] == self.num_microbatches:  # this chunk's gradients become final
-            with last_backward(self.grad_sync):
+        with self.timed:
+            if self.backwards_done[chunk_id] == self.num_microbatches:  # this chunk's gradients become final
+                with last_backward(self.grad_sync):
+                    torch.autograd.backward(output, grad_tensors=output_grad)
+            else:
                 torch.autograd.backward(output, grad_tensors=output_grad)
-        else:
-            torch.autograd.backward(output, grad_tensors=output_grad)
         self.stats.live -= 1
-        self.stats.compute_seconds += time.perf_counter() - start
         return None if input_tensor is None else input_tensor.grad
+
+    def finish(self) -> torch.Tensor:
+        """The schedule's loss sum; the compute time added to the statistics (on CUDA: a read of the
+        timing events, which waits for the step's queued work; only where statistics are asked for)."""
+        if isinstance(self.timed, _Timed):
+            self.stats.compute_seconds += self.timed.timer.seconds
+        return self.total
 
 
 def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
@@ -118,7 +139,7 @@ def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=
         following = actions[index + 1] if index + 1 < len(actions) else None
         received = _communicate(p2p, send_next, send_prev, following)
     if p2p is None:
-        return steps.total
+        return steps.finish()
     return _finish(p2p, steps, topo, stats)
 
 
@@ -171,7 +192,8 @@ def _finish(p2p, steps, topo, stats):
     p2p.finish()  # the last sends complete before the step goes on
     if stats is not None:
         stats.comm_seconds += p2p.comm_seconds
-    return steps.total if topo.is_last_stage else None
+    total = steps.finish()
+    return total if topo.is_last_stage else None
 
 
 def forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,

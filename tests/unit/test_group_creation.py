@@ -1,0 +1,57 @@
+"""Start-up at scale: how many process groups a rank creates for a 1024-rank layout.
+
+Where subgroups are communicator splits (NCCL bound to a device), every ``new_group`` is a split over the
+whole world, so creating one group per rank list costs each rank over a thousand world-wide splits at 1024
+ranks. The count is taken with stand-ins for torch.distributed's group calls (no processes)."""
+
+import pytest
+import torch.distributed as dist
+
+from megand.core import parallel_state
+from megand.core.parallel_state import ParallelSizes, Topology, rank_groups
+
+SIZES = ParallelSizes(tp=8, cp=2, dp=8, pp=8)  # 1024 ranks
+KINDS = len(rank_groups(SIZES, dp_shard=16, ep=4))
+
+
+class Calls:
+    def __init__(self, monkeypatch, rank: int, splits: bool):
+        self.new_group, self.split_group = [], []
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: SIZES.world_size)
+        monkeypatch.setattr(parallel_state, "splits_communicators", lambda: splits)
+        monkeypatch.setattr(dist, "new_group", self.record_new_group)
+        monkeypatch.setattr(dist, "split_group", self.record_split)
+
+    def record_new_group(self, ranks=None, timeout=None, **kwargs):
+        self.new_group.append(tuple(ranks))
+        return ("group", tuple(ranks))
+
+    def record_split(self, parent_pg=None, split_ranks=None, timeout=None, **kwargs):
+        self.split_group.append(split_ranks)
+        mine = [r for r in split_ranks if self.rank in r]
+        return ("group", tuple(mine[0])) if mine else None
+
+
+@pytest.mark.parametrize("rank", [0, 1023])
+def test_a_1024_rank_layout_makes_one_communicator_split_per_distinct_kind(monkeypatch, rank):
+    calls = Calls(monkeypatch, rank, splits=True)
+    calls.rank = rank
+    topo = Topology(SIZES, dp_shard=16, ep=4)  # dp_shard = dp x cp: the shard groups are the dp_cp groups
+    # one split per distinct kind (dp_shard shares dp_cp's; the size-1 replica groups are one split), none
+    # per group (2736 world-wide splits per rank when each rank list was its own new_group)
+    assert calls.new_group == [] and len(calls.split_group) <= KINDS - 1, (len(calls.new_group), len(calls.split_group))
+    for kind, group in topo.groups.items():
+        assert group == ("group", tuple(topo.ranks[kind])), kind
+
+
+def test_without_communicator_splits_each_distinct_group_is_made_once(monkeypatch):
+    calls = Calls(monkeypatch, 5, splits=False)
+    calls.rank = 5
+    topo = Topology(SIZES, dp_shard=16, ep=4)
+    lists = rank_groups(SIZES, dp_shard=16, ep=4)
+    distinct = {tuple(r) for rank_lists in lists.values() for r in rank_lists}
+    assert len(calls.new_group) == len(distinct) == len(set(calls.new_group))
+    assert topo.groups["dp_shard"] is topo.groups["dp_cp"]
+    for kind, group in topo.groups.items():
+        assert group == ("group", tuple(topo.ranks[kind])), kind
