@@ -13,9 +13,9 @@ otherwise each K/V head is repeated for its query heads first (more traffic, any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megand.core.context_parallel.sequence import cp_positions
+from megand.core.sdpa import causal_attention
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -93,6 +93,5 @@ def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None):
     if documents is not None:
         out = documents.attend(q, k, v, scale=softmax_scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = causal_attention(q, k, v, scale=softmax_scale)
     return _HeadsToSeq.apply(out.index_select(2, order), cp_group)

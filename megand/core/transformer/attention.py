@@ -10,13 +10,13 @@ earlier tokens are kept, so each new token costs one position instead of the who
 """
 
 import torch
-import torch.nn.functional as F
 
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
 from megand.core.transformer.rope import apply_rope
+from megand.core.sdpa import causal_attention
 
 
 # parallel.cp_comm -> the attention over a context-parallel group
@@ -66,9 +66,10 @@ class Attention(torch.nn.Module):
         if documents is not None:  # attention dropout with document masks is refused by the config
             return documents.attend(q, k, v)
         dropout = self.cfg.attention_dropout if self.training else 0.0
+        if dropout == 0.0:  # no random state to swap (torch.compile cannot trace the swap: a graph break)
+            return causal_attention(q, k, v)
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return causal_attention(q, k, v, dropout)
 
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
