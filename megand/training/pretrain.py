@@ -507,16 +507,19 @@ class Trainer:
         self._progress("logging")
         # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
         # ranks' gradients)
+        # non_blocking: a copy from pageable memory is staged at once and waits for no queued device work
         mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy_s,
-                             float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
+                             float(self.optimizer.state_bytes())], dtype=torch.float64).to(self.topo.device,
+                                                                                           non_blocking=True)
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
-        every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
-        dist.all_gather(every, mine)
+        gathered = torch.empty(self.topo.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(gathered, mine)
+        every = gathered.view(self.topo.world_size, -1).tolist()  # the log line's one read, whatever the world size
         self.busy_s = 0.0
         mem_peak = max(x[0] for x in every)  # the most loaded rank
         state_bytes = max(x[2] for x in every)
-        busy = [float(x[1]) for x in every]
+        busy = [x[1] for x in every]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         median = statistics.median(busy)
         slowest_ratio = busy[slowest] / median if median > 0 else 1.0
@@ -526,8 +529,8 @@ class Trainer:
             "loss_scale": result.loss_scale, "skipped": int(result.skipped),
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
-            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
-            "state_bytes": int(state_bytes.item()),
+            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak),
+            "state_bytes": int(state_bytes),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
             "global_batch_size": t.global_batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
@@ -599,13 +602,13 @@ class Trainer:
 
 def moe_record(every, with_drops: bool) -> dict:
     """The MoE metrics from every rank's :func:`megand.core.transformer.moe.step_metrics` (after the three
-    values :meth:`Trainer.log` gathers first)."""
-    stats = torch.stack([x[3:] for x in every]).cpu()
-    terms = max(float(stats[:, 2].sum()), 1.0)
-    record = {"aux_loss": float(stats[:, 0].sum()) / terms, "z_loss": float(stats[:, 1].sum()) / terms,
-              "expert_load_max_over_mean": float(stats[:, 3].max())}
+    values :meth:`Trainer.log` gathers first), host rows."""
+    stats = [x[3:] for x in every]
+    terms = max(sum(x[2] for x in stats), 1.0)
+    record = {"aux_loss": sum(x[0] for x in stats) / terms, "z_loss": sum(x[1] for x in stats) / terms,
+              "expert_load_max_over_mean": max(x[3] for x in stats)}
     if with_drops:
-        record["tokens_dropped"] = int(stats[:, 4].sum())
+        record["tokens_dropped"] = int(sum(x[4] for x in stats))
     return record
 
 
