@@ -315,7 +315,8 @@ class Trainer:
             self.loss_tokens = loss_token_count(microbatches, self.topo, self.tokens_per_batch)
 
     def forward_step(self, model, microbatch, hidden):
-        documents = None if microbatch.document_ids is None else DocumentMask(microbatch.document_ids)
+        documents = (None if microbatch.document_ids is None
+                     else DocumentMask(microbatch.document_ids, host_ids=microbatch.host_document_ids))
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
                     labels=microbatch.labels if model.post_process else None, hidden=hidden, documents=documents)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean

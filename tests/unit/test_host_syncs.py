@@ -84,6 +84,10 @@ class HostReads(TorchFunctionMode):
         super().__exit__(*exc)
         return self._dispatch.__exit__(*exc)
 
+    def add_host_tensor(self, t) -> None:
+        """Count ``t`` (and what is computed from it) as host memory: built on the host before the count."""
+        self._mark_host(t)
+
     def record(self, kind):
         self.reads.append(kind)
         self.sites.append((kind, _site()))

@@ -53,10 +53,14 @@ class DocumentMask:
     is built on the first call and reused by every later layer (and by recomputation) of the micro-batch:
     build one ``DocumentMask`` per micro-batch and pass it to every layer."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, host_ids: torch.Tensor | None = None):
+        """``host_ids``: the same ids on the host, where the data pipeline has them: what is planned from
+        the documents (context parallelism's block skipping) then reads nothing from the device."""
         self.ids = ids
+        self.host_ids = host_ids
         self._whole_masks = {}  # (sq, sk) -> block mask over the whole sequence's positions
         self._position_masks = []  # (q_pos, k_pos, block mask) for explicit positions, matched by identity
+        self.memo = {}  # what context-parallel attention derives from the documents once per micro-batch
 
     def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None):
         """``q [b, h, sq, d]``, ``k, v [b, g, sk, d]`` at global positions ``q_pos [sq]``, ``k_pos [sk]``
