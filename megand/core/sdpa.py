@@ -81,3 +81,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         return _efficient(q, k, v, dropout_p, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=groups != heads)
+
+
+def attention_summary(device, dtype: torch.dtype, head_dim: int, heads: int, groups: int, cp: int = 1,
+                      cp_comm: str = "p2p", documents: bool = False) -> str:
+    """What runs the attention of a layer, in words (the start-up log line): ``heads``/``groups`` per
+    tensor-parallel rank, ``cp`` the context-parallel size, ``documents`` attention within documents."""
+    device = torch.device(device)
+    if cp > 1 and cp_comm in ("p2p", "all_gather"):
+        from megand.core.context_parallel.block_kernels import FUSED_DTYPES
+
+        fused = device.type == "cuda" and dtype in FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+        kernel = "flash blocks" if fused else "explicit fp32 blocks (one s/cp x s/cp score block at a time)"
+        if documents:
+            kernel += "; blocks cut by documents on the explicit fp32 math"
+        return f"context-parallel {cp_comm} attention on {kernel}"
+    if cp > 1:  # a2a: the whole sequence on heads/cp heads
+        heads, groups = heads // cp, max(groups // cp, 1) if groups % cp == 0 else heads // cp
+    if documents:
+        return ("FlexAttention with a document block mask" if device.type == "cuda"
+                else "SDPA with a dense document mask (s x s booleans)")
+    return f"SDPA {attention_backend(device, dtype, head_dim, heads, groups)}"

@@ -23,6 +23,7 @@ from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig, moe
+from megand.core.sdpa import attention_summary
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
@@ -555,6 +556,8 @@ class Trainer:
         from megand.training.watchdog import HangWatchdog
 
         start, best_val = time.perf_counter(), float("inf")
+        if self.topo.is_logging_rank:
+            print(f" attention: {self.attention_summary()}", flush=True)
         self.watchdog = HangWatchdog(collective_timeout_s(self.cfg, self.topo.device), self.topo.rank)
         try:
             best_val = self._loop(start, best_val)
@@ -566,6 +569,12 @@ class Trainer:
                 self.prefetcher = None
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
+
+    def attention_summary(self) -> str:
+        """Which kernel runs the layers' attention on this run's device, precision and shapes."""
+        m, p = self.model_cfg, self.cfg.parallel
+        return attention_summary(self.topo.device, m.params_dtype, m.head_dim, m.num_attention_heads // p.tp,
+                                 max(m.query_groups // p.tp, 1), p.cp, p.cp_comm, self.cfg.data.reset_attention_mask)
 
     def _loop(self, start, best_val):
         t = self.cfg.train

@@ -135,3 +135,15 @@ def test_layer_attention_on_cuda_fp32_gqa_runs_a_fused_kernel(topo):
         with Shapes() as shapes:
             attention.core(q, k, v)
     assert not [shape for _, shape in shapes.outputs if shape[-2:] == (s, s)], shapes.outputs
+
+
+def test_attention_summary_names_the_kernel_of_each_layout():
+    from megand.core.sdpa import attention_summary
+
+    assert attention_summary("cuda", torch.float32, 128, 32, 8) == "SDPA efficient (K/V expanded)"
+    assert attention_summary("cuda", torch.bfloat16, 128, 32, 8) == "SDPA flash"
+    assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, documents=True).startswith("FlexAttention")
+    assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, cp=2).endswith("on flash blocks")
+    assert "explicit fp32 blocks" in attention_summary("cuda", torch.float32, 128, 32, 8, cp=2, cp_comm="all_gather")
+    assert attention_summary("cuda", torch.float32, 128, 32, 8, cp=4, cp_comm="a2a") == "SDPA efficient (K/V expanded)"
+    assert attention_summary("cuda", torch.float32, 128, 32, 32, cp=4, cp_comm="a2a") == "SDPA efficient"
