@@ -26,6 +26,7 @@ FLASH_MAX_HEAD_DIM = 256
 _FLASH_SMALL_SMEM = {(8, 6), (8, 9), (12, 0), (12, 1)}
 
 
+@torch.compiler.assume_constant_result  # compiled layers take it as a constant (no graph break)
 def _capability(device: torch.device):
     """The CUDA compute capability of ``device``; None where no CUDA runtime answers (fake CUDA tensors
     of a rehearsal on a CPU build: a current data-centre GPU is assumed)."""

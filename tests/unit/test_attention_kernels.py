@@ -147,3 +147,20 @@ def test_attention_summary_names_the_kernel_of_each_layout():
     assert "explicit fp32 blocks" in attention_summary("cuda", torch.float32, 128, 32, 8, cp=2, cp_comm="all_gather")
     assert attention_summary("cuda", torch.float32, 128, 32, 8, cp=4, cp_comm="a2a") == "SDPA efficient (K/V expanded)"
     assert attention_summary("cuda", torch.float32, 128, 32, 32, cp=4, cp_comm="a2a") == "SDPA efficient"
+
+
+def test_the_cuda_kernel_choice_compiles_without_a_graph_break():
+    """Compiled layers choose the kernel at trace time (the device's capability is a constant)."""
+    from torch._dynamo.utils import counters
+
+    def layer(x):
+        kernel = attention_backend(torch.device("cuda"), torch.float32, 64, 8, 2)
+        return x * 2 if kernel.startswith("efficient") else x
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(layer, backend="eager")(torch.ones(3))
+    breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, breaks
+    assert torch.equal(out, torch.full((3,), 2.0))
