@@ -3,12 +3,19 @@
     python benchmarks/bench_data.py --size-mb 200 --workers 1 2 --num-samples 10000000
     python benchmarks/bench_data.py --size-mb 50 --tokenizers sentencepiece huggingface tiktoken --skip-indices
     python benchmarks/bench_data.py --size-mb 1000 --format parquet --tokenizers huggingface --workers 2
+    python benchmarks/bench_data.py --stream --size-mb 200 --workers 1 2 --lanes 8 --seq-length 1024
 
 Generates a jsonl (or Parquet, --format) of about --size-mb MB of text (paragraphs of the pydoc topics,
 shuffled into documents of a few KB) and tokenizers of each kind (a sentencepiece model; a byte-level BPE
 tokenizer.json; a .tiktoken file of that BPE's ranks) in a temporary directory, preprocesses it once per
 tokenizer and worker count in a fresh process (so peak memory is that run's own), times the GPT and
 blending indices for --num-samples, then deletes everything it generated unless --keep.
+
+``--stream`` measures data.kind=stream instead: one reader (one data-parallel rank) holding --lanes lanes
+of --seq-length tokens reads batches for --seconds from the quickstart corpus (the pydoc paragraphs as
+JSON lines) and from a synthetic Parquet file of --size-mb, tokenizing with a sentencepiece model in
+--workers processes. It reports tokens/s (and per worker), the training step that rate sustains for a
+data-parallel rank of --lanes samples, and the peak RSS of the reader and of its largest worker.
 """
 
 import argparse
@@ -105,6 +112,56 @@ def child_preprocess(args) -> None:
                       "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb / 1e6}))
 
 
+def child_stream(args) -> None:
+    """Run in a fresh process: read a stream for ``--seconds``, then report throughput and peak RSS as JSON."""
+    from megand.data.stream import StreamSource
+
+    source = StreamSource({"paths": [[1.0, args.input]], "tokenizer": args.tokenizer_model, "workers": args.workers},
+                          args.seq_length, args.vocab_size, seed=1234).open(args.lanes, 0, args.lanes)
+    source.next_samples()  # the pool's start and the first units out of the timing
+    start, batches = time.perf_counter(), 0
+    while time.perf_counter() - start < args.seconds:
+        source.next_samples()
+        batches += 1
+    seconds = time.perf_counter() - start
+    source.close()  # joins the workers: their peak RSS is then counted
+    kb = 1024
+    print(json.dumps({"seconds": seconds, "batches": batches, "tokens": batches * args.lanes * args.seq_length,
+                      "main_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb / 1e6,
+                      "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb / 1e6}))
+
+
+def bench_stream(args) -> None:
+    work = args.workdir or tempfile.mkdtemp(prefix="bench-stream-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        quick = os.path.join(work, "quickstart")
+        os.makedirs(quick, exist_ok=True)
+        with open(os.path.join(quick, "pydoc.jsonl"), "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in quickstart_documents())
+        synthetic = os.path.join(work, "synthetic")
+        os.makedirs(synthetic, exist_ok=True)
+        generate_parquet(os.path.join(synthetic, "corpus.parquet"), args.size_mb)
+        model = train_sentencepiece(quickstart_documents(), os.path.join(work, "tok"), args.vocab_size)
+        for name, path in (("quickstart jsonl", quick), (f"synthetic parquet {args.size_mb:g} MB", synthetic)):
+            for w in args.workers:
+                out = subprocess.run([sys.executable, __file__, "--child-stream", "--workers", str(w), "--input", path,
+                                      "--tokenizer-model", model, "--lanes", str(args.lanes), "--seq-length",
+                                      str(args.seq_length), "--vocab-size", str(args.vocab_size), "--seconds",
+                                      str(args.seconds)], capture_output=True, text=True)
+                if out.returncode:
+                    sys.exit(f"stream {name} workers={w} failed: {out.stderr.strip().splitlines()[-1]}")
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                rate = r["tokens"] / r["seconds"]
+                print(f"stream {name} workers={w}: {rate:.0f} tokens/s ({rate / max(w, 1):.0f} per worker); sustains a "
+                      f"step of {r['seconds'] / r['batches'] * 1e3:.0f} ms for a data-parallel rank of {args.lanes} x "
+                      f"{args.seq_length} tokens; peak RSS reader {r['main_peak_mb']:.0f} MB, largest worker "
+                      f"{r['worker_peak_mb']:.0f} MB", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def bench_indices(num_samples: int, seq_length: int, num_docs: int) -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(20, 1500, size=num_docs).astype(np.int32)
@@ -133,14 +190,20 @@ def main() -> None:
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     p.add_argument("--tokenizers", nargs="+", choices=["sentencepiece", "huggingface", "tiktoken"],
                    default=["sentencepiece"])
+    p.add_argument("--stream", action="store_true", help="measure data.kind=stream (see above)")
+    p.add_argument("--lanes", type=int, default=8, help="--stream: samples per step of the reader's dp rank")
+    p.add_argument("--seconds", type=float, default=20, help="--stream: how long each reader reads")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child-stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--input", help=argparse.SUPPRESS)
     p.add_argument("--output-prefix", help=argparse.SUPPRESS)
     p.add_argument("--tokenizer-model", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
+    if args.child or args.child_stream:
         args.workers = args.workers[0]
-        return child_preprocess(args)
+        return child_stream(args) if args.child_stream else child_preprocess(args)
+    if args.stream:
+        return bench_stream(args)
 
     if not args.skip_preprocess:
         work = args.workdir or tempfile.mkdtemp(prefix="bench-data-")

@@ -5,7 +5,8 @@
 For each level (none, optim, optim_grads, optim_grads_params, and ZeRO-3 with reshard_after_forward=false),
 in bf16 on 4 ranks, one micro-batch per rank per step:
 - ``state_bytes``: resident params + grads + optimizer state per parameter at the step boundary (the
-  metrics.jsonl figure) against DESIGN.md's 18 / 6+12/d / 2+16/d / 18/d;
+  metrics.jsonl figure) against the theory in bf16 at shard size d: 18 / 6+12/d / 2+16/d / 18/d bytes per parameter
+  (none / optim / optim_grads / optim_grads_params);
 - median step time (after one warm-up step);
 - bytes this rank moved per step by all-gather, reduce-scatter and all-reduce (the engine's own counters:
   ring volume (d-1)/d of each full buffer, twice for all-reduce) against the theory per micro-batch:

@@ -41,6 +41,9 @@ class ParamMeta:
     expert: bool = False
     ep_rank: int = 0
     ep_size: int = 1
+    # A fused weight (QKV, SwiGLU's gate and up): the rows of each logical matrix in one unit that repeats
+    # along the out dim (dim -2), e.g. (q rows, k rows, v rows) per query group; None: one matrix
+    fused_rows: tuple[int, ...] | None = None
 
     def local_slice(self) -> tuple[slice, ...]:
         """This rank's slice of the full tensor. Along a padded dim (vocab) it may hold fewer rows than

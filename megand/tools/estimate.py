@@ -57,6 +57,10 @@ def main(argv=None) -> int:
         return fail(e)
     world = world_size_of(cfg, args.world_size)
     p, t = cfg.parallel, cfg.train
+    if t.rampup_batch_size is not None:  # memory peaks at the largest batch: the final one
+        print(f"estimate: train.rampup_batch_size={list(t.rampup_batch_size)}: estimated at the final global batch "
+              f"{t.global_batch_size} (the ramp's smaller batches hold fewer micro-batches)", file=sys.stderr)
+        t.rampup_batch_size = None
     dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else None
     fill_pipeline = dp is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0
     if fill_pipeline:  # the batch only sets micro-batches in flight: assume enough to fill the pipeline

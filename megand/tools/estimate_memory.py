@@ -104,6 +104,7 @@ class Layout:
     ep: int = 1                        # expert-parallel size (carved out of dp·cp)
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
+    optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -142,7 +143,8 @@ class Layout:
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
-                   pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None)
+                   pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
+                   optimizer=optim.get("name") or "adamw")
 
     @property
     def level(self) -> str:
@@ -318,15 +320,22 @@ def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) ->
                                                       + moe.experts_replicated / layout.ep)
 
 
-def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
-    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
-    the even split rounded up), routed experts included (their share over ep and etp)."""
+def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Parameters of the transformer layers held by one tensor-parallel rank of pipeline ``stage``
+    (``pipeline_layout``'s layers, or the even split rounded up), routed experts included."""
     shape = Shape.from_config(model)
     n_moe = stage_moe_layers(model, layout, stage)
     layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
               else math.ceil(shape.layers / layout.pp))
-    params = ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
-              + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
+    return ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
+            + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
+
+
+def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
+    the even split rounded up), routed experts included (their share over ep and etp)."""
+    shape = Shape.from_config(model)
+    params = stage_layer_params(model, layout, stage)
     # vocab-parallel embedding / output layer, padding rows included (they are allocated)
     word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
@@ -406,6 +415,38 @@ def all_to_all_bytes_per_step(model: Mapping[str, Any], layout: Layout, stage: i
     return stage_moe_layers(model, layout, stage) * micro * passes * per_pass
 
 
+def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict:
+    """Muon's Newton-Schulz per step on a rank of ``stage``: FLOPs and bytes sent.
+
+    Each logical matrix m x n (m <= n; q, k, v and gate, up apart; each expert) costs 5 iterations of
+    ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n), once per shard group, the matrices dealt
+    round-robin over its tp x shard ranks (without sharding tp x dp x cp; HSDP replicas each repeat it;
+    routed experts over their etp x expert-dp ranks). Moving the pieces: the owner receives and sends back the whole matrix (reduce +
+    broadcast over the shard group, gather + scatter over tp): about two fp32 copies of the rank's share of
+    the layers' matrices per step.
+    """
+    shape = Shape.from_config(model)
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim
+
+    def ns(m, n):
+        m, n = min(m, n), max(m, n)
+        return 5 * (4 * m * m * n + 2 * m ** 3)
+
+    def mlp(f):
+        return (3 if shape.swiglu else 2) * ns(f, h) if f else 0
+
+    attention = ns(q, h) + 2 * ns(kv, h) + ns(h, q)
+    n_moe = stage_moe_layers(model, layout, stage)
+    layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
+              else math.ceil(shape.layers / layout.pp))
+    dense = (layers - n_moe) * mlp(shape.ffn) + layers * attention + n_moe * mlp(shape.shared_experts * shape.moe_ffn)
+    experts = n_moe * shape.experts / layout.ep * mlp(shape.moe_ffn)
+    # dealt over the shard group (without sharding: over dp x cp, every rank holding the whole local shard)
+    group = layout.shards if layout.level != "none" else layout.dp * layout.cp
+    flops = dense / (layout.tp * group) + experts / (layout.expert_tp * layout.edp)
+    return {"flops": flops, "bytes": 2 * 4.0 * stage_layer_params(model, layout, stage)}
+
+
 def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
     """Per-rank memory of ``stages`` (default: the first and the last pipeline stage)."""
     shape = Shape.from_config(model)
@@ -416,6 +457,10 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         params = stage_params(model, layout, stage)
         experts = stage_expert_params(model, layout, stage)
         held = {k: (params - experts) * dense_bytes[k] + experts * expert_bytes[k] for k in dense_bytes}
+        if layout.optimizer == "muon":  # the layers' matrices (norms, biases, router: a rounding error) keep
+            # Muon's one momentum instead of Adam's two moments: 4 bytes less per element, over its shards
+            layer = stage_layer_params(model, layout, stage)
+            held["optimizer"] -= 4.0 * ((layer - experts) / layout.shards + experts / layout.expert_shards)
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
@@ -487,7 +532,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         *([("  of which routed experts", lambda st: _count(st.expert_params))] if moe else []),
         ("  params", lambda st: _gib(st.param_bytes)),
         ("  grads", lambda st: _gib(st.grad_bytes)),
-        ("  optimizer (main params + Adam)", lambda st: _gib(st.optimizer_bytes)),
+        ("  optimizer (main params + Adam/Muon)", lambda st: _gib(st.optimizer_bytes)),
         ("  gathered buckets (ZeRO-2/3)", lambda st: _gib(st.gathered_bytes)),
         ("activations per layer, micro-batch", lambda st: _gib(st.activation_bytes_per_layer)),
         ("layer x micro-batches in flight", lambda st: f"{st.layer_microbatches_in_flight:g}"),
@@ -496,6 +541,9 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  full-recompute working set", lambda st: _gib(st.recompute_working_bytes)),
         ("total", lambda st: _gib(st.total_bytes)),
         *([("all-to-all sent per step (ep)", lambda st: _gib(st.all_to_all_bytes_per_step))] if moe else []),
+        *([("Muon Newton-Schulz GFLOP per step", lambda st: f"{muon_step_cost(model, layout, st.stage)['flops'] / 1e9:,.1f}"),
+           ("Muon pieces moved per step", lambda st: _gib(muon_step_cost(model, layout, st.stage)["bytes"]))]
+          if layout.optimizer == "muon" else []),
     ]
     width = max(len(r[0]) for r in rows) + 2
     colw = max(20, *(len(c) + 2 for c in cols))

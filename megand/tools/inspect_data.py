@@ -32,6 +32,14 @@ def _datasets_summary(cfg) -> list[str]:
     from megand.data.builder import parse_paths
     from megand.data.indexed_dataset import IndexedDataset
 
+    if cfg.data.kind == "stream":
+        from megand.data.stream import list_units
+
+        paths = parse_paths(list(cfg.data.paths))
+        total = sum(w for w, _ in paths)
+        return [f"{spec}: stream of {len({u.path for u in units})} file(s), {len(units)} unit(s) (files and Parquet row "
+                f"groups), mixture weight {w / total:.3f}" for (w, spec), units in
+                zip(paths, (list_units(spec) for _, spec in paths))]
     if cfg.data.kind != "indexed":
         return [f"data.kind={cfg.data.kind} (blend: one dataset)"]
     lines = []
@@ -56,6 +64,38 @@ def _epochs(dataset) -> list[str]:
                    f"({len(part) * part.seq_length / max(int(part.indexed.sequence_lengths[first:last].sum()), 1):.2f} "
                    f"epochs of tokens read)")
     return out
+
+
+def _stream_microbatches(stream, iteration, t, topo, flags, seq_length):
+    """A stream's batch ``iteration`` as rank ``topo`` receives it (read from the stream's start), and the
+    ``file:row`` of the documents in each of its samples."""
+    from megand.training.batches import samples_microbatches
+
+    per_dp = t.global_batch_size // topo.dp_size
+    stream.open(t.global_batch_size, topo.dp_rank * per_dp, per_dp)
+    stream.workers = 0  # one batch: tokenized here
+    stream.history = {}
+    for _ in range(iteration + 1):
+        starts = {lane.index: (lane.docs[0] if lane.docs else len(stream.history.get(lane.index, [])), lane.offset)
+                  for lane in stream.mine}
+        samples = stream.next_samples()
+    sources = []
+    for lane in stream.mine:  # the documents the sample spans: from the one it starts in, for seq_length+1 tokens
+        first, offset = starts[lane.index]
+        docs, covered = [], -offset
+        taken = stream.history[lane.index]
+        first = first if isinstance(first, int) else next(i for i, d in enumerate(taken) if d is first)
+        for doc in taken[first:]:
+            if covered >= seq_length + 1:
+                break
+            if doc.tokens is not None and len(doc.tokens):
+                docs.append(doc.where)
+                covered += len(doc.tokens)
+        sources.append(docs)
+    import torch
+
+    return samples_microbatches(torch.from_numpy(samples), t.micro_batch_size, topo, seq_length,
+                                documents=flags), sources
 
 
 def _decode_marked(tok, ids, eod) -> str:
@@ -102,8 +142,16 @@ def main(argv=None) -> int:
     print(f"the run reads {t.iters * t.global_batch_size} samples of {m.seq_length + 1} tokens "
           f"({t.iters} iterations x global batch {t.global_batch_size})")
     topo = _layout_rank(cfg, world, args.rank)
-    microbatches = rank_microbatches(train, args.iteration, t.global_batch_size, t.micro_batch_size, topo,
-                                     documents=flags)
+    if getattr(train, "is_stream", False):
+        try:
+            microbatches, sources = _stream_microbatches(train, args.iteration, t, topo, flags, m.seq_length)
+        except DataError as e:
+            print(f"inspect_data: {e}", file=sys.stderr)
+            return 2
+    else:
+        sources = None
+        microbatches = rank_microbatches(train, args.iteration, t.global_batch_size, t.micro_batch_size, topo,
+                                         documents=flags)
     print(f"rank {args.rank} (dp {topo.dp_rank}/{topo.dp_size}, cp {topo.cp_rank}/{topo.cp_size}, "
           f"pp {topo.pp_rank}/{topo.pp_size}), iteration {args.iteration}:")
     shown = 0
@@ -119,6 +167,8 @@ def main(argv=None) -> int:
             print("    " + "  ⋯  ".join(_decode_marked(tok, c, eod) for c in chunks))
             pos = mb.positions[i] if mb.positions.dim() == 2 else mb.positions
             print(f"    positions {pos.tolist()}")
+            if sources is not None:
+                print(f"    documents from {', '.join(sources[k * t.micro_batch_size + i])}")
             if mb.loss_mask is not None:
                 print(f"    loss on {int(mb.loss_mask[i].sum())} of {len(ids)} tokens")
             shown += 1

@@ -154,6 +154,9 @@ def main(argv=None) -> int:
         plans = planner.plan(args.top)
     except PlanError as e:
         return fail(e)
+    if cfg.train.rampup_batch_size is not None:
+        print(f"plan: train.rampup_batch_size={list(cfg.train.rampup_batch_size)}: step time and memory at the final "
+              f"global batch {cfg.train.global_batch_size}; every layout shown can run each batch of the ramp")
     print(format_table(plans))
     best = plans[0]
     print(f"\nbest: append to pretrain_gpt.py: {' '.join(best.overrides())}")

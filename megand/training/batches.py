@@ -13,6 +13,7 @@ global positions; document ids stay whole-sequence (the attention looks up the k
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -135,8 +136,10 @@ class Prefetcher:
     before: the last step's read ahead may well run past the data.
     """
 
-    def __init__(self, load, device: torch.device):
+    def __init__(self, load, device: torch.device, following=None):
+        """``following(key)``: the key of the step after ``key`` (default: the next iteration, same ``rest``)."""
         self._load, self._device = load, device
+        self._following = following or (lambda key: (key[0] + 1, *key[1:]))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-data")
         self._ahead = None  # ((iteration, offset), future)
 
@@ -148,7 +151,7 @@ class Prefetcher:
         else:
             self._drain()
             host = self._load(*key)
-        following = (iteration + 1, *rest)
+        following = self._following(key)
         self._ahead = (following, self._pool.submit(self._load, *following))
         return to_device(host, self._device)
 
@@ -160,3 +163,128 @@ class Prefetcher:
     def close(self):
         self._drain()
         self._pool.shutdown(wait=True)
+
+
+def samples_microbatches(tokens: torch.Tensor | None, micro_batch_size, topo, seq_length, needs_tokens=True,
+                         documents: DocumentFlags | None = None, device=None):
+    """This rank's micro-batches from its samples ``tokens`` (``[per_dp, seq_length + 1]``, read already)."""
+    class Rows:  # the samples as the dataset rank_microbatches reads
+        def __getitem__(self, i):
+            return tokens[i].numpy()
+
+    per_dp = tokens.shape[0]
+    view = SimpleNamespace(dp_size=1, dp_rank=0, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device=topo.device)
+    return rank_microbatches(Rows(), 0, per_dp, micro_batch_size, view, seq_length=seq_length,
+                             needs_tokens=needs_tokens, documents=documents, device=device)
+
+
+def data_peer_group(topo):
+    """Collective: a gloo group of the ranks that share this rank's data-parallel rank (its tp/cp/pp peers),
+    and the global rank that reads for them (the first)."""
+    from megand.core.parallel_state import rank_coords
+
+    by_dp: dict[int, list[int]] = {}
+    for r in range(topo.world_size):
+        by_dp.setdefault(rank_coords(r, topo.sizes, topo.order)["dp"], []).append(r)
+    mine = None
+    for dp_rank in sorted(by_dp):
+        group = dist.new_group(by_dp[dp_rank], backend="gloo")  # every rank takes part in every group
+        if dp_rank == topo.dp_rank:
+            mine = group
+    return mine, by_dp[topo.dp_rank][0]
+
+
+class StreamBatches:
+    """The stream's only consumer: reads each step's samples once, in order, on a background thread.
+
+    Per data-parallel rank, one rank (the first of its tp/cp/pp peers) reads the lanes of its slice of the
+    global batch and broadcasts the samples to its peers, so nothing is tokenized twice. :meth:`get`
+    returns the next step's micro-batches and starts reading the following step. The stream's state is
+    the state after the last batch :meth:`get` returned (a read ahead is not consumed): what a checkpoint
+    saves. :meth:`load_state_dict` waits for a read in flight, drops it (the state it is reset to comes
+    before it: nothing is lost), and the next :meth:`get` reads from the loaded state. A read error
+    (a malformed row, an unreadable file) is agreed on by every rank and raised by the :meth:`get` of the
+    step that needs it, on every rank alike.
+    """
+
+    def __init__(self, source, topo, global_batch_size: int, micro_batch_size: int, seq_length: int,
+                 needs_tokens=True, documents=None, device=None):
+        self.topo, self.micro_batch_size, self.seq_length = topo, micro_batch_size, seq_length
+        self.needs_tokens, self.documents = needs_tokens, documents
+        self.device = topo.device if device is None else device
+        per_dp = global_batch_size // topo.dp_size
+        self.group, self.reader_rank = data_peer_group(topo)
+        self.all_ranks = dist.new_group(backend="gloo")  # agreement on read errors (the reading thread's)
+        self.state_ranks = dist.new_group(backend="gloo")  # gathering the state (the training thread's)
+        self.is_reader = topo.rank == self.reader_rank
+        self.source = source.open(global_batch_size, topo.dp_rank * per_dp, per_dp) if self.is_reader else None
+        self.state = self.source.state_dict() if self.is_reader else None  # after the last batch returned
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-stream")
+        self._ahead = None
+
+    def _read(self):
+        """Collective over every rank: ``(samples, state after them)``, read and broadcast once."""
+        payload = [None]
+        if self.is_reader:
+            try:
+                samples = self.source.next_samples()
+                notices, self.source.notices = self.source.notices, []
+                payload = [(samples, self.source.state_dict(), notices, None)]
+            except Exception as e:  # noqa: BLE001 - agreed on below, raised by the step that needs it
+                payload = [(None, None, [], e)]
+        if dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(payload, src=self.reader_rank, group=self.group)
+        samples, state, notices, error = payload[0]
+        errors = [error]
+        if self.topo.world_size > 1:
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, group=self.all_ranks)
+            if failed.item():
+                errors = [None] * self.topo.world_size
+                dist.all_gather_object(errors, error, group=self.all_ranks)
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            error.every_rank = True
+            raise error
+        return torch.from_numpy(samples), state, notices
+
+    def get(self) -> list:
+        if self._ahead is None:
+            self._ahead = self._pool.submit(self._read)
+        samples, state, notices = self._ahead.result()
+        self._ahead = self._pool.submit(self._read)
+        if self.is_reader:
+            self.state = state
+        if self.is_reader:  # each reader its own (data-parallel rank r's lanes)
+            for line in notices:
+                print(f"{line} (reader of data-parallel rank {self.topo.dp_rank})", flush=True)
+        host = samples_microbatches(samples, self.micro_batch_size, self.topo, self.seq_length, self.needs_tokens,
+                                    self.documents, device=torch.device("cpu"))
+        return to_device(host, self.device)
+
+    def state_dict(self) -> dict:
+        """Collective: every lane's state (each reader knows its own lanes)."""
+        mine = [self.state]
+        every = [None] * self.topo.world_size
+        dist.all_gather_object(every, mine[0], group=self.state_ranks)
+        states = [s for s in every if s is not None]
+        merged = dict(states[0])
+        merged["lane_states"] = {str(k): v for s in states for k, v in s["lane_states"].items()}
+        return merged
+
+    def load_state_dict(self, state: dict) -> None:
+        self._drain()
+        if self.is_reader:
+            self.source.load_state_dict(state)
+            self.state = self.source.state_dict()
+
+    def _drain(self):
+        if self._ahead is not None:
+            self._ahead.exception()  # wait: the state the caller loads comes before this read
+            self._ahead = None
+
+    def close(self):
+        self._drain()
+        self._pool.shutdown(wait=True)
+        if self.source is not None:
+            self.source.close()

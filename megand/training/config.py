@@ -93,15 +93,23 @@ class TrainConfig:
     straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
     exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
     exit_interval: Optional[int] = None  # save and exit 0 after this iteration
+    rampup_batch_size: Optional[List[int]] = None  # [start, increment, ramp_samples]: the global batch grows from start by increment every ramp_samples / ((global_batch_size - start) / increment) samples (Megatron's rule); null: constant
 
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (hidden matrices orthogonalised by Newton-Schulz; AdamW for embeddings, output layer, norms, biases, router)
+    muon_momentum: float = 0.95  # muon: momentum coefficient
+    muon_nesterov: bool = True  # muon: Nesterov momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations
     lr: float = 3.0e-4  # peak learning rate
     min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_iters: int = 10  # linear warm-up steps
     decay_iters: Optional[int] = None  # null: train.iters
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay: peak until the decay start, then decay_style to min_lr)
+    decay_style: str = "1-sqrt"  # wsd: decay shape, linear | cosine | 1-sqrt
+    decay_fraction: float = 0.2  # wsd: the last decay_fraction x decay_iters steps decay
+    decay_start: Optional[int] = None  # wsd: decay after this step instead (cooldown from a stable checkpoint: its iteration); null: from decay_fraction
     weight_decay: float = 0.1  # AdamW decay on matrices (not on biases and norms)
     beta1: float = 0.9  # Adam beta1
     beta2: float = 0.95  # Adam beta2
@@ -121,7 +129,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir)
+    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir) | stream
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
     tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
     tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
@@ -131,6 +139,8 @@ class DataConfig:
     eod_mask_loss: bool = False  # no loss where the input token is EOD (the prediction across a document boundary)
     split: str = "969,30,1"  # train,valid,test proportions of documents
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
+    on_error: str = "fail"  # stream: a malformed row stops the run (fail) or is skipped (skip)
+    workers: int = 1  # stream: tokenizer processes per reader (one reader per data-parallel rank); 0: in the reader
 
 
 @dataclass
@@ -187,9 +197,12 @@ CHOICES = {
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.name": ("adamw", "muon"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
+    "optim.decay_style": ("linear", "cosine", "1-sqrt"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
-    "data.kind": ("mock", "indexed", "quickstart"),
+    "data.kind": ("mock", "indexed", "quickstart", "stream"),
+    "data.on_error": ("fail", "skip"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
 
@@ -290,6 +303,11 @@ def validate(cfg, world_size: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from megand.training.rampup import ramp_error
+
+    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
+    if ramp_message:
+        raise ConfigError(ramp_message)
     if p.vpp is not None:
         if p.pp < 2 or p.vpp < 1:
             raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp}) and vpp >= 1")
@@ -310,6 +328,13 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
+    if cfg.data.kind == "stream" and not (cfg.data.paths and cfg.train.eval_iters == 0 and cfg.data.workers >= 0
+                                          and cfg.train.rampup_batch_size is None):
+        raise ConfigError(f"data.kind=stream needs data.paths (a list of [weight, directory or glob]), "
+                          f"train.eval_iters=0 (no validation stream yet), data.workers >= 0 and no batch ramp-up "
+                          f"(a stream has one lane per sample of the global batch): got data.paths="
+                          f"{list(cfg.data.paths)}, train.eval_iters={cfg.train.eval_iters}, data.workers="
+                          f"{cfg.data.workers}, train.rampup_batch_size={cfg.train.rampup_batch_size}")
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
@@ -418,12 +443,26 @@ def check_counts(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
     if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
         raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
+    check_wsd(cfg.optim, cfg.optim.decay_iters or cfg.train.iters)
     try:
         train_fraction = parse_split(cfg.data.split)[0]
     except DataError as e:
         raise ConfigError(str(e)) from None
     if train_fraction == 0 and cfg.data.kind != "mock":
         raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
+
+
+def check_wsd(o, decay_iters: int) -> None:
+    """``optim.decay_fraction`` / ``decay_start`` within the schedule (checked whatever the schedule)."""
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be between 0 and 1")
+    if o.decay_start is not None and not o.warmup_iters <= o.decay_start <= decay_iters:
+        raise ConfigError(f"optim.decay_start={o.decay_start} must lie between optim.warmup_iters={o.warmup_iters} and "
+                          f"the end of the decay {decay_iters} (optim.decay_iters, null: train.iters)")
+    start = o.decay_start if o.decay_start is not None else decay_iters - round(o.decay_fraction * decay_iters)
+    if o.schedule == "wsd" and start < o.warmup_iters:
+        raise ConfigError(f"optim.schedule=wsd decays from step {start} (optim.decay_fraction={o.decay_fraction} of "
+                          f"{decay_iters} steps), inside the warm-up (optim.warmup_iters={o.warmup_iters})")
 
 
 def compose(overrides=(), config_dir: str | None = None):

@@ -29,7 +29,7 @@ from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import Prefetcher, loss_token_count, rank_microbatches
+from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
     checkpoint_config,
@@ -43,6 +43,7 @@ from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.output_dirs import check_output_dirs
 from megand.training.peak import device_peak_flops, mfu
+from megand.training.rampup import batch_ramp
 from megand.training.wandb_logger import WandbLogger
 
 
@@ -160,10 +161,17 @@ class Trainer:
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
         self.schedule = get_schedule(self.topo)
-        self._plan_batches()
-        self.iteration, self.sample_offset = 0, 0
+        self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
+        self._plan_batches(cfg.train.global_batch_size)
+        self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes
         self.prefetcher = None  # reads the next step's batch while this one computes
+        t = cfg.train  # a stream (data.kind=stream): read in order by its only consumer (collective)
+        self.stream = (StreamBatches(self.train_data, self.topo, t.global_batch_size, t.micro_batch_size,
+                                     **self.batch_needs) if getattr(self.train_data, "is_stream", False) else None)
         self.loaded_iteration = self.last_save_attempt = None
+        self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
+        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
+        self.rollbacks = 0
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
@@ -176,12 +184,11 @@ class Trainer:
                 print(notice, flush=True)
             if path:
                 self.load_checkpoint(path)
-        if self.sample_offset > 0:  # a smaller global batch size resumes further into the data: a longer split
+        sample_offset = self.consumed_samples - self.iteration * cfg.train.global_batch_size
+        if sample_offset > 0 and self.stream is None:  # a smaller global batch size resumes further into the data
             self.train_data, self.valid_data = build_datasets(cfg, self.topo,
-                                                              self.sample_offset + self.rollback_sample_budget())
+                                                              sample_offset + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
-        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
-        self.rollbacks = 0
         self.busy_s = 0.0  # this rank's time in forward/backward since the last log line
         self._open_logs()
 
@@ -190,22 +197,18 @@ class Trainer:
         t, c = self.cfg.train, self.cfg.checkpoint
         return t.max_rollbacks * c.interval * t.global_batch_size if t.spike_rollback else 0
 
-    @property
-    def consumed_samples(self) -> int:
-        """True samples consumed so far (also after a global batch size change or a rollback)."""
-        return self.sample_offset + self.iteration * self.cfg.train.global_batch_size
-
-    def _plan_batches(self):
+    def _plan_batches(self, global_batch_size: int):
         """What each step reads and computes: tokens per global batch, FLOPs, whether this rank reads tokens."""
         cfg = self.cfg
-        self.tokens_per_batch = cfg.train.global_batch_size * cfg.model.seq_length
+        self.batch_size = global_batch_size  # of the step being run (a batch-size ramp-up changes it)
+        self.tokens_per_batch = global_batch_size * cfg.model.seq_length
         # stages with neither the embedding nor the loss read no tokens
         needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
         self.has_loss = any(chunk.post_process for chunk in self.chunks)
         self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens,
                                 documents=document_flags(cfg))
         self.loss_tokens = self.tokens_per_batch  # per global batch: fewer with data.eod_mask_loss
-        self.flops = flops_per_iteration(cfg.model, cfg.train.global_batch_size, cfg.train.recompute,
+        self.flops = flops_per_iteration(cfg.model, global_batch_size, cfg.train.recompute,
                                          tp=self.topo.tp_size)  # the padded vocabulary's logits
 
     def _build_checkpointer(self):
@@ -230,13 +233,40 @@ class Trainer:
             with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
+    def guard_state(self) -> dict:
+        """What the checkpoint keeps of the guards: the rollback count and the spike window."""
+        return {"rollbacks": self.rollbacks, "spike_window": list(self.spikes.recent)}
+
+    def load_guard_state(self, extra: dict | None) -> None:
+        """Restore :meth:`guard_state` (a checkpoint without it: no rollback yet, an empty window)."""
+        extra = extra or {}
+        self.rollbacks = int(extra.get("rollbacks", 0))
+        self.spikes.recent.clear()
+        self.spikes.recent.extend(extra.get("spike_window", []))
+
+    def data_state(self) -> dict:
+        """Collective: where the data stands after the batches trained on (what a checkpoint keeps)."""
+        if self.stream is not None:
+            return self.stream.state_dict()
+        from megand.data.source import RandomAccessSource
+
+        return RandomAccessSource(self.train_data, self.consumed_samples).state_dict()  # recorded; resumes read consumed_samples
+
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
+        self.rollback_path = loaded.path
+        self.load_guard_state(loaded.extra_state)
+        if self.stream is not None:
+            data = (loaded.extra_state or {}).get("data")
+            if data is not None and data.get("kind") == "stream":
+                self.stream.load_state_dict(data)
+            elif self.topo.is_logging_rank:
+                print(f" {loaded.path} holds no stream state: the stream starts from its beginning", flush=True)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
         # the data position: samples consumed so far (a changed global batch size continues from there)
-        self.sample_offset = loaded.consumed_samples - loaded.iteration * self.cfg.train.global_batch_size
+        self.consumed_samples = loaded.consumed_samples
         if self.topo.is_logging_rank:
             print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
                   f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: "
@@ -246,6 +276,7 @@ class Trainer:
         """Save (collective); False when nothing was saved: non-finite state, or a failed write under
         ``checkpoint.continue_on_error`` (otherwise a failed write raises CheckpointWriteError)."""
         from megand.core.checkpointing import CheckpointWriteError
+        from megand.core.checkpointing.files import iter_dir_name
 
         t = self.cfg.train
         self.last_save_attempt = self.iteration
@@ -258,8 +289,10 @@ class Trainer:
                 print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
                       f"state are not finite", flush=True)
             return False
+        extra = {**self.guard_state(), "data": self.data_state()}
         try:
-            self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size)
+            self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size,
+                                   extra_state=extra)
         except CheckpointWriteError as e:
             if not self.cfg.checkpoint.continue_on_error:
                 raise
@@ -267,6 +300,7 @@ class Trainer:
                 print(f" WARNING: checkpoint save failed, training continues (checkpoint.continue_on_error=true): {e}",
                       flush=True)
             return False
+        self.rollback_path = os.path.join(self.cfg.checkpoint.save, iter_dir_name(self.iteration))
         if self.topo.is_logging_rank:
             print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
                   f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
@@ -311,9 +345,10 @@ class Trainer:
                                       enabled_on_this_rank=self.topo.is_logging_rank and w.enabled)
         return self._wandb
 
-    def _count_loss_tokens(self, microbatches):
+    def _count_loss_tokens(self, microbatches, tokens: int | None = None):
+        """``tokens``: of the whole batch (default: the training step's)."""
         if self.has_loss:
-            self.loss_tokens = loss_token_count(microbatches, self.topo, self.tokens_per_batch)
+            self.loss_tokens = loss_token_count(microbatches, self.topo, tokens or self.tokens_per_batch)
 
     def forward_step(self, model, microbatch, hidden):
         documents = (None if microbatch.document_ids is None
@@ -362,11 +397,15 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress(self.iteration + 1, phase)
 
-    def _read_step(self, iteration, offset, dataset):
-        """Step ``iteration``'s micro-batches of this rank, on the host (the prefetcher's reader)."""
-        t = self.cfg.train
-        return rank_microbatches(dataset, iteration, t.global_batch_size, t.micro_batch_size, self.topo,
-                                 offset=offset, device=torch.device("cpu"), **self.batch_needs)
+    def _read_step(self, position, dataset):
+        """This rank's micro-batches of the global batch that starts after ``position`` consumed samples, on
+        the host (the prefetcher's reader)."""
+        return rank_microbatches(dataset, 0, self.ramp.batch_size(position), self.cfg.train.micro_batch_size,
+                                 self.topo, offset=position, device=torch.device("cpu"), **self.batch_needs)
+
+    def _next_read(self, key):
+        position, dataset = key
+        return position + self.ramp.batch_size(position), dataset
 
     def train_step(self):
         """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
@@ -374,9 +413,14 @@ class Trainer:
         will be rolled back."""
         t = self.cfg.train
         self._progress("data")
-        if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self._read_step, self.topo.device)
-        microbatches = self.prefetcher.get(self.iteration, self.sample_offset, self.train_data)
+        if self.stream is not None:  # a rollback keeps the stream where it is: after the spike's batch
+            microbatches = self.stream.get()
+        else:
+            if self.prefetcher is None:
+                self.prefetcher = Prefetcher(self._read_step, self.topo.device, self._next_read)
+            if self.ramp.batch_size(self.consumed_samples) != self.batch_size:
+                self._plan_batches(self.ramp.batch_size(self.consumed_samples))
+            microbatches = self.prefetcher.get(self.consumed_samples, self.train_data)
         self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
             chunk.train()
@@ -405,11 +449,20 @@ class Trainer:
             self.last_batch_checksum = self.batch_checksum(microbatches)
         return loss, result, spike
 
+    def next_lr(self) -> float:
+        """The learning rate of the next update. Under a batch-size ramp-up the schedule counts samples in
+        units of the final global batch (as Megatron does): its position after this step is the samples
+        of the applied updates, this one included, over ``train.global_batch_size``."""
+        opt = self.optimizer
+        if self.cfg.train.rampup_batch_size is None:
+            return opt.schedule(opt.steps + 1)
+        return opt.schedule((opt.samples + self.batch_size) / self.cfg.train.global_batch_size)
+
     def optimizer_step(self, loss: float, grad_norm: float, found_inf: bool, skip: bool) -> StepResult:
         """The update from the agreed values (no further read of device values); skipped on every rank
         together when the loss or the gradient is not finite, or when ``skip`` (a spike to roll back)."""
         opt = self.optimizer
-        lr = opt.schedule(opt.steps + 1)
+        lr = self.next_lr()
         if not math.isfinite(loss) or skip:
             if not math.isfinite(loss):
                 opt.scaler.update(True)  # fp16: back off as for an overflow
@@ -418,6 +471,7 @@ class Trainer:
         if found_inf:
             return StepResult(grad_norm, True, lr, opt.loss_scale)
         opt.update(grad_norm, lr)
+        opt.samples += self.batch_size
         moe.update_expert_bias(self.chunks)
         return StepResult(grad_norm, False, lr, opt.loss_scale)
 
@@ -425,6 +479,7 @@ class Trainer:
         """One optimizer step on the next global batch: ``(loss, StepResult)``; the iteration advances and
         skipped steps are counted (``self.skips.exhausted`` after too many in a row)."""
         loss, result, spike = self.train_step()
+        self.consumed_samples += self.batch_size
         if self.compile_timer is not None and not self.compile_timer.reported and self.topo.is_logging_rank:
             self.compile_timer.reported = True
             print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
@@ -452,21 +507,22 @@ class Trainer:
     def can_roll_back(self) -> bool:
         """A rollback is allowed and there is a checkpoint of this run to go back to (same on every rank)."""
         t = self.cfg.train
-        has_checkpoint = self.checkpointer is not None and (self.checkpointer.last_saved is not None
-                                                            or self.loaded_iteration is not None)
-        return t.spike_rollback and self.rollbacks < t.max_rollbacks and has_checkpoint
+        return t.spike_rollback and self.rollbacks < t.max_rollbacks and self.rollback_path is not None
 
     def roll_back(self, spike_iteration: int) -> None:
-        """Reload the last checkpoint and skip the data from it up to and including the spike's batch."""
+        """Reload the checkpoint this run came from or saved last (never another run's newer one), with the
+        spike window as it was there, and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
         self._progress("spike rollback: loading the last checkpoint")
         self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
-        position = self.sample_offset + spike_iteration * t.global_batch_size  # after the spike's batch
-        loaded = self.checkpointer.load(self.cfg.checkpoint.save)
+        position = self.consumed_samples  # after the spike's batch
+        rollbacks = self.rollbacks + 1
+        loaded = self.checkpointer.load(self.rollback_path)
+        self.load_guard_state(loaded.extra_state)
+        self.rollbacks = rollbacks  # counted from this run's own count, carried into the next saves
         skipped = (position - loaded.consumed_samples)
         self.iteration = loaded.iteration
-        self.sample_offset = position - loaded.iteration * t.global_batch_size
-        self.rollbacks += 1
+        self.consumed_samples = position
         record = {"iter": spike_iteration, "rollback_to": loaded.iteration,
                   "skipped_samples": [loaded.consumed_samples, position], "rollbacks": self.rollbacks}
         self.writer.write(record)
@@ -496,7 +552,7 @@ class Trainer:
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
                                              **self.batch_needs)
-            self._count_loss_tokens(microbatches)
+            self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
             loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
                                                   forward_only=True))
             total += float("nan") if loss is None else loss.double()
@@ -534,7 +590,7 @@ class Trainer:
             "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak),
             "state_bytes": int(state_bytes),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
-            "global_batch_size": t.global_batch_size, "batch_checksum": (None if self.last_batch_checksum is None
+            "global_batch_size": self.batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
             "skipped_total": self.skips.total,
@@ -567,6 +623,8 @@ class Trainer:
             if self.prefetcher is not None:
                 self.prefetcher.close()
                 self.prefetcher = None
+            if self.stream is not None:
+                self.stream.close()
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
@@ -624,7 +682,7 @@ def moe_record(every, with_drops: bool) -> dict:
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:
     """The run's last two lines: one for people, one JSON line for scripts."""
-    tokens = trainer.iteration * trainer.tokens_per_batch
+    tokens = trainer.consumed_samples * trainer.cfg.model.seq_length
     save = trainer.cfg.checkpoint.save
     best = f"{best_val:.4f}" if best_val != float("inf") else "n/a (no evaluation)"
     human = (f" training done: {trainer.iteration} iterations, {tokens:,} tokens in {seconds:,.1f} s "

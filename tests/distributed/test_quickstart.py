@@ -1,4 +1,4 @@
-"""The README's first command: the quickstart trains on real text with falling loss and writes metrics.jsonl."""
+"""The README's first command (`make quickstart`): the quickstart trains on real text with falling loss and writes metrics.jsonl."""
 
 import json
 
@@ -6,7 +6,7 @@ from tests.harness import read_metrics, run_pretrain
 
 
 def test_quickstart_trains(tmp_path):
-    proc = run_pretrain(tmp_path, ["+experiment=quickstart"], nproc=4, torchrun=True)  # as the README runs it
+    proc = run_pretrain(tmp_path, ["+experiment=quickstart"], nproc=4, torchrun=True)  # as `make quickstart` runs it
     metrics = read_metrics(tmp_path)
     assert [m["iter"] for m in metrics] == [10, 20, 30, 40, 50, 60]
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.8, [m["loss"] for m in metrics]

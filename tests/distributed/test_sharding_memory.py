@@ -1,4 +1,5 @@
-"""Resident state per rank at each sharding level (bf16, dp=4): the bytes per parameter of DESIGN's table,
+"""Resident state per rank at each sharding level (bf16, dp=4): the bytes per parameter of the sharding table
+(bf16, shard size d: none 18, optim 6 + 12/d, optim_grads 2 + 16/d, optim_grads_params 18/d),
 measured on the engine's and optimizer's own tensors (what ``state_bytes`` in metrics.jsonl reports)."""
 
 from megand.tools.spawn import run_distributed

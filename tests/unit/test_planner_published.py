@@ -1,4 +1,4 @@
-"""The cost model against published large-scale runs (the README's "Layout planner" table)."""
+"""The cost model against published large-scale runs (the "Published runs" table of docs/layout.md)."""
 
 import pytest
 

@@ -53,6 +53,7 @@ class LoadedState:
     path: str
     optimizer_loaded: bool
     rng_restored: bool
+    extra_state: dict | None = None  # what the trainer stored with the save (opaque here)
 
 
 def layout_of(topo) -> dict:
@@ -119,8 +120,10 @@ class Checkpointer:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None) -> None:
-        """Collective. Raises CheckpointWriteError (on every rank) when a write fails anywhere; an
+    def save(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None,
+             extra_state: dict | None = None) -> None:
+        """Collective. ``extra_state``: rank 0's plain Python values (dicts, lists, numbers, strings), kept
+        as they are and returned by :meth:`load` (e.g. the data sources' and the guards' state). Raises CheckpointWriteError (on every rank) when a write fails anywhere; an
         asynchronous save's failure is raised by the next ``save``/``wait``/``close``."""
         start = time.perf_counter()
         self.wait()
@@ -140,7 +143,8 @@ class Checkpointer:
             if self.rank == 0:
                 common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
                           "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
-                          "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg}
+                          "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
+                          "extra": extra_state}
                 write_torch(common, os.path.join(tmp, files.COMMON))
                 with open(os.path.join(tmp, files.CONFIG), "w") as f:
                     f.write(self.config_yaml)
@@ -267,6 +271,11 @@ class Checkpointer:
         # model weights always; optimizer states when the checkpoint has any (an imported HF model has
         # none); an fp32 ``main`` copy is optional (absent from fp32 runs)
         required = {k for k in expected if k.startswith("model.") or (has_optimizer and not k.endswith(".main"))}
+        other = sorted(k for k in required - keys if k.endswith((".momentum", ".exp_avg", ".exp_avg_sq")))
+        if other:  # Adam moments saved where this run keeps Muon's momentum, or the reverse
+            raise CheckpointError(f"{iter_dir} holds the state of another optimizer: {other[0]} is missing (a run "
+                                  f"saved with AdamW resumed with Muon, or the reverse); resume with the optimizer "
+                                  f"the checkpoint was saved with")
         files.check_shapes(iter_dir, metadata, expected, required)
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)
 
@@ -292,4 +301,4 @@ class Checkpointer:
             rng_restored = True
         dist.barrier(group=self.group)
         return LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
-                           iter_dir, has_optimizer, rng_restored)
+                           iter_dir, has_optimizer, rng_restored, common.get("extra"))

@@ -5,11 +5,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon_momentum: float = 0.95  # Muon's momentum coefficient
+    muon_nesterov: bool = True  # Nesterov momentum for Muon
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
     lr: float = 3.0e-4  # peak learning rate
     min_lr: float = 3.0e-5  # learning rate at the end of the decay
     warmup_iters: int = 10  # linear warm-up steps
     decay_iters: int = 100  # steps from the start to the end of the decay
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
+    decay_style: str = "1-sqrt"  # wsd: shape of the decay, linear | cosine | 1-sqrt
+    decay_fraction: float = 0.2  # wsd: the last decay_fraction x decay_iters steps decay (unless decay_start)
+    decay_start: int | None = None  # wsd: the step after which the decay starts (a cooldown from a stable checkpoint)
     weight_decay: float = 0.1  # AdamW decay on matrices (not on biases and norms)
     beta1: float = 0.9
     beta2: float = 0.95

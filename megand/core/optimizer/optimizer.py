@@ -34,6 +34,7 @@ from megand.core.optimizer.config import OptimizerConfig
 from megand.core.optimizer.grad_norm import clip_coefficient, clip_grads, grad_stats, read_grad_stats
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megand.core.optimizer.lr_schedule import LRSchedule
+from megand.core.optimizer.muon import MuonParam, is_muon_param
 
 try:  # optional: apex's multi-tensor Adam (CUDA only); torch's fused AdamW is used otherwise
     from apex.optimizers import FusedAdam as ApexFusedAdam
@@ -61,12 +62,13 @@ class Piece:
     hi: int
     main: torch.Tensor
     grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor  # Adam's first moment; Muon's momentum buffer
+    exp_avg_sq: torch.Tensor | None  # Adam's second moment (None for a Muon piece)
     step: torch.Tensor  # 0-d, as torch's AdamW wants one per tensor
     decay: bool
     counted: bool  # in the global grad norm (each element of the full model once)
     separate_main: bool  # main is an fp32 copy (non-fp32 parameters), not the parameter itself
+    muon: bool = False  # updated by Muon (a hidden matrix under optim.name=muon), else AdamW
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,17 @@ class Optimizer:
             ddp = DataParallel([_Holder(self.params)], topo, DataParallelConfig())
         self.ddp, self.topo, self.cfg = ddp, topo, config
         self.clip_grad = config.clip_grad
-        self.schedule = LRSchedule(config.lr, config.min_lr, config.warmup_iters, config.decay_iters, config.schedule)
+        self.schedule = LRSchedule(config.lr, config.min_lr, config.warmup_iters, config.decay_iters, config.schedule,
+                                   config.decay_style, config.decay_fraction, config.decay_start)
         fp16 = any(buf.dtype == torch.float16 for buf in ddp.buffers)
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
                                          config.loss_scale_window, config.hysteresis)
                        if fp16 else ConstantLossScaler())
         self.steps = 0
+        self.samples = 0  # samples of the applied updates (advanced by the trainer): the schedule's position under a batch-size ramp-up
         self._build_state()
         device = topo.device
-        self.use_apex = ApexFusedAdam is not None and device.type == "cuda"
+        self.use_apex = ApexFusedAdam is not None and device.type == "cuda" and not self.muon_params
         self.fused = device.type in FUSED_ADAMW_DEVICES and not self.use_apex
         if self.use_apex:
             self._apex = self._make_apex()
@@ -115,6 +119,8 @@ class Optimizer:
         name_of = {p: n for n, p in self.named_params}
         step_device = self.topo.device if self.topo.device.type == "cuda" else torch.device("cpu")
         self.flat = []  # per buffer: dict(main=, exp_avg=, exp_avg_sq=, segments={bucket index: offset})
+        # the hidden matrices Muon updates (optim.name=muon), in parameter order: a dict used as an ordered set
+        muon = {p: None for n, p in self.named_params if self.cfg.name == "muon" and is_muon_param(n, p)}
         self.pieces: list[Piece] = []
         for buf in self.ddp.buffers:
             segments, total = {}, 0
@@ -126,11 +132,15 @@ class Optimizer:
             if separate:
                 main = torch.cat([b.data_shard.float() for b in buf.buckets]) if buf.buckets else \
                     torch.zeros(0, device=buf.param_data.device)
+            placed = list(buf.pieces())
+            # Muon keeps one buffer (its momentum, in exp_avg): the second moment covers AdamW's pieces only
+            adam_total = sum(hi - lo for p, _, lo, hi in placed if p not in muon)
             state = dict(main=main, exp_avg=torch.zeros(total, dtype=torch.float32, device=buf.grad_data.device),
-                         exp_avg_sq=torch.zeros(total, dtype=torch.float32, device=buf.grad_data.device),
+                         exp_avg_sq=torch.zeros(adam_total, dtype=torch.float32, device=buf.grad_data.device),
                          segments=segments, buffer=buf)
             self.flat.append(state)
-            for p, bucket, lo, hi in buf.pieces():
+            sq = 0
+            for p, bucket, lo, hi in placed:
                 off = buf.offset[p]
                 s = segments[bucket.index] + lo - bucket.shard_start
                 name = name_of.get(p, f"<unnamed {tuple(p.shape)}>")
@@ -138,13 +148,18 @@ class Optimizer:
                     name=name, param=p, lo=lo - off, hi=hi - off,
                     main=main[s: s + hi - lo] if separate else bucket.param_piece(lo, hi),
                     grad=bucket.grad_piece(lo, hi), exp_avg=state["exp_avg"][s: s + hi - lo],
-                    exp_avg_sq=state["exp_avg_sq"][s: s + hi - lo],
+                    exp_avg_sq=None if p in muon else state["exp_avg_sq"][sq: sq + hi - lo], muon=p in muon,
                     step=torch.zeros((), dtype=torch.float32, device=step_device),
                     # matrices decay; biases do not, also the stacked [E, out] biases of MoE experts
                     decay=p.ndim >= 2 and not name.endswith(".bias"),
                     # each element of the full model once (replicas of a slice, tp copies, expert-dp copies)
                     counted=self.ddp.counts_in_norm(p),
                     separate_main=separate))
+                sq += 0 if p in muon else hi - lo
+        # Muon's matrices in the stage's parameter order (the same on every rank: the order of the collectives)
+        self.muon_params = [MuonParam(p, [x for x in self.pieces if x.param is p], self.ddp.bucket_of[p].buffer.reduce.group,
+                                      self.ddp.distributed, self.topo.tp_group if self.topo.tp_size > 1 else None, i)
+                            for i, p in enumerate(muon)]
 
     def state_tensors(self):
         """The tensors the optimizer itself holds (fp32 main copies, Adam moments), for memory accounting."""
@@ -191,10 +206,13 @@ class Optimizer:
     def update(self, grad_norm: float, lr: float) -> None:
         """Clip, AdamW, write the updated slices back and start their all-gather."""
         if self.fused:  # the fused kernel clips as it reads each gradient (its grad_scale divides): no extra pass
+            clip_grads([x.grad for x in self.pieces if x.muon], grad_norm, self.clip_grad)
             self._adamw(lr, clip_coefficient(grad_norm, self.clip_grad))
         else:
             clip_grads([x.grad for x in self.pieces], grad_norm, self.clip_grad)
             self._adamw(lr)
+        if self.muon_params:
+            self._muon(lr)
         self.steps += 1
         for state in self.flat:  # write the updated slices back into the parameter buffer
             if state["main"] is not None:
@@ -207,7 +225,7 @@ class Optimizer:
         """``clip``: the fused kernel's factor on the gradients (the others are clipped before)."""
         c = self.cfg
         for decay in (True, False):
-            group = [x for x in self.pieces if x.decay == decay]
+            group = [x for x in self.pieces if x.decay == decay and not x.muon]
             if not group:
                 continue
             wd = c.weight_decay if decay else 0.0
@@ -228,6 +246,20 @@ class Optimizer:
             for x in self.pieces:
                 x.main.grad = None
 
+    def _muon(self, lr):
+        """Momentum (Nesterov), Newton-Schulz of each whole matrix (see muon.py), decoupled weight decay.
+        Newton-Schulz runs in fp32 for fp32 parameters, in bf16 otherwise (as published)."""
+        c = self.cfg
+        mu, decay = c.muon_momentum, 1.0 - lr * c.weight_decay
+        ns_dtype = torch.float32 if all(buf.dtype == torch.float32 for buf in self.ddp.buffers) else torch.bfloat16
+        for mp in self.muon_params:
+            updates = []
+            for x in mp.pieces:
+                x.exp_avg.mul_(mu).add_(x.grad)
+                updates.append(x.grad.add(x.exp_avg, alpha=mu) if c.muon_nesterov else x.exp_avg)
+            for x, o in zip(mp.pieces, mp.step(updates, c.muon_ns_steps, ns_dtype)):
+                x.main.mul_(decay).add_(o, alpha=-lr)
+
     def _make_apex(self):
         """apex FusedAdam (adam_w_mode) over the piece views, its state pointed at our flat moments."""
         c = self.cfg
@@ -247,14 +279,16 @@ class Optimizer:
         them in place; ``"main"`` is present only where the master copy is separate from the parameter
         (non-fp32 parameters)."""
         return [StateShard(x.name, x.param, x.lo, x.hi,
-                           {**({"main": x.main} if x.separate_main else {}), "exp_avg": x.exp_avg,
-                            "exp_avg_sq": x.exp_avg_sq}) for x in self.pieces]
+                           {**({"main": x.main} if x.separate_main else {}),
+                            **({"momentum": x.exp_avg} if x.muon else {"exp_avg": x.exp_avg, "exp_avg_sq": x.exp_avg_sq})})
+                for x in self.pieces]
 
     def scalar_state(self) -> dict:
-        return {"step": self.steps, "loss_scaler": self.scaler.state_dict()}
+        return {"step": self.steps, "samples": self.samples, "loss_scaler": self.scaler.state_dict()}
 
     def load_scalar_state(self, state: dict) -> None:
         self.steps = int(state["step"])
+        self.samples = int(state.get("samples", 0))
         for x in self.pieces:
             x.step.fill_(self.steps)
         if self.use_apex:

@@ -12,6 +12,7 @@ earlier tokens are kept, so each new token costs one position instead of the who
 import torch
 
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
+from megand.core.sharding import retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
@@ -52,6 +53,8 @@ class Attention(torch.nn.Module):
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
                                         **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
+        # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
+        retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim, cfg.head_dim, cfg.head_dim))
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from megand.core.sharding import retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megand.core.tensor_parallel.mappings import _gather_first, _reduce_scatter_first, copy_to_tp
 from megand.core.tensor_parallel.wgrad import add_product, fused_accumulator
@@ -131,6 +132,8 @@ class MLP(torch.nn.Module):
         fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
         fc1 = SwiGLUColumnParallelLinear if self.swiglu else ColumnParallelLinear
         self.fc1 = fc1(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
+        if self.swiglu:  # rows alternate gate, up
+            retag(self.fc1.weight, fused_rows=(1, 1))
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 

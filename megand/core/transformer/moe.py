@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
-from megand.core.sharding import ParamMeta, tag
+from megand.core.sharding import ParamMeta, retag, tag
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -213,6 +213,8 @@ class Experts(torch.nn.Module):
                       device=device)
         self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu else 1), split_dim=1 if split else None,
                                  init_std=cfg.init_std, bias_split=split, **common)
+        if self.swiglu:  # rows alternate gate, up
+            retag(self.fc1.weight, fused_rows=(1, 1))
         # split over tp, fc2's bias is added once after the tp reduction (by the MoE block)
         self.fc2 = GroupedLinear(e, f, h, split_dim=2 if split else None,
                                  init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, bias_split=False, **common)

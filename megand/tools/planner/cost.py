@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megand.models.flops import Shape, flops_per_iteration, layer_params
-from megand.tools.estimate_memory import Layout, estimate_memory, stage_params
+from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
-from megand.tools.planner.profile import collective_time, gemm_time
+from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
 from megand.tools.planner.simulate import simulate
 
 GIB = 2 ** 30
@@ -66,7 +66,7 @@ def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
                   sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
-                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout)
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -323,6 +323,12 @@ def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, forw
     level = c.sharding if d > 1 else "none"
     main_params = params / (shard if level != "none" else 1)
     opt = main_params * ADAM_BYTES_PER_MAIN_PARAM / (prof.memory_gbps * 1e9)
+    if c.optimizer == "muon":  # Newton-Schulz on this rank's share of the matrices, and moving the pieces
+        muon, h = muon_step_cost(model, layout, r), Shape.from_config(model).hidden
+        opt += muon["flops"] / (prof.peak_tflops * 1e12 * gemm_efficiency(prof, h, h, h))
+        local = muon["bytes"] / 2  # fp32 layer matrices of this tp rank: reduced to and broadcast from owners
+        opt += collective_time(prof, "all_reduce", local, shard if level != "none" else d, links["dp_shard"][r])
+        opt += 2 * collective_time(prof, "all_gather", local * c.tp, c.tp, links["tp"][r])  # gather + scatter
     if d <= 1:
         return 0.0, 0.0, opt
     bucket = min(1.0, c.bucket_size / max(params, 1.0))

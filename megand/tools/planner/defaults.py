@@ -17,8 +17,8 @@ real machine for better ones.
 - Collectives: nccl-tests bus bandwidth of large messages on DGX A100 (all_reduce ~230 GB/s inside a
   node, ~23 GB/s per GPU across nodes over HDR) and DGX H100 (~370 GB/s inside, ~45 GB/s per GPU across
   over NDR); latencies of a few tens of microseconds.
-- The CPU profile is a rough default for this repository's test machine (DESIGN.md: fp32 matmul ~84
-  GFLOP/s on one thread); calibrate it.
+- The CPU profile is a rough default for this repository's 2-core test machine (an fp32 matmul there runs
+  at about 84 GFLOP/s on one thread); calibrate it.
 """
 
 from __future__ import annotations

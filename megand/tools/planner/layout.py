@@ -33,6 +33,7 @@ class Candidate:
     # not a config key: whether attention runs as one fused (flash) kernel that never stores the s x s
     # probabilities. None: megand's SDPA in 16-bit on GPUs (fused); fp32 (CPU runs) counted unfused
     fused_attention: Optional[bool] = None
+    optimizer: str = "adamw"  # optim.name (not searched): Muon adds Newton-Schulz to the step, saves one moment
 
     @property
     def fused(self) -> bool:

@@ -122,7 +122,7 @@ def evaluate(run: PublishedRun, search: bool = True) -> dict:
 
 
 def main(argv=None) -> None:
-    """Print the table of the README's "Layout planner" section (optionally only the rows numbered in argv)."""
+    """Print the "Published runs" table of docs/layout.md (optionally only the rows numbered in argv)."""
     import sys
 
     rows = [int(a) for a in (sys.argv[1:] if argv is None else argv)] or range(len(RUNS))

@@ -185,7 +185,8 @@ class Planner:
                             reshard_after_forward=self.pinned.get("optim.reshard_after_forward", pp == 1))
 
     def _base(self) -> dict:
-        return dict(precision=self.precision, fused_attention=self.fused_attention, order=self.pinned.get("parallel.order", self.cfg.parallel.order),
+        return dict(precision=self.precision, fused_attention=self.fused_attention, optimizer=self.cfg.optim.name,
+                    order=self.pinned.get("parallel.order", self.cfg.parallel.order),
                     bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
 
     def memory(self, c: Candidate, stages=None) -> list:

@@ -1,0 +1,147 @@
+"""Stream runs (data.kind=stream): a run killed from outside (SIGKILL) and resumed from its last checkpoint
+trains on the same tokens with bit-identical losses as the uninterrupted run at the same layout; resumed
+at dp=4 from a dp=2 checkpoint it trains on the same global batches (batch_checksum) with losses within
+the parity tolerances; a tp=2 run (one reader per data-parallel rank, broadcast to its tensor-parallel
+peer) reads the same batches too."""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from tests.distributed.test_checkpoint_faults import kill_job, launch, metric_lines, wait_for
+from tests.harness import assert_parity, read_metrics, run_pretrain
+from tests.unit.test_stream import write_corpus
+
+ITERS = 12
+
+
+def by_iteration(run_dir) -> dict[int, dict]:
+    """The last training record of each iteration (a killed run's resume logs some again)."""
+    return {r["iter"]: r for r in read_metrics(run_dir)}
+
+
+def common(corpus, *extra):
+    return ["+experiment=tiny_gpt", "data=stream", f"data.paths=[[1.0,{corpus}]]", "model.vocab_size=1000",
+            "train.eval_iters=0", "train.batch_checksum=true", f"train.iters={ITERS}", *extra]
+
+
+def test_killed_stream_run_resumes_exactly_and_reshards_to_dp4(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 400)
+    reference = str(tmp_path / "reference")
+    run_pretrain(reference, common(corpus, "data.workers=1"), nproc=2)  # tokenizer worker processes
+    ref = by_iteration(reference)
+    assert sorted(ref) == list(range(1, ITERS + 1))
+
+    run_dir, save = str(tmp_path / "killed"), str(tmp_path / "ckpt")
+    args = common(corpus, "data.workers=0", f"checkpoint.save={save}", "checkpoint.interval=3")
+    proc = launch(run_dir, args, 2)
+    wait_for(lambda: metric_lines(run_dir) >= 8, proc)
+    kill_job(proc)  # SIGKILL from outside: no save at the stop
+    proc.wait()
+    with open(os.path.join(save, "latest")) as f:
+        last = int(f.read())
+    assert 3 <= last < ITERS
+    run_pretrain(run_dir, [*args, f"checkpoint.load={save}"], nproc=2)
+    resumed = by_iteration(run_dir)
+    assert sorted(resumed) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):  # bit-identical
+        assert (resumed[it]["loss"], resumed[it]["batch_checksum"]) == (ref[it]["loss"], ref[it]["batch_checksum"]), it
+
+    # the dp=2 checkpoint of iteration 6 resumed at dp=4: the same global batches from there on
+    wide = str(tmp_path / "dp4")
+    run_pretrain(wide, common(corpus, "data.workers=0", f"checkpoint.load={save}/iter_0000006"), nproc=4)
+    after = by_iteration(wide)
+    assert sorted(after) == list(range(7, ITERS + 1))
+    assert [after[i]["batch_checksum"] for i in after] == [ref[i]["batch_checksum"] for i in after]
+    assert_parity([ref[i] for i in after], [after[i] for i in after], steps=len(after))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_peers_share_one_reader(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 400)
+    single, tp2 = str(tmp_path / "single"), str(tmp_path / "tp2")
+    run_pretrain(single, common(corpus, "data.workers=0"), nproc=1)
+    run_pretrain(tp2, common(corpus, "data.workers=0", "parallel.tp=2"), nproc=2)
+    a, b = read_metrics(single), read_metrics(tp2)
+    assert [r["batch_checksum"] for r in a] == [r["batch_checksum"] for r in b]
+    assert_parity(a, b)
+    with open(os.path.join(tp2, "config.yaml")) as f:
+        assert "kind: stream" in f.read()
+
+
+def test_malformed_rows_stop_every_rank_with_one_line_or_are_skipped(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 200)
+    with open(corpus / "a.jsonl", "a") as f:
+        f.writelines('{"text": "1 2 3"\n' for _ in range(60))  # the file's rows 51..110: met in the first steps
+    args = [*common(corpus, "data.workers=0"), "train.iters=3"]
+    proc = run_pretrain(str(tmp_path / "fail"), args, nproc=2, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "a.jsonl:" in lines[0] and ": invalid JSON" in lines[0], lines
+    proc = run_pretrain(str(tmp_path / "skip"), [*args, "data.on_error=skip"], nproc=2)
+    assert proc.stdout.count("data.on_error=skip: skipping malformed rows, the first: ") >= 1
+    assert len(read_metrics(str(tmp_path / "skip"))) == 3
+
+
+SPIKE, INTERVAL = 17, 5
+
+
+def spiky_stream(directory, lanes=8, seq=32) -> None:
+    """Learnable documents (counting mod 10, as token ids); those lying wholly inside the samples of
+    iteration SPIKE are replaced by random ids of the same length (so the packing, and every other batch,
+    is unchanged)."""
+    import numpy as np
+
+    from megand.data.stream import StreamSource
+
+    rng = np.random.default_rng(0)
+    directory.mkdir()
+    docs = [" ".join(str((i + rng.integers(0, 10)) % 10) for i in range(rng.integers(3, 9))) for _ in range(2000)]
+    path = directory / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    source = StreamSource({"paths": [[1.0, str(directory)]], "workers": 0}, seq, 1000, seed=1234).open(lanes, 0, lanes)
+    source.history = {}
+    for _ in range(SPIKE - 1):
+        source.next_samples()
+    starts = {lane.index: (lane.docs[0], lane.offset) for lane in source.mine}
+    source.next_samples()
+    rows = set()
+    for lane in source.mine:
+        taken = source.history[lane.index]
+        first, offset = starts[lane.index]
+        position = -offset  # of the document's first token in the sample
+        for doc in taken[next(i for i, d in enumerate(taken) if d is first):]:
+            if position >= 0 and position + len(doc.tokens) <= seq:  # wholly inside (the last token is shared)
+                rows.add(int(doc.where.rsplit(":", 1)[1]))
+            position += len(doc.tokens)
+            if position >= seq:
+                break
+    for row in rows:
+        docs[row - 1] = " ".join(str(x) for x in rng.integers(10, 990, len(docs[row - 1].split())))
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+
+def test_spike_rollback_of_a_stream_skips_exactly_the_spike_batch(tmp_path):
+    corpus = tmp_path / "corpus"
+    spiky_stream(corpus)
+    args = ["+experiment=tiny_gpt", "data=stream", f"data.paths=[[1.0,{corpus}]]", "model.vocab_size=1000",
+            "train.eval_iters=0", "train.batch_checksum=true", "train.iters=20", "data.workers=0", "optim.lr=3e-3",
+            "train.spike_window=5", "train.spike_factor=1.5"]
+    through = str(tmp_path / "through")  # no rollback: trains on the spike's batch
+    run_pretrain(through, args, nproc=2)
+    plain = by_iteration(through)
+    assert [i for i, r in plain.items() if r["spike"]] == [SPIKE]
+    rolled = str(tmp_path / "rolled")
+    proc = run_pretrain(rolled, [*args, "train.spike_rollback=true", "train.max_rollbacks=1",
+                                 f"checkpoint.save={tmp_path}/ckpt", f"checkpoint.interval={INTERVAL}"], nproc=2)
+    assert f"loss spike at iteration {SPIKE}: rolled back to iteration 15" in proc.stdout
+    records = read_metrics(rolled)
+    after = records[SPIKE:]  # iterations 16.. again, on the batches after the spike's
+    assert [r["iter"] for r in after] == list(range(16, 21))
+    # the rolled-back run reads stream batches 18.. where the uninterrupted one read 18..20
+    assert [r["batch_checksum"] for r in after[:3]] == [plain[i]["batch_checksum"] for i in (18, 19, 20)]

@@ -1,0 +1,179 @@
+"""The streaming source (data.kind=stream): the same samples at every data-parallel size, a state that
+resumes exactly and reshards (dp=2 -> dp=4) without a document seen twice or lost over an epoch, weighted
+mixtures, and bad input named with file:row."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from megand.data.errors import DataError
+from megand.data.stream import StreamSource
+
+SEQ, LANES, VOCAB = 16, 8, 1000
+EOD = VOCAB - 1  # the null tokenizer's (text: whitespace-separated ids)
+
+
+def doc_text(d: int, rng) -> str:
+    """Document ``d``: its id in two tokens, then filler; 2..40 tokens in all."""
+    return " ".join(map(str, [d // 100, 100 + d % 100, *rng.integers(200, 900, rng.integers(0, 39))]))
+
+
+def write_corpus(directory, num_docs=300) -> list[int]:
+    """The documents over two .jsonl files, one .jsonl.gz and a Parquet file of three row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    texts = [doc_text(d, rng) for d in range(num_docs)]
+    parts = np.array_split(np.arange(num_docs), 4)
+    directory.mkdir(exist_ok=True)
+    for name, ids in (("a.jsonl", parts[0]), ("b.jsonl", parts[1])):
+        (directory / name).write_text("".join(json.dumps({"text": texts[i]}) + "\n" for i in ids))
+    with gzip.open(directory / "c.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": texts[i]}) + "\n" for i in parts[2]))
+    pq.write_table(pa.table({"text": [texts[i] for i in parts[3]]}), directory / "d.parquet",
+                   row_group_size=len(parts[3]) // 3 + 1)
+    return list(range(num_docs))
+
+
+def stream(paths, **cfg) -> StreamSource:
+    return StreamSource({"paths": paths, "workers": 0, **cfg}, SEQ, VOCAB, seed=7)
+
+
+def read(sources, steps):
+    """``steps`` global batches from readers that together hold every lane (in lane order)."""
+    return [np.concatenate([s.next_samples() for s in sources]) for _ in range(steps)]
+
+
+def readers(paths, dp, state=None):
+    out = []
+    for r in range(dp):
+        s = stream(paths).open(LANES, r * LANES // dp, LANES // dp)
+        if state is not None:
+            s.load_state_dict(state)
+        out.append(s)
+    return out
+
+
+def merged_state(sources):
+    state = sources[0].state_dict()
+    state["lane_states"] = {str(k): v for s in sources for k, v in s.state_dict()["lane_states"].items()}
+    return json.loads(json.dumps(state))  # plain values: what a checkpoint keeps
+
+
+def lane_documents(batches, lane):
+    """The ids of the whole documents a lane trained on, in order (its samples overlap by one token)."""
+    tokens = np.concatenate([batches[0][lane]] + [b[lane][1:] for b in batches[1:]])
+    ends = np.flatnonzero(tokens == EOD)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [int(tokens[a]) * 100 + int(tokens[a + 1]) - 100 for a in starts[:len(ends)]]
+
+
+def test_every_dp_reads_the_same_stream_and_a_reshard_loses_and_repeats_nothing(tmp_path):
+    docs = write_corpus(tmp_path / "corpus")
+    paths = [[1.0, str(tmp_path / "corpus")]]
+    steps = 60  # more than one epoch of every lane (about 300 docs * 20 tokens / (8 lanes * 16))
+    whole = read(readers(paths, 1), steps)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, read(readers(paths, 2), steps)))  # dp-independent
+    # dp=2 for 13 steps, checkpoint, resume at dp=4: the same batches as the uninterrupted run
+    first = readers(paths, 2)
+    part = read(first, 13)
+    rest = read(readers(paths, 4, merged_state(first)), steps - 13)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, part + rest))
+    # count the documents of the first epoch the resumed run trained on (their epoch from the readers' record)
+    resumed = readers(paths, 4, merged_state(first))
+    for r in resumed:
+        r.history = {}
+    rest = read(resumed, steps - 13)
+    taken = {k: v for r in resumed for k, v in r.history.items()}
+    before = {int(k): v for k, v in merged_state(first)["lane_states"].items()}
+    seen = []
+    for lane in range(LANES):
+        trained = lane_documents(part + rest, lane)
+        # the documents before the reshard, then those the resumed reader took (the first one again when
+        # the lane stood inside it)
+        record = [(d.epoch, int(d.tokens[0]) * 100 + int(d.tokens[1]) - 100) for d in taken[lane]]
+        epochs = [e for e, _ in record]
+        assert max(epochs) >= 1, f"lane {lane} did not finish its first epoch in {steps} steps"
+        resumed_docs = [d for _, d in record]
+        # trained = (documents before the reshard, whole or the one the lane stood in) + resumed_docs prefix
+        for n_before in range(len(trained) + 1):
+            if trained[n_before:] == resumed_docs[:len(trained) - n_before]:
+                break
+        else:
+            raise AssertionError(f"lane {lane}: the resumed reader's documents do not continue the lane")
+        seen += trained[:n_before] + [d for e, d in record[:len(trained) - n_before] if e == 0]
+        assert before[lane]["cursors"][0][0] == 0  # the reshard happened in the first epoch
+    assert sorted(seen) == docs  # each document of the epoch exactly once, none lost
+
+
+def test_a_mixture_follows_its_weights_in_text(tmp_path):
+    write_corpus(tmp_path / "x", 200)
+    write_corpus(tmp_path / "y", 200)
+    s = stream([[3.0, str(tmp_path / "x")], [1.0, str(tmp_path / "y/*.jsonl*")]]).open(LANES, 0, LANES)
+    read([s], 30)
+    chars = np.array([lane.chars for lane in s.mine]).sum(axis=0)
+    assert abs(chars[0] / chars.sum() - 0.75) < 0.02
+
+
+def test_bad_rows_are_named_or_skipped(tmp_path):
+    write_corpus(tmp_path / "c", 100)
+    with open(tmp_path / "c" / "a.jsonl", "a") as f:
+        f.write('{"text": "1 2 3"\n')  # malformed (line 26)
+    with pytest.raises(DataError, match=r"a.jsonl:26: invalid JSON"):
+        read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
+    s = stream([[1.0, str(tmp_path / "c")]], on_error="skip").open(LANES, 0, LANES)
+    read([s], 40)
+    assert s.skipped >= 1 and "a.jsonl:26: invalid JSON" in s.notices[0]
+
+
+def test_a_file_that_cannot_be_decompressed_is_named(tmp_path):
+    write_corpus(tmp_path / "c", 100)
+    data = (tmp_path / "c" / "c.jsonl.gz").read_bytes()
+    (tmp_path / "c" / "c.jsonl.gz").write_bytes(data[:len(data) // 2])  # truncated
+    with pytest.raises(DataError, match=r"c.jsonl.gz: cannot read \(EOFError"):
+        read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
+
+
+def test_empty_stream_and_foreign_tokens_fail_with_one_line(tmp_path):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "a.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"found no document in two epochs .* the stream is empty"):
+        read(readers([[1.0, str(tmp_path / "e")]], 1), 1)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "a.jsonl").write_text("".join(json.dumps({"text": f"5 {2000 + i}"}) + "\n" for i in range(20)))
+    with pytest.raises(DataError, match=r"a.jsonl:\d+: token id 20\d\d is outside model.vocab_size=1000"):
+        read(readers([[1.0, str(tmp_path / "f")]], 1), 1)
+    (tmp_path / "g").mkdir()
+    with pytest.raises(DataError, match=r"no .jsonl, .jsonl.gz, .parquet files there"):
+        stream([[1.0, str(tmp_path / "g")]])
+
+
+def test_inspect_data_shows_a_stream_rank_samples_and_their_files(tmp_path, capsys):
+    from megand.tools.inspect_data import main
+
+    write_corpus(tmp_path / "c", 100)
+    code = main(["data=stream", f"data.paths=[[1.0,{tmp_path / 'c'}]]", "model.vocab_size=1000", "+experiment=tiny_gpt",
+                 "train.eval_iters=0", "model.seq_length=16", "--world-size", "2", "--rank", "1", "--iteration", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "stream of 4 file(s), 6 unit(s)" in out and "rank 1 (dp 1/2" in out
+    assert "documents from " in out and (".jsonl" in out or ".parquet:" in out)
+
+
+def test_a_killed_tokenizer_worker_is_an_error_not_a_hang(tmp_path):
+    import os
+    import signal
+
+    write_corpus(tmp_path / "c", 300)
+    s = StreamSource({"paths": [[1.0, str(tmp_path / "c")]], "workers": 1}, SEQ, VOCAB, seed=7).open(LANES, 0, LANES)
+    try:
+        s.next_samples()  # starts the worker
+        for pid in list(s._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DataError, match=r"a tokenizer worker process of the stream's reader died"):
+            read([s], 60)
+    finally:
+        s.close()
