@@ -5,6 +5,8 @@ cache, so that every attention path agrees on the window's edge."""
 import torch
 import torch.nn.functional as F
 
+from megand.core.sdpa import causal_attention
+
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """``[sq, sk]`` boolean for global positions ``[sq]``, ``[sk]``: the key is not after the query and, with a
@@ -21,9 +23,8 @@ def local_attention(q, k, v, window=None, dropout_p=0.0, scale=None, q_offset=0)
     sq, sk = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
     if window is None or window >= sk:
-        if sq == sk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
-                                                  enable_gqa=gqa)
+        if sq == sk:  # the fused kernel chosen for the device, precision and heads
+            return causal_attention(q, k, v, dropout_p, scale)
         window = None
     q_pos = torch.arange(sk - sq, sk, device=q.device)
     mask = visible(q_pos, torch.arange(sk, device=q.device), window)

@@ -43,6 +43,9 @@ class MicroBatch:
     batch_size: int
     document_ids: torch.Tensor | None = None  # [b, s] document of every token of the whole sequence
     loss_mask: torch.Tensor | None = None  # [b, s_local] 1.0 where the token's loss counts
+    # document_ids kept on the host (where the data pipeline built them): context-parallel attention plans
+    # its blocks from them without reading the device
+    host_document_ids: torch.Tensor | None = None
 
 
 def global_batch_range(iteration: int, global_batch_size: int) -> range:
@@ -93,7 +96,8 @@ def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, t
     per_sample = positions.dim() == 2
     positions = positions.to(device)
     return [MicroBatch(part(input_ids, i), part(labels, i), part(positions, i) if per_sample else positions,
-                       micro_batch_size, part(doc_ids, i), part(loss_mask, i))
+                       micro_batch_size, part(doc_ids, i), part(loss_mask, i),
+                       None if doc_ids is None else doc_ids[i: i + micro_batch_size])
             for i in range(0, per_dp, micro_batch_size)]
 
 
@@ -115,7 +119,8 @@ def to_device(microbatches, device: torch.device) -> list:
         return microbatches
     def move(t):
         return None if not isinstance(t, torch.Tensor) else t.pin_memory().to(device, non_blocking=True)
-    return [MicroBatch(**{f.name: move(getattr(mb, f.name)) if f.name != "batch_size" else mb.batch_size
+    on_host = ("batch_size", "host_document_ids")
+    return [MicroBatch(**{f.name: move(getattr(mb, f.name)) if f.name not in on_host else getattr(mb, f.name)
                           for f in fields(MicroBatch)}) for mb in microbatches]
 
 

@@ -25,6 +25,7 @@ from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
 from megand.core.timing import device_timer
 from megand.core.transformer import TransformerConfig, moe
+from megand.core.sdpa import attention_summary
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration, fp8_flops_fraction
@@ -364,7 +365,8 @@ class Trainer:
             self.loss_tokens = loss_token_count(microbatches, self.topo, tokens or self.tokens_per_batch)
 
     def forward_step(self, model, microbatch, hidden):
-        documents = None if microbatch.document_ids is None else DocumentMask(microbatch.document_ids)
+        documents = (None if microbatch.document_ids is None
+                     else DocumentMask(microbatch.document_ids, host_ids=microbatch.host_document_ids))
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
                     labels=microbatch.labels if model.post_process else None, hidden=hidden, documents=documents)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
@@ -582,16 +584,19 @@ class Trainer:
         self._progress("logging")
         # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
         # ranks' gradients)
+        # non_blocking: a copy from pageable memory is staged at once and waits for no queued device work
         mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy.seconds,
-                             float(self.optimizer.state_bytes())], dtype=torch.float64, device=self.topo.device)
+                             float(self.optimizer.state_bytes())], dtype=torch.float64).to(self.topo.device,
+                                                                                           non_blocking=True)
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
-        every = [torch.zeros_like(mine) for _ in range(self.topo.world_size)]
-        dist.all_gather(every, mine)
+        gathered = torch.empty(self.topo.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(gathered, mine)
+        every = gathered.view(self.topo.world_size, -1).tolist()  # the log line's one read, whatever the world size
         self.busy.reset()
         mem_peak = max(x[0] for x in every)  # the most loaded rank
         state_bytes = max(x[2] for x in every)
-        busy = [float(x[1]) for x in every]
+        busy = [x[1] for x in every]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         median = statistics.median(busy)
         slowest_ratio = busy[slowest] / median if median > 0 else 1.0
@@ -601,8 +606,8 @@ class Trainer:
             "loss_scale": result.loss_scale, "skipped": int(result.skipped),
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
-            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak.item()),
-            "state_bytes": int(state_bytes.item()),
+            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak),
+            "state_bytes": int(state_bytes),
             "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
             "global_batch_size": self.batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
@@ -626,6 +631,8 @@ class Trainer:
         from megand.training.watchdog import HangWatchdog
 
         start, best_val = time.perf_counter(), float("inf")
+        if self.topo.is_logging_rank:
+            print(f" attention: {self.attention_summary()}", flush=True)
         self.watchdog = HangWatchdog(collective_timeout_s(self.cfg, self.topo.device), self.topo.rank)
         try:
             best_val = self._loop(start, best_val)
@@ -664,6 +671,12 @@ class Trainer:
                     print(f" validation at iteration {self.iteration} | lm loss {val_loss:.4E} |", flush=True)
         return self.checkpoint_step()
 
+    def attention_summary(self) -> str:
+        """Which kernel runs the layers' attention on this run's device, precision and shapes."""
+        m, p = self.model_cfg, self.cfg.parallel
+        return attention_summary(self.topo.device, m.params_dtype, m.head_dim, m.num_attention_heads // p.tp,
+                                 max(m.query_groups // p.tp, 1), p.cp, p.cp_comm, self.cfg.data.reset_attention_mask)
+
     def _loop(self, start, best_val):
         t = self.cfg.train
         self.best_val = best_val
@@ -685,13 +698,13 @@ class Trainer:
 
 def moe_record(every, with_drops: bool) -> dict:
     """The MoE metrics from every rank's :func:`megand.core.transformer.moe.step_metrics` (after the three
-    values :meth:`Trainer.log` gathers first)."""
-    stats = torch.stack([x[3:] for x in every]).cpu()
-    terms = max(float(stats[:, 2].sum()), 1.0)
-    record = {"aux_loss": float(stats[:, 0].sum()) / terms, "z_loss": float(stats[:, 1].sum()) / terms,
-              "expert_load_max_over_mean": float(stats[:, 3].max())}
+    values :meth:`Trainer.log` gathers first), host rows."""
+    stats = [x[3:] for x in every]
+    terms = max(sum(x[2] for x in stats), 1.0)
+    record = {"aux_loss": sum(x[0] for x in stats) / terms, "z_loss": sum(x[1] for x in stats) / terms,
+              "expert_load_max_over_mean": max(x[3] for x in stats)}
     if with_drops:
-        record["tokens_dropped"] = int(stats[:, 4].sum())
+        record["tokens_dropped"] = int(sum(x[4] for x in stats))
     return record
 
 

@@ -75,12 +75,12 @@ def build(topo, cfg, layer_ids=None, pre_process=True, post_process=True, stream
 
 def record_masks(topo, cfg, layer_ids, pre_process):
     """The masks of one forward pass of this rank's stage, in the order they are drawn."""
-    import megand.core.transformer.attention as attention
+    import megand.core.sdpa as attention_kernels  # the attention layers' SDPA call
     import megand.core.transformer.layer as layer
     import megand.models.gpt as gpt
 
     records = []
-    modules = {gpt: "embedding", layer: "hidden", attention: "attention"}
+    modules = {gpt: "embedding", layer: "hidden", attention_kernels: "attention"}
     for module, site in modules.items():
         module.F = Recorder(site, records)
     try:

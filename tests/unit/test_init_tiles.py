@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megand.core.parallel_state import init_fake_distributed
 from megand.core.sharding import ParamMeta, draw_region, full_init
@@ -88,3 +89,35 @@ def test_shards_equal_the_one_process_model_and_live_in_the_engine_buffers():
             region = p.meta.local_slice()
             expected = full[name][region]
             assert torch.equal(p[tuple(slice(0, n) for n in expected.shape)], expected), (rank, name)
+
+
+class _DeviceCopies(TorchDispatchMode):
+    """Counts copies from the host into a tensor that is not on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].device.type != "cpu" and args[1].device.type == "cpu":
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape, region, bands", [
+    ((1024, 1000), (slice(0, 1024), slice(0, 1000)), 4),  # 16 tiles in 4 rows of tiles
+    ((1024, 1000), (slice(300, 700), slice(None)), 2),  # rows 256-511 and 512-767 of tiles
+    ((4, 512, 300), (slice(0, 2), slice(None), slice(None)), 4),  # experts: 2 x 2 rows of tiles
+    ((70000,), (slice(None),), 1),
+])
+def test_a_device_shard_is_copied_once_per_row_of_tiles(shape, region, bands):
+    """Drawing into a device tensor (meta here: any device other than the host) copies each row of tiles
+    in one piece, not each tile; drawn through the host staging on the CPU, the values are bit-identical."""
+    meta = ParamMeta(shape)
+    out = torch.empty(full_init(meta, 3, "w")[region].shape, device="meta")
+    with _DeviceCopies() as copies:
+        draw_region(meta, 3, "w", region, out)
+    assert copies.copies == bands
+    staged = torch.empty(out.shape)
+    draw_region(meta, 3, "w", region, staged, staged=True)
+    assert torch.equal(staged, full_init(meta, 3, "w")[region])

@@ -19,9 +19,9 @@ all-gather variant also cuts each query chunk's keys to start at the earliest do
 import torch
 import torch.distributed as dist
 
+from megand.core.attention_masks import visible as visible_keys
 from megand.core.context_parallel.block_kernels import blocks_for
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
-from megand.core.attention_masks import visible
 
 # ---------------------------------------------------------------- block attention (no communication)
 
@@ -41,21 +41,34 @@ def _check(q, k, v):
         raise ValueError(f"the local sequence ({q.shape[2]}) must be two equal chunks (load-balanced layout)")
 
 
-def _document_pieces(pieces, ids, q_pos, k_pos, window=None):
+def _allowed(ids, qp, kp, window=None):
+    """``[b, sq, sk]`` (``[1, sq, sk]`` without documents): key not after the query, within the sliding
+    ``window``, and in the query's document (``ids``, when given)."""
+    allowed = visible_keys(qp, kp, window)[None]
+    return allowed if ids is None else allowed & (ids[:, qp][:, :, None] == ids[:, kp][:, None, :])
+
+
+def _document_pieces(pieces, ids, q_pos, k_pos, visible=None, window=None):
     """``(q slice, kv slice, causal, allowed)`` of the pieces that do any work. Without documents
-    (``ids`` None) and window the pieces as they are; with either the [b, sq, sk] mask of each piece (same
-    document, key not after the query and within the sliding ``window``; batch 1 without documents), fully
-    masked pieces left out: a block wholly outside the window is neither computed nor, in backward, worked on."""
-    for qs, ks, causal in pieces:
+    (``ids`` None) and window the pieces as they are; with either the mask of each piece (:func:`_allowed`),
+    the pieces ``visible`` (host bools, one per piece) marks as fully masked left out: a block wholly
+    outside the window is neither computed nor, in backward, worked on."""
+    for i, (qs, ks, causal) in enumerate(pieces):
         if ids is None and window is None:
             yield qs, ks, causal, None
-            continue
-        qp, kp = q_pos[qs], k_pos[ks]
-        allowed = visible(qp, kp, window)[None]
-        if ids is not None:
-            allowed = (ids[:, qp][:, :, None] == ids[:, kp][:, None, :]) & allowed
-        if bool(allowed.any()):
-            yield qs, ks, False, allowed
+        elif visible[i]:
+            yield qs, ks, False, _allowed(ids, q_pos[qs], k_pos[ks], window)
+
+
+def _memo(documents, key, compute):
+    """``compute()`` once per micro-batch: kept on the documents object (one per micro-batch, shared by
+    every layer) when it offers a ``memo`` dict."""
+    memo = getattr(documents, "memo", None)
+    if memo is None:
+        return compute()
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 # ---------------------------------------------------------------- ring attention
@@ -87,9 +100,39 @@ def _ring_pieces(step, src, cp_rank, half):
     return [(second, whole, False)]
 
 
+def _plan_ids(documents):
+    """``(ids, device)`` to plan from: the host copy of the document ids where the documents carry one
+    (no device read), else the device ids; no documents: positions alone, on the host."""
+    if documents is None:
+        return None, torch.device("cpu")
+    host = getattr(documents, "host_ids", None)
+    ids = documents.ids if host is None else host
+    return ids, ids.device
+
+
+def _ring_visibility(ids, device, cp_rank, cp_size, half, window=None):
+    """``[step][piece]`` host bools: whether each piece of the ring sees any key of its queries'
+    documents. All blocks' flags in one read (a read per block would wait for the device each time)."""
+    seq = 2 * half * cp_size
+    q_pos = cp_positions(seq, cp_rank, cp_size, device)
+    flags, shape = [], []
+    for step in range(cp_size):
+        src = (cp_rank - step) % cp_size
+        k_pos = cp_positions(seq, src, cp_size, device)
+        pieces = _ring_pieces(step, src, cp_rank, half)
+        flags += [_allowed(ids, q_pos[qs], k_pos[ks], window).any() for qs, ks, _ in pieces]
+        shape.append(len(pieces))
+    host = torch.stack(flags).tolist()  # the one read of the micro-batch's document layout (none: host ids)
+    out, at = [], 0
+    for n in shape:
+        out.append(host[at: at + n])
+        at += n
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids, window):
+    def forward(ctx, q, k, v, cp_group, scale, ids, visible, window):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
@@ -104,7 +147,8 @@ class _RingAttention(torch.autograd.Function):
             block_k, block_v = blocks.prepare(kv).unbind(0)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
-            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos, window):
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos,
+                                                            visible and visible[step], window):
                 _merge(out[:, :, qs], lse[:, :, qs],
                        *blocks.forward(qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], scale, causal, allowed))
             if step + 1 < cp_size:
@@ -112,14 +156,14 @@ class _RingAttention(torch.autograd.Function):
                     req.wait()
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale, ctx.ids, ctx.window = cp_group, scale, ids, window
+        ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window = cp_group, scale, ids, visible, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale, ids, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.window
+        cp_group, scale, ids, visible, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
@@ -137,7 +181,8 @@ class _RingAttention(torch.autograd.Function):
             block_dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             src = (cp_rank - step) % cp_size
             k_pos = cp_positions(2 * half * cp_size, src, cp_size, q.device)
-            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos, window):
+            for qs, ks, causal, allowed in _document_pieces(_ring_pieces(step, src, cp_rank, half), ids, q_pos, k_pos,
+                                                            visible and visible[step], window):
                 block_dq, block_dk, block_dv = blocks.backward(
                     doutb[:, :, qs], qb[:, :, qs], block_k[:, :, ks], block_v[:, :, ks], out[:, :, qs], lse[:, :, qs],
                     delta[:, :, qs], scale, causal, allowed)
@@ -160,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
                 req.wait()
         else:
             dkv = block_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
@@ -169,11 +214,17 @@ def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
     ``documents`` (anything with ``ids [b, s]``, the whole sequence's document ids): attention within documents.
-    ``window``: sliding-window attention (blocks wholly outside it are skipped).
+    ``window``: sliding-window attention (a query sees its ``window`` latest keys).
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _RingAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids, window)
+    if documents is None and window is None:
+        return _RingAttention.apply(q, k, v, cp_group, scale, None, None, None)
+    cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
+    visible = _memo(documents, ("ring", cp_rank, cp_size, half, window),
+                    lambda: _ring_visibility(*_plan_ids(documents), cp_rank, cp_size, half, window))
+    ids = None if documents is None else documents.ids
+    return _RingAttention.apply(q, k, v, cp_group, scale, ids, visible, window)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -191,43 +242,54 @@ def _all_gather_kv(kv, cp_group):
     return merge_cp_shards(list(gathered.view(cp_size, *kv.shape).unbind(0)), dim=3)
 
 
-def _all_gather_pieces(cp_rank, cp_size, half, ids=None, q_pos=None):
-    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end.
-    With documents (``ids``) the keys start at the first token of the earliest document of the chunk."""
-    pieces = [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
-              (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
+def _all_gather_pieces(cp_rank, cp_size, half):
+    """[(q slice, global kv slice, causal)]: local chunk j sees the keys of chunks 0..j, causally at the end."""
+    return [(slice(0, half), slice(0, (cp_rank + 1) * half), True),
+            (slice(half, None), slice(0, (2 * cp_size - cp_rank) * half), True)]
+
+
+def _all_gather_plan(ids, device, cp_rank, cp_size, half, window=None):
+    """With documents or a window: ``(pieces, visible)``, with documents each piece's keys starting at the
+    first token of the earliest document of its query chunk, and whether it sees any key; one host read."""
+    q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, device)
+    k_pos = torch.arange(2 * half * cp_size, device=device)
+    pieces = _all_gather_pieces(cp_rank, cp_size, half)
+    values = []
+    # the first global position of each local chunk (chunks cp_rank and 2cp-1-cp_rank of 2cp)
+    for first in (cp_rank * half, (2 * cp_size - 1 - cp_rank) * half) if ids is not None else ():
+        values.append(torch.searchsorted(ids, ids[:, first: first + 1]).min())  # document ids never decrease
+    for qs, ks, _ in pieces:  # keys of earlier documents are invisible: the trim changes no flag
+        values.append(_allowed(ids, q_pos[qs], k_pos[ks], window).any().long())
+    host = torch.stack(values).tolist()  # the one read of the micro-batch's document layout (none: host ids)
     if ids is None:
-        return pieces
-    trimmed = []
-    for qs, ks, causal in pieces:
-        first = q_pos[qs][0]  # document ids never decrease along the sequence
-        start = int(torch.searchsorted(ids, ids[:, first: first + 1]).min())
-        trimmed.append((qs, slice(start, ks.stop), causal))
-    return trimmed
+        return pieces, host
+    n = len(pieces)
+    trimmed = [(qs, slice(start, ks.stop), causal) for (qs, ks, causal), start in zip(pieces, host[:n])]
+    return trimmed, host[n:]
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids, window):
+    def forward(ctx, q, k, v, cp_group, scale, ids, plan, window):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
         qb = blocks.prepare(q)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, window):
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
             out[:, :, qs], lse[:, :, qs] = blocks.forward(qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
                                                           causal, allowed)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.scale, ctx.ids, ctx.window = cp_group, scale, ids, window
+        ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window = cp_group, scale, ids, plan, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, scale, ids, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.window
+        cp_group, scale, ids, plan, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
@@ -235,7 +297,7 @@ class _AllGatherAttention(torch.autograd.Function):
         delta = (dout.float() * out).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
-        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, window):
+        for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
             dq[:, :, qs], dk, dv = blocks.backward(doutb[:, :, qs], qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks],
                                                    out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal,
                                                    allowed)
@@ -245,18 +307,27 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
         local_dkv = torch.empty_like(dkv_by_rank[:2])
         _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
-        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None, None, None
 
 
-def _all_gather_work(q, cp_rank, cp_size, ids, window):
+def _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
     half = q.shape[2] // 2
+    if plan is None:  # no documents, no window
+        return _document_pieces(_all_gather_pieces(cp_rank, cp_size, half), None, None, None)
     q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
     k_pos = torch.arange(2 * half * cp_size, device=q.device)
-    return _document_pieces(_all_gather_pieces(cp_rank, cp_size, half, ids, q_pos), ids, q_pos, k_pos, window)
+    pieces, visible = plan
+    return _document_pieces(pieces, ids, q_pos, k_pos, visible, window)
 
 
 def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
     """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _AllGatherAttention.apply(q, k, v, cp_group, scale, None if documents is None else documents.ids, window)
+    if documents is None and window is None:
+        return _AllGatherAttention.apply(q, k, v, cp_group, scale, None, None, None)
+    cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
+    plan = _memo(documents, ("all_gather", cp_rank, cp_size, half, window),
+                 lambda: _all_gather_plan(*_plan_ids(documents), cp_rank, cp_size, half, window))
+    ids = None if documents is None else documents.ids
+    return _AllGatherAttention.apply(q, k, v, cp_group, scale, ids, plan, window)

@@ -13,7 +13,6 @@ otherwise each K/V head is repeated for its query heads first (more traffic, any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megand.core.attention_masks import local_attention
 from megand.core.context_parallel.sequence import cp_positions

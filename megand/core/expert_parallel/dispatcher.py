@@ -27,11 +27,13 @@ tp collectives have variable sizes, so they are all-to-alls too; the counts of e
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.expert_parallel.mappings import all_to_all
 
 
@@ -43,6 +45,7 @@ class Exchange:
     recv: list[int]  # rows received from each ep rank
     recv_counts: list[int]  # rows received, [source rank][local expert], flattened
     kept: int  # assignments this rank sent (dropped ones are not sent)
+    host_offsets: list[int]  # cumulative rows per local expert, host integers (the loop over experts)
 
 
 class AllToAllDispatcher:
@@ -65,9 +68,11 @@ class AllToAllDispatcher:
     def __call__(self, tokens, experts, weights, keep, local_experts):
         """The MoE block's dispatcher interface: ``tokens [T, h]`` routed to ``experts [T, k]`` with
         ``weights [T, k]`` (``keep``: the capacity mask or None) -> the routed output ``[T, h]``;
-        ``local_experts(tokens, counts, offsets)`` runs this rank's experts on the grouped tokens."""
+        ``local_experts(tokens, counts, offsets, host_offsets=...)`` runs this rank's experts on the grouped
+        tokens (``host_offsets``: the same offsets as host integers, known here from the split sizes)."""
         grouped, counts, offsets, state = self.permute(tokens, experts, keep)
-        return self.unpermute(local_experts(grouped, counts, offsets), state, weights, keep)
+        return self.unpermute(local_experts(grouped, counts, offsets, host_offsets=state.host_offsets), state,
+                              weights, keep)
 
     def _count_bytes(self, x: torch.Tensor, splits: list[int], me: int) -> None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
@@ -81,30 +86,32 @@ class AllToAllDispatcher:
 
     def _count_matrix(self, counts):
         """``[source][expert]`` host counts: per ep rank of this rank's ep group (rows ``[ep]``), or with
-        the tp gather per rank of the (etp x ep) group (rows ``[ep][tp]``)."""
+        the tp gather per rank of the (etp x ep) group (rows ``[ep][tp]``); and the rows each local expert
+        receives in all, summed on the device ``[E/ep]``."""
         e = self.num_experts
+        lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
         if type(counts) is not torch.Tensor:  # fake tensors (a rehearsal) hold no counts: assume even routing
             n = self._assignments
             even = [n // e + (1 if i < n % e else 0) for i in range(e)]
-            lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
+            per_expert = counts.new_zeros(self.local_experts)
             if self.tp_group is None:
-                return even, [even[lo:hi]] * self.ep_size, None
-            return even, [even[lo:hi]] * self.ep_size, [[even[lo:hi]] * self.ep_size] * self.tp_size
+                return even, [even[lo:hi]] * self.ep_size, None, per_expert
+            return even, [even[lo:hi]] * self.ep_size, [[even[lo:hi]] * self.ep_size] * self.tp_size, per_expert
         if self.tp_group is None:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)  # [source ep rank][local expert]
             host = torch.cat([counts, received]).tolist()  # the one host read (see the module docstring)
             mine, local = host[:e], host[e:]
-            return mine, [local[q * self.local_experts:(q + 1) * self.local_experts] for q in range(self.ep_size)], None
+            return (mine, [local[q * self.local_experts:(q + 1) * self.local_experts] for q in range(self.ep_size)],
+                    None, received.view(self.ep_size, self.local_experts).sum(0))
         everyone = counts.new_empty(self.tp_size * self.ep_size * e)
         dist.all_gather_into_tensor(everyone, counts, group=self.tp_ep_group)
         host = everyone.tolist()  # the one host read
         rows = [[host[(t + self.tp_size * q) * e:(t + self.tp_size * q + 1) * e] for t in range(self.tp_size)]
                 for q in range(self.ep_size)]  # rows[q][t]: what rank (tp t, ep q) sends to each expert
         mine = rows[self.ep_rank][self.tp_rank]
-        lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
         local = [[rows[q][t][lo:hi] for q in range(self.ep_size)] for t in range(self.tp_size)]  # [t][q][j]
-        return mine, local[self.tp_rank], local
+        return mine, local[self.tp_rank], local, everyone.view(-1, e)[:, lo:hi].sum(0)
 
     def permute(self, x, experts, keep):
         """``x [T, h]``, ``experts [T, k]`` (global expert ids), ``keep [T, k]`` bool or None ->
@@ -118,7 +125,7 @@ class AllToAllDispatcher:
         # per-expert counts by scatter_add (bincount would read the ids on the host to size its output)
         counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:e]
         self._assignments = flat.numel()  # for a rehearsal's even split
-        sent, from_peers, over_tp = self._count_matrix(counts)
+        sent, from_peers, over_tp, device_counts = self._count_matrix(counts)
         recv_counts = [n for row in from_peers for n in row]  # [source ep rank][local expert]
         send = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
         recv = [sum(recv_counts[r * local:(r + 1) * local]) for r in range(ep)]
@@ -134,9 +141,10 @@ class AllToAllDispatcher:
         sources = len(flat_sizes) // local
         grouped = torch.cat([pieces[r * local + j] for j in range(local) for r in range(sources)])
         per_expert = [sum(flat_sizes[r * local + j] for r in range(sources)) for j in range(local)]
-        offsets = torch.tensor(per_expert, dtype=torch.int64).cumsum(0).to(torch.int32)
-        return (grouped, torch.tensor(per_expert, device=x.device), offsets.to(x.device),
-                Exchange(order, send, recv, flat_sizes, kept))
+        # the same counts on the device, summed there from the exchanged count tensors: a host-to-device
+        # copy of the host lists would block on pageable memory, twice per layer and micro-batch
+        return (grouped, device_counts, torch.cumsum(device_counts, 0).to(torch.int32),
+                Exchange(order, send, recv, flat_sizes, kept, list(itertools.accumulate(per_expert))))
 
     def unpermute(self, out, state: Exchange, weights, keep):
         """``out [R, h]`` (the local experts' outputs, grouped as ``permute`` returned them) -> ``[T, h]``:
@@ -160,4 +168,4 @@ class AllToAllDispatcher:
         back = torch.empty_like(returned)
         back[state.order] = returned
         w = weights if keep is None else weights.masked_fill(~keep, 0.0)
-        return (back.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
+        return weighted_sum(back.view(t, k, -1), w)

@@ -77,6 +77,8 @@ class Attention(torch.nn.Module):
         if documents is not None:  # attention dropout with document masks is refused by the config
             return documents.attend(q, k, v, **window)
         dropout = self.cfg.attention_dropout if self.training else 0.0
+        if dropout == 0.0:  # no random state to swap (torch.compile cannot trace the swap: a graph break)
+            return local_attention(q, k, v, self.window)
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
             return local_attention(q, k, v, self.window, dropout_p=dropout)
 

@@ -56,40 +56,64 @@ class DocumentMask:
     """The documents of one micro-batch's full sequence (``ids [b, s]``), shared by every layer.
 
     ``attend`` computes causal attention restricted to documents for queries and keys at the given global
-    positions (a slice of the sequence under context parallelism)."""
+    positions (a slice of the sequence under context parallelism). On CUDA the FlexAttention block mask
+    is built on the first call and reused by every later layer (and by recomputation) of the micro-batch:
+    build one ``DocumentMask`` per micro-batch and pass it to every layer."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, host_ids: torch.Tensor | None = None):
+        """``host_ids``: the same ids on the host, where the data pipeline has them: what is planned from
+        the documents (context parallelism's block skipping) then reads nothing from the device."""
         self.ids = ids
-        self._block_masks = {}
+        self.host_ids = host_ids
+        self._whole_masks = {}  # (sq, sk) -> block mask over the whole sequence's positions
+        self._position_masks = []  # (q_pos, k_pos, block mask) for explicit positions, matched by identity
+        self.memo = {}  # what context-parallel attention derives from the documents once per micro-batch
 
     def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None, window=None):
         """``q [b, h, sq, d]``, ``k, v [b, g, sk, d]`` at global positions ``q_pos [sq]``, ``k_pos [sk]``
         (default: the whole sequence); ``window``: sliding-window attention. Rows with no visible key (none
         when q_pos covers k_pos) give 0."""
+        gqa = k.shape[1] != q.shape[1]
+        if q.device.type == "cuda":
+            return _compiled_flex_attention()(q, k, v, block_mask=self.block_mask(q, k, q_pos, k_pos, window),
+                                              scale=scale, enable_gqa=gqa)
         if q_pos is None:
             q_pos = torch.arange(q.shape[2], device=q.device)
         if k_pos is None:
             k_pos = torch.arange(k.shape[2], device=k.device)
-        gqa = k.shape[1] != q.shape[1]
-        if q.device.type == "cuda":
-            return self._flex(q, k, v, q_pos, k_pos, gqa, scale, window)
         q_doc, k_doc = self.ids[:, q_pos], self.ids[:, k_pos]
         mask = dense_document_mask(q_doc, k_doc, q_pos, k_pos, window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
-    def _flex(self, q, k, v, q_pos, k_pos, gqa, scale, window=None):
+    def block_mask(self, q, k, q_pos=None, k_pos=None, window=None):
+        """The FlexAttention block mask of these positions (and sliding ``window``), built once per
+        micro-batch. Keys are what the positions are (the whole sequence by its lengths; explicit position
+        tensors by identity, kept alive here), never a tensor's address: a freed tensor's address is reused
+        by the next one."""
+        if q_pos is None and k_pos is None:
+            key = (q.shape[2], k.shape[2], window)
+            if key not in self._whole_masks:
+                self._whole_masks[key] = self._build(None, None, q.shape[2], k.shape[2], q.device, window)
+            return self._whole_masks[key]
+        for known_q, known_k, known_window, block_mask in self._position_masks:
+            if known_q is q_pos and known_k is k_pos and known_window == window:
+                return block_mask
+        block_mask = self._build(q_pos, k_pos, q.shape[2], k.shape[2], q.device, window)
+        self._position_masks.append((q_pos, k_pos, window, block_mask))
+        return block_mask
+
+    def _build(self, q_pos, k_pos, sq, sk, device, window=None):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        key = (q_pos.data_ptr(), q_pos.numel(), k_pos.data_ptr(), k_pos.numel(), window)
-        block_mask = self._block_masks.get(key)
-        if block_mask is None:
-            ids, qp, kp = self.ids, q_pos, k_pos
-            reach = window if window is not None else ids.shape[1] + 1  # beyond any distance: no window
+        ids = self.ids
+        reach = window if window is not None else ids.shape[1] + 1  # beyond any distance: no window
+        if q_pos is None and k_pos is None:
+            def mask_mod(b, h, qi, ki):
+                return (ids[b, qi] == ids[b, ki]) & (qi >= ki) & (qi - ki < reach)
+        else:
+            qp = torch.arange(sq, device=device) if q_pos is None else q_pos
+            kp = torch.arange(sk, device=device) if k_pos is None else k_pos
 
             def mask_mod(b, h, qi, ki):
                 return (ids[b, qp[qi]] == ids[b, kp[ki]]) & (qp[qi] >= kp[ki]) & (qp[qi] - kp[ki] < reach)
-
-            block_mask = create_block_mask(mask_mod, B=ids.shape[0], H=None, Q_LEN=q_pos.numel(),
-                                           KV_LEN=k_pos.numel(), device=q.device, _compile=True)
-            self._block_masks[key] = block_mask
-        return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return create_block_mask(mask_mod, B=ids.shape[0], H=None, Q_LEN=sq, KV_LEN=sk, device=device, _compile=True)

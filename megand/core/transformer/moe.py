@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.expert_parallel import AllToAllDispatcher
+from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
@@ -120,8 +121,25 @@ def fused_grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] * size % 16 == 0 and weight.shape[1] * size % 16 == 0)
 
 
+class HostOffsets:
+    """The experts' row offsets as host integers, for the loop over experts (``tensor_split`` takes host
+    split points): given (an expert-parallel dispatcher has them from its split sizes), or read from the
+    device ``offsets`` on first use, once for both GEMMs of the experts (on a GPU the one split-size read
+    per MoE layer and micro-batch; the fused grouped GEMM never asks)."""
+
+    def __init__(self, offsets: torch.Tensor, host: list[int] | None = None):
+        self.offsets, self._host = offsets, host
+
+    def get(self) -> list[int] | None:
+        """The offsets, or None for fake tensors (a rehearsal), which hold no values."""
+        if self._host is None and type(self.offsets) is torch.Tensor:
+            self._host = self.offsets.tolist()  # the split-size read
+        return self._host
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, fused: bool | None = None,
+                   host_offsets: HostOffsets | None = None) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then rows of no expert: dropped
     assignments) times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``). ``offsets``: the
     cumulative counts (int32). The rows of no expert come out as zeros (loop) or as something finite that
@@ -141,9 +159,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             counts = torch.cat([counts[:-1], counts[-1:] + tail])
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    if type(offsets) is torch.Tensor:
-        # the split points are read from a CPU tensor (on the CPU already: no device synchronisation)
-        parts = torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64))
+    split_points = (host_offsets or HostOffsets(offsets)).get()
+    if split_points is not None:
+        parts = torch.tensor_split(x, split_points)
     else:  # fake tensors (a rehearsal) hold no counts: an even split has the same activation sizes
         parts = torch.tensor_split(x, [rows * (e + 1) // weight.shape[0] for e in range(weight.shape[0])])
     outs = []
@@ -187,10 +205,10 @@ class GroupedLinear(torch.nn.Module):
         :func:`grouped_linear`."""
         self.gemm = policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim])
 
-    def forward(self, x, counts, offsets, add_bias=True):
+    def forward(self, x, counts, offsets, add_bias=True, host_offsets=None):
         bias = self.bias if add_bias else None
         out = self.gemm.grouped(x, self.weight, counts, offsets, bias)
-        return grouped_linear(x, self.weight, counts, offsets, bias) if out is None else out
+        return grouped_linear(x, self.weight, counts, offsets, bias, host_offsets=host_offsets) if out is None else out
 
 
 class Experts(torch.nn.Module):
@@ -210,10 +228,13 @@ class Experts(torch.nn.Module):
         self.fc2 = GroupedLinear(e, f, h, split_dim=2 if split else None,
                                  init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, bias_split=False, **common)
 
-    def forward(self, x, counts, offsets, fc2_bias=True):
-        h = self.fc1(x, counts, offsets)
+    def forward(self, x, counts, offsets, fc2_bias=True, host_offsets: list[int] | None = None):
+        """``host_offsets``: the offsets as host integers where the caller has them (else read once, if
+        the loop over experts runs)."""
+        host = HostOffsets(offsets, host_offsets)  # shared by both GEMMs
+        h = self.fc1(x, counts, offsets, host_offsets=host)
         h = SwiGLU.apply(h.unflatten(-1, (-1, 2))) if self.swiglu else F.gelu(h, approximate="tanh")
-        return self.fc2(h, counts, offsets, add_bias=fc2_bias)
+        return self.fc2(h, counts, offsets, add_bias=fc2_bias, host_offsets=host)
 
 
 class LocalDispatcher:
@@ -254,7 +275,7 @@ class LocalDispatcher:
         if keep is not None:  # dropped assignments: no output, no gradient
             back = back.masked_fill(~keep.view(-1, 1), 0.0)
         w = weights if keep is None else weights.masked_fill(~keep, 0.0)
-        return (back.view(t, k, -1).float() * w.unsqueeze(-1)).sum(1).to(out.dtype)
+        return weighted_sum(back.view(t, k, -1), w)
 
 
 class SharedExperts(MLP):
