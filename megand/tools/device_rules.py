@@ -141,7 +141,8 @@ class DeviceRules(TorchDispatchMode):
     def _read(self, t):
         where = source_line()
         key = (t.untyped_storage(), where)
-        if self._last_read is None or self._last_read[0] is not key[0] or self._last_read[1] != where:
+        on_device = not self.cuda or t.device.type == "cuda"  # a host tensor's value is read without a sync
+        if on_device and (self._last_read is None or self._last_read[0] is not key[0] or self._last_read[1] != where):
             self.sync("value read (.item()/.tolist())", where)
         self._last_read = key
         if t.dtype == torch.bool:
@@ -177,11 +178,15 @@ class DeviceRules(TorchDispatchMode):
             if q.shape[1] != k.shape[1]:
                 self.fail(func, f"memory-efficient attention has no GQA ({q.shape[1]} query heads, {k.shape[1]} "
                                 f"key/value heads)")
+            if not self.sdpa_depth:  # called directly (the layer's kernel choice, megand/core/sdpa.py)
+                self.attention("efficient (aten op)")
         elif func is aten._grouped_mm.default:
             self._check_grouped_mm(func, args, kwargs)
             self.kernels[("grouped_mm", source_line())] += 1
         elif func is aten.mm.dtype:
             self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1
+        elif func is aten.addmm.dtype_out:  # the weight-gradient GEMM accumulating into the fp32 buffer
+            self.kernels[(f"addmm {args[1].dtype}->{kwargs['out'].dtype}", source_line())] += 1
 
     def _check_flash(self, func, q, k, v) -> None:
         dtypes = {q.dtype, k.dtype, v.dtype}

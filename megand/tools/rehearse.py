@@ -232,7 +232,7 @@ class PhaseClock:
             self.tracker.reset_peak()
             self.rules.phase = name
 
-    def progress(self, iteration, phase: str) -> None:  # the watchdog's interface
+    def progress(self, iteration, phase: str, *io_budget) -> None:  # the watchdog's interface
         self.enter(STEP_PHASES.get(phase, self.name))
 
 
@@ -328,11 +328,19 @@ def first_tile_draw(draw_region, rules):
     return draw
 
 
+class _NoStopSignal:
+    """The trainer's stop vote in a rehearsal: no signal arrives (no handlers installed, no group made)."""
+
+    def flag(self, limit_reached: bool = False) -> int:
+        return 0
+
+
 def trainer_for_rehearsal(cfg, topo, data, clock):
     """A :class:`Trainer` holding what ``train_step`` reads, built without its run set-up (no data files,
     logs, checkpointer or wandb); the model, engine and optimizer are built in the ``build`` phase."""
     from megand.core.optimizer import Optimizer
     from megand.core.pipeline_parallel import get_schedule
+    from megand.core.timing import device_timer
     from megand.training.config import optimizer_config
     from megand.training.guards import SkipGuard, SpikeDetector
     from megand.training.pretrain import Trainer, build_model_and_engine
@@ -352,7 +360,9 @@ def trainer_for_rehearsal(cfg, topo, data, clock):
     trainer.prefetcher = trainer.loaded_iteration = trainer.last_save_attempt = trainer.checkpointer = None
     trainer.skips = SkipGuard(cfg.train.max_skipped_steps)
     trainer.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
-    trainer.rollbacks, trainer.busy_s, trainer.watchdog = 0, 0.0, clock
+    trainer.rollbacks, trainer.busy, trainer.watchdog = 0, device_timer(topo.device), clock
+    trainer.stream = None  # the rehearsal's data is random access (mock)
+    trainer.stop, trainer.started = _NoStopSignal(), time.monotonic()
     trainer.last_batch_checksum = None
     return trainer
 

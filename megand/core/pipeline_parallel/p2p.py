@@ -122,7 +122,7 @@ class PipelineP2P:
         if send_next is not None:
             sent = self._checked(send_next)
             ops.append(self._op(dist.isend, sent, self.next, FORWARD_TAG))
-            releases.append(send_next if sent.data_ptr() == send_next.data_ptr() else None)
+            releases.append(send_next if send_next.is_contiguous() else None)  # sent shares its memory
         if recv_prev:
             from_prev = self._receive(FORWARD_TAG, self.prev, ops, releases, waits)
         if send_prev is not None:
