@@ -27,8 +27,10 @@ test: install
 test-all: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m ""
 
-# On a CUDA machine (one GPU is enough, under 8 minutes): unit tests, bf16 throughput of llama_1b (seq 4096)
-# and gpt2_125m next to transformers, the context-parallel attention against SDPA, fused AdamW, memory
-# statistics, async checkpointing and torch.compile. Writes gpu_check.json and prints a table.
+# On a CUDA machine (one GPU is enough; estimated under 8 minutes): unit tests, bf16 throughput of llama_1b
+# (seq 4096) and gpt2_125m next to transformers, FP8 against bf16, the CUDA-only kernels (flash blocks, grouped
+# GEMM, FlexAttention document masks, SDPA backend, fused AdamW, weight-gradient fusion), memory statistics,
+# async checkpointing, torch.compile with its graph breaks, and NCCL parity on 2+ GPUs. `--list` names every
+# check and what it needs. Writes gpu_check.json and prints a table.
 gpu-check: install
 	OMP_NUM_THREADS=8 $(VENV)/bin/python tools/gpu_check.py --out gpu_check.json

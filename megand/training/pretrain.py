@@ -23,6 +23,7 @@ from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
+from megand.core.tensor_parallel.mappings import all_gather_flat
 from megand.core.timing import device_timer
 from megand.core.transformer import TransformerConfig, moe
 from megand.core.sdpa import attention_summary
@@ -591,7 +592,7 @@ class Trainer:
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
         gathered = torch.empty(self.topo.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(gathered, mine)
+        all_gather_flat(gathered, mine)  # torch 2.13 warns on the old name (stderr stays one line per error)
         every = gathered.view(self.topo.world_size, -1).tolist()  # the log line's one read, whatever the world size
         self.busy.reset()
         mem_peak = max(x[0] for x in every)  # the most loaded rank
