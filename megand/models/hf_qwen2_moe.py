@@ -83,7 +83,9 @@ def model_config(config) -> dict:
                 moe_aux_loss_coeff=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0))
 
 
-def rules(m: dict) -> list[Rule]:
+def moe_model_rules(m: dict, shared=lambda p, mlp: []) -> list[Rule]:
+    """Llama-like layers whose MoE layers hold ``mlp.gate`` and routed experts ``mlp.experts.{e}.gate/up/
+    down_proj`` (Qwen2-MoE, Qwen3-MoE); ``shared(p, mlp)``: the rules of what else an MoE layer holds."""
     first, last = embedding_rules(m)
     out = first
     moe_layers = set(moe_layer_ids(m))
@@ -100,7 +102,12 @@ def rules(m: dict) -> list[Rule]:
             experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
                              [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
             experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
-            *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_expert."),
-            Rule(p + "mlp.shared_experts.gate.weight", (mlp + "shared_expert_gate.weight",)),
+            *shared(p, mlp),
         ]
     return out + last
+
+
+def rules(m: dict) -> list[Rule]:
+    return moe_model_rules(m, lambda p, mlp: [
+        *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_expert."),
+        Rule(p + "mlp.shared_experts.gate.weight", (mlp + "shared_expert_gate.weight",))])

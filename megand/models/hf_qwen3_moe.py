@@ -9,10 +9,9 @@ MoE layers of routed SwiGLU experts behind a softmax top-k router (``moe_norm_to
 
 from __future__ import annotations
 
-from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
-from megand.models.hf_llama import (attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules,
-                                    rope_parameters)
-from megand.models.hf_qwen2_moe import _layer_freq, expert_width
+from megand.models.hf import Rule, dims, moe_layer_ids, norm_eps
+from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
+from megand.models.hf_qwen2_moe import _layer_freq, expert_width, moe_model_rules
 
 MODEL_TYPE = "qwen3_moe"
 MODEL_CLASS = "Qwen3MoeForCausalLM"
@@ -57,21 +56,4 @@ def model_config(config) -> dict:
 
 
 def rules(m: dict) -> list[Rule]:
-    first, last = embedding_rules(m)
-    out = first
-    moe_layers = set(moe_layer_ids(m))
-    experts = range(m["num_experts"])
-    for i in range(m["num_layers"]):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        out += attention_rules(m, p, q)
-        if i not in moe_layers:
-            out += mlp_rules(p + "mlp.", q + "mlp.")
-            continue
-        mlp = q + "mlp."
-        out += [
-            Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
-            experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
-                             [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
-            experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
-        ]
-    return out + last
+    return moe_model_rules(m)  # no shared experts
