@@ -100,9 +100,11 @@ def test_dense_preset_rank_runs_as_on_its_gpus(rehearsed, name):
     assert {a["backend"] for a in report["attention"]} == {"flash (aten op)"}, report["attention"]
     assert report["estimator_fused_attention"]
     assert any(k["kernel"] == "addmm torch.bfloat16->torch.float32" for k in report["kernels"])  # wgrad fusion
-    # the estimator counts the states exactly; the activations (Megatron-like, fused) within 35%
+    # the estimator counts the states exactly and the activations within 10% (1.02 on llama8b, 1.04 on
+    # llama70b's first stage: before CUDA's fused RMSNorm was modelled and the loss kept one fp32 copy of the
+    # logits, 1.23)
     assert abs(peak["build"] / est["build"] - 1) <= 0.02, (peak, est)
-    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.35, (peak, est)
+    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.10, (peak, est)
     s = report["syncs"]
     assert s["per_line"][-1]["where"].startswith("megand/training/pretrain.py") and s["step"] <= s["allowed"]
 
