@@ -223,3 +223,17 @@ def test_a_malformed_row_inside_a_file_chunk_is_named_by_its_byte_offset(tmp_pat
     offset = sum(len(x) for x in lines[:300])
     with pytest.raises(DataError, match=rf"a.jsonl:byte {offset}: invalid JSON"):
         read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
+
+
+def test_a_state_of_another_seed_batch_or_format_is_refused_in_one_line(tmp_path):
+    write_corpus(tmp_path / "c", 100)
+    paths = [[1.0, str(tmp_path / "c")]]
+    state = merged_state(readers(paths, 1))
+    s = readers(paths, 2)[0]
+    for change, message in (({"seed": 8}, r"shuffled with train.seed=8, this run's is 7"),
+                            ({"lanes": 16}, r"has 16 lanes .* this run 8"),
+                            ({"version": 1}, r"stream state is of version 1")):
+        with pytest.raises(DataError, match=message):
+            s.load_state_dict({**state, **change})
+    s.load_state_dict({**state, "lane_states": {}})  # lanes the state does not hold were never read
+    assert [lane.cursors for lane in s.mine] == [[[0, lane.index, 0]] for lane in s.mine]
