@@ -89,3 +89,13 @@ def test_zero3_fp8_gathers_under_recompute_and_kept_buckets(recipe):
             assert out["checked"][1] > 0, (extra, out)
             if recipe == "tensorwise":
                 assert out["missed"] == {0: 0, 1: 0}, (extra, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_zero3_fp8_gathers_agree_scales_over_tensor_parallelism_too(recipe):
+    """tp=2 x dp=2: a tensorwise scale of a split weight, a rowwise one of a row-parallel layer, are agreed
+    over tp as well, as the one-process run's scales of the whole weight are."""
+    for out in run_distributed(_operands_worker, 4, recipe, ["parallel.tp=2", "parallel.sequence_parallel=true"]):
+        assert not out["mismatched"], out["mismatched"]
+        assert out["checked"][1] > 0 and out["missed"][1] == 0, out

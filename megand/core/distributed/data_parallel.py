@@ -147,7 +147,7 @@ class DataParallel:
         chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         # ZeRO-3 gathers FP8 layers' weights in FP8: they get buffers of their own (one recipe per buffer)
-        fp8 = fp8_weights(chunks) if self.shard_params and dense.size > 1 else {}
+        fp8 = fp8_weights(chunks) if self.shard_params and config.fp8_param_gather and dense.size > 1 else {}
         by_kind = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
             recipe = fp8[p][0].name if p in fp8 else None
