@@ -20,11 +20,11 @@ def _full_weights(trainer):
     return full
 
 
-def _operands_worker(recipe, extra=()):
+def _operands_worker(recipe, extra=(), bucket_size=20000):
     from megand.core.tensor_parallel.fp8 import E4M3, Fp8Policy
 
     trainer = build_trainer(["train.precision=bf16", f"train.fp8={recipe}", "train.fp8_bf16_layers=0",
-                             "train.eval_iters=0", "optim.sharding=optim_grads_params", "optim.bucket_size=20000",
+                             "train.eval_iters=0", "optim.sharding=optim_grads_params", f"optim.bucket_size={bucket_size}",
                              *extra])
     full = _full_weights(trainer)
     bucket_of = trainer.ddp.bucket_of  # the weights gathered in FP8 (MX: those of whole 32-blocks rows)
@@ -50,7 +50,14 @@ def _operands_worker(recipe, extra=()):
         missed[dim] += not gathered
         return q
 
-    Fp8Policy._weight_q = checking
+    count, fp8_bytes = trainer.ddp.count, []
+
+    def counting(kind, full, ranks):
+        if kind == "all_gather" and full.dtype == torch.uint8:
+            fp8_bytes.append(full.numel() * (ranks - 1) // ranks)
+        count(kind, full, ranks)
+
+    Fp8Policy._weight_q, trainer.ddp.count = checking, counting
     try:
         trainer.ddp.traffic.update(dict.fromkeys(trainer.ddp.traffic, 0))
         loss = trainer.step()
@@ -58,15 +65,19 @@ def _operands_worker(recipe, extra=()):
         Fp8Policy._weight_q = original
     fp8_elements = sum(b.numel for b in trainer.ddp.buckets if b.fp8 is not None)
     return {"checked": checked, "missed": missed, "mismatched": mismatched, "loss": loss, "fp8_elements": fp8_elements,
+            "fp8_bytes": sum(fp8_bytes),
             "traffic": dict(trainer.ddp.traffic)}
 
 
 def test_zero3_gathers_tensorwise_fp8_operands_equal_to_the_whole_weights():
-    for out in run_distributed(_operands_worker, 2, "tensorwise"):
+    # one bucket per buffer (the default size): norms between the FP8 linears live in another bucket
+    for out in run_distributed(_operands_worker, 2, "tensorwise", (), 40_000_000):
         assert not out["mismatched"], out["mismatched"]
         # forward and backward operands of every FP8 layer came from the FP8 gathers
         assert out["checked"][1] > 0 and out["checked"][0] > 0 and out["missed"] == {0: 0, 1: 0}, out
-        assert out["fp8_elements"] > 0
+        # one byte per element, each bucket gathered once for forward and once for backward per micro-batch
+        # (2 here); a norm between FP8 linears once prefetched their finished bucket again
+        assert out["fp8_elements"] > 0 and out["fp8_bytes"] == 2 * 2 * out["fp8_elements"] // 2, out
 
 
 @pytest.mark.slow

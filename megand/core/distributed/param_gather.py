@@ -39,24 +39,36 @@ class ParamGatherer:
         self.reshard_after_forward = engine.reshard_after_forward
         self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
         self._module_buckets = {}
+        self._prefetch_forward = {}  # module -> the bucket to gather while it runs
         for chunk in chunks:
+            first_use, users = {}, []  # bucket -> position of its first user in forward; users in order
             for module in chunk.modules():
                 indices = {self.bucket_of[p].index for p in module_params(module, borrowed=True) if p in self.bucket_of}
                 indices = [i for i in engine.forward_order if i in indices]  # gathered in this order
                 if not indices:
                     continue
+                for i in indices:
+                    first_use.setdefault(i, len(users))
+                users.append(module)
                 self._module_buckets[module] = indices
                 for i in indices:
                     self._users[i].add(module)
                 module.register_forward_pre_hook(self.before_forward)
                 module.register_forward_hook(self.after_forward)
-        # the bucket to prefetch after each: the next one in forward order (backward: the previous one)
-        # of the same model chunk (another chunk's forward runs for another micro-batch, not next)
-        self._next_forward, self._next_backward = {}, {}
+            # forward prefetches the bucket first read next after this module: not merely the next one in
+            # forward order, which a later user of an earlier bucket (a norm between FP8 linears, whose
+            # weights live in another buffer) would gather again after its forward was over
+            for position, module in enumerate(users):
+                later = [(t, i) for i, t in first_use.items() if t > position]
+                if later:
+                    self._prefetch_forward[module] = min(later, key=lambda ti: (ti[0], engine.forward_order.index(ti[1])))[1]
+        # backward prefetches the bucket before a module's first one in forward order, of the same model
+        # chunk (another chunk's backward runs for another micro-batch, not next)
+        self._next_backward = {}
         order = engine.forward_order
         for a, b in itertools.pairwise(order):
             if chunk_of[self.buckets[a].params[0][0]] == chunk_of[self.buckets[b].params[0][0]]:
-                self._next_forward[a], self._next_backward[b] = b, a
+                self._next_backward[b] = a
         self._gathers = {}  # bucket index -> all-gathers in flight
         self._done = {b.index: set() for b in self.buckets}  # users whose forward ran since the gather
         self._held = set()  # buckets gathered for backward: freed only when their gradients have arrived
@@ -126,7 +138,7 @@ class ParamGatherer:
         indices = self._module_buckets[module]
         for i in indices:
             self.gather(i, wait=False, phase=FORWARD)
-        nxt = self._next_forward.get(indices[-1])
+        nxt = self._prefetch_forward.get(module)
         if nxt is not None:
             self.gather(nxt, wait=False, phase=FORWARD)
         for i in indices:
