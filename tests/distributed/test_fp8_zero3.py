@@ -110,3 +110,19 @@ def test_zero3_fp8_gathers_agree_scales_over_tensor_parallelism_too(recipe):
     for out in run_distributed(_operands_worker, 4, recipe, ["parallel.tp=2", "parallel.sequence_parallel=true"]):
         assert not out["mismatched"], out["mismatched"]
         assert out["checked"][1] > 0 and out["missed"][1] == 0, out
+
+
+@pytest.mark.slow
+def test_zero3_checkpoints_cross_fp8_and_bf16_buffer_layouts(tmp_path):
+    """FP8 gathers give the FP8 weights buffers of their own (MX: 32-aligned): a ZeRO-3 checkpoint still
+    resumes across mxfp8, bf16 and tensorwise runs (it holds each parameter's slices, not the buffers)."""
+    from tests.harness import read_metrics, run_pretrain
+
+    ckpt = tmp_path / "ckpt"
+    common = ["+experiment=tiny_llama", "train.precision=bf16", "train.eval_iters=0", f"checkpoint.save={ckpt}",
+              f"checkpoint.load={ckpt}", "checkpoint.interval=2", "optim.sharding=optim_grads_params"]
+    run_pretrain(tmp_path / "a", [*common, "train.fp8=mxfp8", "train.iters=2"], nproc=2)
+    run_pretrain(tmp_path / "b", [*common, "train.iters=4"], nproc=2)
+    run_pretrain(tmp_path / "c", [*common, "train.fp8=tensorwise", "train.iters=6"], nproc=2)
+    assert [m["iter"] for m in read_metrics(tmp_path / "b")] == [3, 4]
+    assert [m["iter"] for m in read_metrics(tmp_path / "c")] == [5, 6]
