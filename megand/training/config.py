@@ -548,7 +548,9 @@ def optimizer_config(cfg):
 def data_parallel_config(cfg):
     from megand.core.distributed.config import DataParallelConfig
 
-    return DataParallelConfig(**_known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True)))
+    keys = _known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True))
+    # compiled layers read their weights' FP8 operands by quantising the gathered bf16 weight
+    return DataParallelConfig(**keys, fp8_param_gather=not cfg.train.get("compile", False))
 
 
 def checkpoint_config(cfg):

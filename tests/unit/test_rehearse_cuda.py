@@ -45,6 +45,11 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "recompute_selective": T + ["train.recompute=selective", "--world-size", "1"],
     "recompute_full": T + ["train.recompute=full", "--world-size", "1"],
     "fp16": ["+experiment=tiny_llama", "train.precision=fp16", "--world-size", "1"],
+    # FP8: torch._scaled_mm's argument rules on CUDA tensors (layouts, scale shapes), the sequence-parallel
+    # all-gather in FP8 and the ZeRO-3 gathers handing FP8 operands to the layers
+    "fp8_tp2_sp": T + ["train.fp8=tensorwise", "parallel.tp=2", "parallel.sequence_parallel=true", "--world-size", "2",
+                       "--rank", "1"],
+    "fp8_zero3": T + ["train.fp8=tensorwise", "optim.sharding=optim_grads_params", "--world-size", "2", "--rank", "1"],
 }
 CAUGHT = {  # layouts on which earlier code synchronised with the host where a GPU run should not (now fixed)
     "cp2_ring_documents": (T + DOCS + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
