@@ -109,6 +109,7 @@ class Layout:
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
+    pp_schedule: str = "1f1b"          # parallel.pp_schedule (zb1p: W passes hold their operands longer)
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -148,7 +149,7 @@ class Layout:
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
-                   optimizer=optim.get("name") or "adamw")
+                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b")
 
     @property
     def level(self) -> str:
@@ -283,7 +284,7 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
         m = 2 * pp if v > 1 else pp
     elif v > 1 and m % pp:  # the executor refuses it; count the next multiple of pp
         m += pp - m % pp
-    return peak_live_chunks(pp, v, m, stage) * layers / v
+    return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:
