@@ -5,7 +5,8 @@ call gets, which of those outputs each ``torch.autograd.backward`` starts from (
 with the weight-gradient products deferred, a ``B`` otherwise), which of those deferrals each
 weight-gradient run (``W``) empties, and how many p2p sends and receives it posts. The replay's trace is the order in which ``simulate`` runs each rank's
 operations (sorted by start time). Both must be the rank's action list, for 1F1B and interleaved 1F1B,
-and zero bubble (zb1p), and the chunk forwards the executor holds at once must be the count the memory
+zero bubble (zb1p) and the V schedules (zbv, dualpipev: the executor hands the activation and its
+gradient over on the rank at the V's turn), and the chunk forwards the executor holds at once must be the count the memory
 estimator uses.
 """
 
@@ -13,13 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megand.core.pipeline_parallel.actions import interleaved_placement, peak_live_chunks, schedule_actions
+from megand.core.pipeline_parallel.actions import peak_live_chunks, placement_for, schedule_actions
 from megand.core.tensor_parallel import wgrad
 from megand.tools.planner.simulate import simulate
 from megand.tools.spawn import run_distributed
 
 M, PP = 4, 2
-LAYOUTS = {"1f1b": (1, "1f1b"), "interleaved": (2, "1f1b"), "zb1p": (1, "zb1p")}  # name: (vpp, pp_schedule)
+LAYOUTS = {"1f1b": (1, "1f1b"), "interleaved": (2, "1f1b"), "zb1p": (1, "zb1p"), "zbv": (2, "zbv"),
+           "dualpipev": (2, "dualpipev")}  # name: (vpp, pp_schedule)
 
 
 def _executor_traces(run_dir):
@@ -42,7 +44,7 @@ def _executor_traces(run_dir):
         def forward_step(model, microbatch, hidden):
             chunk = next(c for c, held in enumerate(chunks) if held is model)
             index = next(i for i, mb in enumerate(microbatches) if mb is microbatch)
-            stage = chunk * PP + topo.pp_rank
+            stage = placement_for(PP, vpp, schedule).stage(topo.pp_rank, chunk)
             output = trainer.forward_step(model, microbatch, hidden)
             trace.append(("F", stage, index))
             roots[id(output)] = (stage, index)
@@ -87,7 +89,7 @@ def _replay_trace(vpp, schedule, rank):
     """The order in which the planner's replay runs ``rank``'s operations (equal stage times)."""
     stages = PP * vpp
     timeline = simulate(PP, vpp if vpp > 1 else None, M, [1.0] * stages, [2.0] * stages, schedule=schedule)
-    placement = interleaved_placement(PP, vpp)
+    placement = placement_for(PP, vpp, schedule)
     own = [(times, key) for key, times in timeline.ops.items() if placement.location(key[1])[0] == rank]
     return [key for _, key in sorted(own)]
 
@@ -100,8 +102,8 @@ def test_replay_and_executor_run_the_same_actions(executor_traces, name):
         executed = traces[name]
         assert executed["trace"] == _replay_trace(vpp, schedule, rank) == [a.key for a in actions], (rank, executed["trace"])
         # a split backward defers the weight gradients of the parallel linear layers (4 per layer here)
-        assert (executed["weight_grad_passes"] > 0) == (schedule == "zb1p"), (rank, executed)
-        # every send and receive of the action list is posted, and no other
-        assert executed["send"] == sum(a.send_to is not None for a in actions), (rank, executed)
-        assert executed["recv"] == sum(a.recv_from is not None for a in actions), (rank, executed)
+        assert (executed["weight_grad_passes"] > 0) == (schedule != "1f1b"), (rank, executed)
+        # every send and receive of the action list to another rank is posted, and no other
+        assert executed["send"] == sum(a.send_to not in (None, rank) for a in actions), (rank, executed)
+        assert executed["recv"] == sum(a.recv_from not in (None, rank) for a in actions), (rank, executed)
         assert executed["peak_live"] == peak_live_chunks(PP, vpp, M, rank, schedule), (rank, executed)
