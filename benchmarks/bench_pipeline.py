@@ -2,10 +2,11 @@
 replay's prediction and the formula; per stage, the micro-batch chunks held at once next to the
 memory estimator's count.
 
-    python benchmarks/bench_pipeline.py --pp 4 --m 8 --schedules 1f1b interleaved zb1p [hydra overrides ...]
+    python benchmarks/bench_pipeline.py --pp 2 --m 8 --schedules 1f1b interleaved zb1p zbv dualpipev [overrides ...]
 
 Runs the training step of a config on ``pp`` local ranks (gloo, CPU; pipeline parallelism only) once
-per schedule (``1f1b``, ``interleaved`` with ``--vpp`` chunks per rank, ``zb1p``: ``parallel.pp_schedule``).
+per schedule (``1f1b``, ``interleaved`` with ``--vpp`` chunks per rank, ``zb1p``, and ``zbv`` and
+``dualpipev`` with two chunks per rank in a V: ``parallel.pp_schedule``).
 Busy is the wall time a stage spends inside forward and backward computation; idle is the rest of the
 schedule's wall time (waiting on its neighbours: the bubble, plus the p2p copies). Steps start
 together (a barrier before each schedule, not timed).
@@ -13,7 +14,8 @@ together (a barrier before each schedule, not timed).
 Prediction: the planner's replay of the same action lists (megand/tools/planner/simulate.py) on the
 stage times measured here (each stage's mean forward, backward, input- and weight-gradient pass).
 Formula: 1F1B idles ``(p-1)/(m+p-1)`` of the step, interleaved 1F1B with v chunks ``(p-1)/(v·m+p-1)``,
-ZB-H1 ``(p-1)·F / (m·(F+B) + (p-1)·F)`` (F, B: a micro-batch's forward and whole backward times).
+ZB-H1 idles ``(p-1)(F+B-2W)`` per rank (F, B, W: a micro-batch's forward, whole backward and weight-
+gradient times on a rank; ``(p-1)·F`` when B = 2W); for the V schedules the replay is the prediction.
 
 Memory: the most micro-batch chunks whose activations a stage holds at once (forward run, backward
 not complete; a split backward completes with its W), as the executor counted it, next to the count
@@ -86,11 +88,14 @@ def predicted(ranks, pp, vpp, m, schedule):
     """The replay of the schedule's action lists on the measured per-stage pass times: mean idle fraction."""
     from megand.tools.planner.simulate import simulate
 
+    from megand.core.pipeline_parallel.actions import placement_for
+
     v = vpp if vpp > 1 else 1
+    placement = placement_for(pp, v, schedule)
     forward, backward, weight = [0.0] * (pp * v), [0.0] * (pp * v), [0.0] * (pp * v)
     for r in ranks:  # a rank's chunks are timed together: every chunk of it gets the mean
         for c in range(v):
-            s = c * pp + r["stage"]
+            s = placement.stage(r["stage"], c)
             forward[s] = r.get("F_s", 0.0)
             weight[s] = r.get("W_s", 0.0)
             backward[s] = r.get("B_s", 0.0) + r.get("I_s", 0.0) + weight[s]
@@ -99,10 +104,14 @@ def predicted(ranks, pp, vpp, m, schedule):
 
 
 def formula(pp, vpp, m, schedule, ranks):
-    if schedule == "zb1p":
+    if schedule in ("zbv", "dualpipev"):  # no closed form printed: the replay is the prediction
+        return None, "none (the replay's)"
+    if schedule == "zb1p":  # (p-1)(F+B-2W) idle per rank, B the whole backward (I + W)
         f = sum(r.get("F_s", 0.0) for r in ranks) / len(ranks)
-        b = sum(r.get("I_s", 0.0) + r.get("W_s", 0.0) for r in ranks) / len(ranks)
-        return (pp - 1) * f / (m * (f + b) + (pp - 1) * f), "(p-1)F/(m(F+B)+(p-1)F)"
+        i = sum(r.get("I_s", 0.0) for r in ranks) / len(ranks)
+        w = sum(r.get("W_s", 0.0) for r in ranks) / len(ranks)
+        idle = (pp - 1) * max(f + i - w, 0.0)
+        return idle / (m * (f + i + w) + idle), "(p-1)(F+B-2W)/(m(F+B)+(p-1)(F+B-2W))"
     if vpp > 1:
         return (pp - 1) / (vpp * m + pp - 1), "(p-1)/(v·m+p-1)"
     return (pp - 1) / (m + pp - 1), "(p-1)/(m+p-1)"
@@ -127,8 +136,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb1p"],
-                        choices=["1f1b", "interleaved", "zb1p"])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"],
+                        choices=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"])
     parser.add_argument("--vpp", type=int, default=2, help="model chunks per rank of the interleaved schedule")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -141,16 +150,17 @@ def main():
     print(f"pp={p} m={m}, {args.steps} timed steps after {args.warmup} warm-up; {os.cpu_count()} CPUs for {p} ranks")
     report = {}
     for name in args.schedules:
-        v = args.vpp if name == "interleaved" else 1
-        schedule = "zb1p" if name == "zb1p" else "1f1b"
+        v = args.vpp if name == "interleaved" else 2 if name in ("zbv", "dualpipev") else 1
+        schedule = "1f1b" if name == "interleaved" else name
         ranks, cfg = bench(p, v, m, args.steps, args.warmup, args.overrides, schedule)
         ranks = sorted(ranks, key=lambda r: r["stage"])
         theory, written = formula(p, v, m, schedule, ranks)
         replay = predicted(ranks, p, v, m, schedule)
         memory = estimated_memory(cfg, p)
         step = max(r["step_s"] for r in ranks)
-        title = {"1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v={v}", "zb1p": "zero bubble ZB-H1 (zb1p)"}[name]
-        print(f"\n{title}: step {step * 1e3:.0f} ms, formula {written} = {theory:.3f}")
+        title = {"1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v={v}", "zb1p": "zero bubble ZB-H1 (zb1p)",
+                 "zbv": "zero bubble ZB-V (zbv, v=2)", "dualpipev": "DualPipeV (v=2)"}[name]
+        print(f"\n{title}: step {step * 1e3:.0f} ms, formula {written}" + ("" if theory is None else f" = {theory:.3f}"))
         print(" stage | busy ms | idle ms | idle fraction | replay | of which p2p ms | held chunks | estimator | est. act. MiB")
         fractions = []
         for r, predicted_idle, (count, mib) in zip(ranks, replay, memory):
@@ -159,7 +169,8 @@ def main():
             print(f" {r['stage']:5d} | {r['busy_s'] * 1e3:7.0f} | {idle * 1e3:7.0f} | {fractions[-1]:13.3f} | "
                   f"{predicted_idle:6.3f} | {r['comm_s'] * 1e3:14.0f} | {r['peak_live']:11.0f} | {count:9d} | {mib:13.1f}")
         mean = sum(fractions) / len(fractions)
-        print(f" mean idle fraction {mean:.3f}, replay {sum(replay) / len(replay):.3f}, formula {theory:.3f}")
+        print(f" mean idle fraction {mean:.3f}, replay {sum(replay) / len(replay):.3f}"
+              + ("" if theory is None else f", formula {theory:.3f}"))
         report[name] = dict(step_ms=step * 1e3, idle_fraction=fractions, mean_idle_fraction=mean, theory=theory,
                             replay_idle_fraction=replay, estimated_chunks=[c for c, _ in memory],
                             estimated_activation_mib=[b for _, b in memory], ranks=ranks)

@@ -82,7 +82,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from megand.core.pipeline_parallel.actions import peak_live_chunks
+from megand.core.pipeline_parallel.actions import V_SCHEDULES, peak_live_chunks, placement_for
 from megand.models.flops import Shape, layer_params, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -267,8 +267,19 @@ def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:
     """Transformer layers held by pipeline ``stage`` (all its model chunks): from
     ``layout.pipeline_layout`` when set, else the even split."""
     if layout.pipeline_layout is not None:
-        return float(sum(layout.pipeline_layout[stage::layout.pp]))
+        return float(sum(layout.pipeline_layout[s] for s in _virtual_stages(layout, stage)))
     return num_layers / layout.pp
+
+
+def _virtual_stages(layout: Layout, stage: int) -> list:
+    """The virtual stages pipeline rank ``stage`` holds under its schedule's placement."""
+    placement = placement_for(layout.pp, layout.vpp if layout.interleaved else 1, layout.pp_schedule)
+    return [placement.stage(stage, chunk) for chunk in range(placement.vpp)]
+
+
+def last_stage(layout: Layout) -> int:
+    """The pipeline rank holding the output layer and the loss: the last, or rank 0 of a V schedule."""
+    return 0 if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES else layout.pp - 1
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
@@ -302,10 +313,10 @@ def stage_layers(num_layers: int, layout: Layout, stage: int) -> list:
         bounds = [0]
         for n in layout.pipeline_layout:
             bounds.append(bounds[-1] + n)
-        return [i for j in range(stage, len(layout.pipeline_layout), layout.pp) for i in range(bounds[j], bounds[j + 1])]
+        return [i for j in _virtual_stages(layout, stage) for i in range(bounds[j], bounds[j + 1])]
     if layout.interleaved:
         chunk = math.ceil(num_layers / (layout.pp * layout.vpp))
-        starts = [(v * layout.pp + stage) * chunk for v in range(layout.vpp)]
+        starts = [s * chunk for s in _virtual_stages(layout, stage)]
         return [i for start in starts for i in range(start, min(start + chunk, num_layers))]
     per_stage = math.ceil(num_layers / layout.pp)
     ids = list(range(stage * per_stage, min((stage + 1) * per_stage, num_layers)))
@@ -345,7 +356,7 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
         params += word + (shape.seq * shape.hidden if shape.learned_positions else 0)
-    if stage == layout.pp - 1:
+    if stage == last_stage(layout):
         params += norm_params(shape)
         # untied: the output layer; tied with pp>1: the last stage holds a copy of the embedding
         if not shape.tied or layout.pp > 1:
@@ -398,7 +409,7 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     extra = 0.0
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
-    if stage == layout.pp - 1:
+    if stage == last_stage(layout):
         extra += tokens * (2 * e * shape.hidden / seq_split + 4 * shape.padded_vocab(layout.tp) / layout.tp)
     return extra
 
