@@ -1,12 +1,26 @@
-"""Pipeline bubble: per stage, busy vs idle time of each step's schedule, next to the theory.
+"""Pipeline bubble: per stage, busy vs idle time of each schedule's step, next to the action-list
+replay's prediction and the formula; per stage, the micro-batch chunks held at once next to the
+memory estimator's count.
 
-    python benchmarks/bench_pipeline.py --pp 4 --m 8 --vpp 1 2 [hydra overrides ...]
+    python benchmarks/bench_pipeline.py --pp 2 --m 8 --schedules 1f1b interleaved zb1p zbv dualpipev [overrides ...]
 
 Runs the training step of a config on ``pp`` local ranks (gloo, CPU; pipeline parallelism only) once
-per ``--vpp`` value. Busy is the wall time a stage spends inside forward and backward computation; idle
-is the rest of the schedule's wall time (waiting on its neighbours: the bubble, plus the p2p copies).
-Steps start together (a barrier before each schedule, not timed). Theory: 1F1B idles ``(p-1)/(m+p-1)``
-of the step, interleaved 1F1B with v chunks ``(p-1)/(v·m+p-1)``.
+per schedule (``1f1b``, ``interleaved`` with ``--vpp`` chunks per rank, ``zb1p``, and ``zbv`` and
+``dualpipev`` with two chunks per rank in a V: ``parallel.pp_schedule``).
+Busy is the wall time a stage spends inside forward and backward computation; idle is the rest of the
+schedule's wall time (waiting on its neighbours: the bubble, plus the p2p copies). Steps start
+together (a barrier before each schedule, not timed).
+
+Prediction: the planner's replay of the same action lists (megand/tools/planner/simulate.py) on the
+stage times measured here (each stage's mean forward, backward, input- and weight-gradient pass).
+Formula: 1F1B idles ``(p-1)/(m+p-1)`` of the step, interleaved 1F1B with v chunks ``(p-1)/(v·m+p-1)``,
+ZB-H1 idles ``(p-1)(F+B-2W)`` per rank (F, B, W: a micro-batch's forward, whole backward and weight-
+gradient times on a rank; ``(p-1)·F`` when B = 2W); for the V schedules the replay is the prediction.
+
+Memory: the most micro-batch chunks whose activations a stage holds at once (forward run, backward
+not complete; a split backward completes with its W), as the executor counted it, next to the count
+the memory estimator (megand/tools/estimate_memory.py) reads from the same action list, and the
+estimator's activation bytes for it.
 
 The default model (8 layers, hidden 512, seq 256, vocab 256) makes a layer's forward+backward of one
 micro-batch cost tens of ms, far above the p2p and Python overhead, so timings mean something. On a
@@ -45,7 +59,9 @@ def _rank_main(overrides, steps, warmup):
         dist.barrier(group=trainer.topo.pp_group)
         stats, start = ScheduleStats(), time.perf_counter()
         out = schedule(*args, stats=stats, **kwargs)
-        records.append(dict(step_s=time.perf_counter() - start, busy_s=stats.compute_seconds, comm_s=stats.comm_seconds))
+        per_pass = {f"{kind}_s": seconds / len(args[1]) / len(args[0]) for kind, seconds in stats.kind_seconds.items()}
+        records.append(dict(step_s=time.perf_counter() - start, busy_s=stats.compute_seconds, comm_s=stats.comm_seconds,
+                            peak_live=stats.peak_live, **per_pass))
         return out
 
     trainer.schedule = timed_schedule
@@ -56,23 +72,73 @@ def _rank_main(overrides, steps, warmup):
     return dict(stage=trainer.topo.pp_rank, chunks=len(trainer.chunks), **mean)
 
 
-def bench(pp, vpp, m, steps, warmup, extra):
+def bench(pp, vpp, m, steps, warmup, extra, schedule="1f1b"):
     from megand.tools.spawn import run_distributed
     from megand.training.config import compose
 
     run_dir = tempfile.mkdtemp(prefix="bench_pipeline_")
     overrides = [*DEFAULT_OVERRIDES, f"parallel.pp={pp}", f"parallel.vpp={vpp if vpp > 1 else 'null'}",
-                 f"run_dir={run_dir}", *extra]
-    mbs = compose(overrides).train.micro_batch_size
-    overrides.append(f"train.global_batch_size={m * mbs}")
-    return run_distributed(_rank_main, pp, overrides, steps, warmup)
+                 f"parallel.pp_schedule={schedule}", f"run_dir={run_dir}", *extra]
+    cfg = compose(overrides)
+    overrides.append(f"train.global_batch_size={m * cfg.train.micro_batch_size}")
+    return run_distributed(_rank_main, pp, overrides, steps, warmup), compose(overrides)
+
+
+def predicted(ranks, pp, vpp, m, schedule):
+    """The replay of the schedule's action lists on the measured per-stage pass times: mean idle fraction."""
+    from megand.tools.planner.simulate import simulate
+
+    from megand.core.pipeline_parallel.actions import placement_for
+
+    v = vpp if vpp > 1 else 1
+    placement = placement_for(pp, v, schedule)
+    forward, backward, weight = [0.0] * (pp * v), [0.0] * (pp * v), [0.0] * (pp * v)
+    for r in ranks:  # a rank's chunks are timed together: every chunk of it gets the mean
+        for c in range(v):
+            s = placement.stage(r["stage"], c)
+            forward[s] = r.get("F_s", 0.0)
+            weight[s] = r.get("W_s", 0.0)
+            backward[s] = r.get("B_s", 0.0) + r.get("I_s", 0.0) + weight[s]
+    timeline = simulate(pp, vpp if vpp > 1 else None, m, forward, backward, schedule=schedule, weight_grad=weight)
+    return [1.0 - b / timeline.makespan for b in timeline.busy]
+
+
+def formula(pp, vpp, m, schedule, ranks):
+    if schedule in ("zbv", "dualpipev"):  # no closed form printed: the replay is the prediction
+        return None, "none (the replay's)"
+    if schedule == "zb1p":  # (p-1)(F+B-2W) idle per rank, B the whole backward (I + W)
+        f = sum(r.get("F_s", 0.0) for r in ranks) / len(ranks)
+        i = sum(r.get("I_s", 0.0) for r in ranks) / len(ranks)
+        w = sum(r.get("W_s", 0.0) for r in ranks) / len(ranks)
+        idle = (pp - 1) * max(f + i - w, 0.0)
+        return idle / (m * (f + i + w) + idle), "(p-1)(F+B-2W)/(m(F+B)+(p-1)(F+B-2W))"
+    if vpp > 1:
+        return (pp - 1) / (vpp * m + pp - 1), "(p-1)/(v·m+p-1)"
+    return (pp - 1) / (m + pp - 1), "(p-1)/(m+p-1)"
+
+
+def estimated_memory(cfg, pp):
+    """Per stage: the estimator's held chunk count and its activation bytes for them."""
+    from omegaconf import OmegaConf
+
+    from megand.core.pipeline_parallel.actions import peak_live_chunks
+    from megand.tools.estimate_memory import Layout, estimate_memory
+
+    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=pp)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    estimate = estimate_memory(model, layout, stages=range(pp))
+    m = layout.num_microbatches
+    return [(peak_live_chunks(pp, layout.vpp, m, s.stage, layout.pp_schedule),
+             (s.layer_activation_bytes + s.extra_activation_bytes) / 2**20) for s in estimate.stages]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--vpp", type=int, nargs="+", default=[1, 2], help="model chunks per rank (1: 1F1B)")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"],
+                        choices=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"])
+    parser.add_argument("--vpp", type=int, default=2, help="model chunks per rank of the interleaved schedule")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", help="also write the figures here")
@@ -83,28 +149,37 @@ def main():
     p, m = args.pp, args.m
     print(f"pp={p} m={m}, {args.steps} timed steps after {args.warmup} warm-up; {os.cpu_count()} CPUs for {p} ranks")
     report = {}
-    for v in args.vpp:
-        ranks = bench(p, v, m, args.steps, args.warmup, args.overrides)
-        theory = (p - 1) / (v * m + p - 1)
+    for name in args.schedules:
+        v = args.vpp if name == "interleaved" else 2 if name in ("zbv", "dualpipev") else 1
+        schedule = "1f1b" if name == "interleaved" else name
+        ranks, cfg = bench(p, v, m, args.steps, args.warmup, args.overrides, schedule)
+        ranks = sorted(ranks, key=lambda r: r["stage"])
+        theory, written = formula(p, v, m, schedule, ranks)
+        replay = predicted(ranks, p, v, m, schedule)
+        memory = estimated_memory(cfg, p)
         step = max(r["step_s"] for r in ranks)
-        name = "1F1B" if v == 1 else f"interleaved 1F1B, v={v}"
-        print(f"\n{name}: step {step * 1e3:.0f} ms, theoretical bubble (p-1)/({'v·' if v > 1 else ''}m+p-1) = {theory:.3f}")
-        print(" stage | busy ms | idle ms | idle fraction | of which p2p ms")
+        title = {"1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v={v}", "zb1p": "zero bubble ZB-H1 (zb1p)",
+                 "zbv": "zero bubble ZB-V (zbv, v=2)", "dualpipev": "DualPipeV (v=2)"}[name]
+        print(f"\n{title}: step {step * 1e3:.0f} ms, formula {written}" + ("" if theory is None else f" = {theory:.3f}"))
+        print(" stage | busy ms | idle ms | idle fraction | replay | of which p2p ms | held chunks | estimator | est. act. MiB")
         fractions = []
-        for r in ranks:
+        for r, predicted_idle, (count, mib) in zip(ranks, replay, memory):
             idle = r["step_s"] - r["busy_s"]
             fractions.append(idle / r["step_s"])
-            print(f" {r['stage']:5d} | {r['busy_s'] * 1e3:7.0f} | {idle * 1e3:7.0f} | {fractions[-1]:13.3f} | {r['comm_s'] * 1e3:7.0f}")
+            print(f" {r['stage']:5d} | {r['busy_s'] * 1e3:7.0f} | {idle * 1e3:7.0f} | {fractions[-1]:13.3f} | "
+                  f"{predicted_idle:6.3f} | {r['comm_s'] * 1e3:14.0f} | {r['peak_live']:11.0f} | {count:9d} | {mib:13.1f}")
         mean = sum(fractions) / len(fractions)
-        print(f" mean idle fraction {mean:.3f} vs theory {theory:.3f}")
-        report[v] = dict(step_ms=step * 1e3, idle_fraction=fractions, mean_idle_fraction=mean, theory=theory, ranks=ranks)
-    if 1 in report and len(report) > 1:
-        for v in report:
-            if v > 1:
-                ratio = report[v]["step_ms"] / report[1]["step_ms"]
-                ideal = (m + (p - 1) / v) / (m + p - 1)
-                print(f"\nstep time interleaved (v={v}) / 1F1B: {ratio:.3f} (ideal, compute only: {ideal:.3f})")
-                report[v]["step_ratio_vs_1f1b"] = ratio
+        print(f" mean idle fraction {mean:.3f}, replay {sum(replay) / len(replay):.3f}"
+              + ("" if theory is None else f", formula {theory:.3f}"))
+        report[name] = dict(step_ms=step * 1e3, idle_fraction=fractions, mean_idle_fraction=mean, theory=theory,
+                            replay_idle_fraction=replay, estimated_chunks=[c for c, _ in memory],
+                            estimated_activation_mib=[b for _, b in memory], ranks=ranks)
+    if "1f1b" in report:
+        for name in report:
+            if name != "1f1b":
+                ratio = report[name]["step_ms"] / report["1f1b"]["step_ms"]
+                print(f"step time {name} / 1F1B: {ratio:.3f}")
+                report[name]["step_ratio_vs_1f1b"] = ratio
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

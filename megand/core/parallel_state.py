@@ -310,6 +310,7 @@ class Topology:
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
+    pp_schedule: str = "1f1b"  # the pipeline schedule; a V (zbv, dualpipev) puts the last stage on pp rank 0
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -376,12 +377,23 @@ class Topology:
         return self.pp_rank == 0
 
     @property
+    def v_shaped(self) -> bool:
+        """The pipeline runs down the ranks and back up (zbv, dualpipev): rank 0 holds the first and the
+        last virtual stage."""
+        from megand.core.pipeline_parallel.actions import V_SCHEDULES
+
+        return self.pp_size > 1 and self.pp_schedule in V_SCHEDULES
+
+    @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        """Holds the last virtual stage (the loss): the last pp rank, or rank 0 of a V."""
+        return self.pp_rank == (0 if self.v_shaped else self.pp_size - 1)
 
     @property
     def in_embedding_group(self) -> bool:
-        return self.is_first_stage or self.is_last_stage
+        """Holds one of the two copies of a tied word embedding that the embedding group sums (a V
+        holds both on rank 0, summed there: no group)."""
+        return not self.v_shaped and (self.is_first_stage or self.is_last_stage)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -82,7 +82,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from megand.core.pipeline_parallel.actions import peak_live_chunks
+from megand.core.pipeline_parallel.actions import V_SCHEDULES, peak_live_chunks, placement_for
 from megand.models.flops import Shape, layer_params, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -109,6 +109,7 @@ class Layout:
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
+    pp_schedule: str = "1f1b"          # parallel.pp_schedule (zb1p: W passes hold their operands longer)
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -148,7 +149,7 @@ class Layout:
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
-                   optimizer=optim.get("name") or "adamw")
+                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b")
 
     @property
     def level(self) -> str:
@@ -266,8 +267,19 @@ def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:
     """Transformer layers held by pipeline ``stage`` (all its model chunks): from
     ``layout.pipeline_layout`` when set, else the even split."""
     if layout.pipeline_layout is not None:
-        return float(sum(layout.pipeline_layout[stage::layout.pp]))
+        return float(sum(layout.pipeline_layout[s] for s in _virtual_stages(layout, stage)))
     return num_layers / layout.pp
+
+
+def _virtual_stages(layout: Layout, stage: int) -> list:
+    """The virtual stages pipeline rank ``stage`` holds under its schedule's placement."""
+    placement = placement_for(layout.pp, layout.vpp if layout.interleaved else 1, layout.pp_schedule)
+    return [placement.stage(stage, chunk) for chunk in range(placement.vpp)]
+
+
+def last_stage(layout: Layout) -> int:
+    """The pipeline rank holding the output layer and the loss: the last, or rank 0 of a V schedule."""
+    return 0 if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES else layout.pp - 1
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
@@ -283,7 +295,7 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
         m = 2 * pp if v > 1 else pp
     elif v > 1 and m % pp:  # the executor refuses it; count the next multiple of pp
         m += pp - m % pp
-    return peak_live_chunks(pp, v, m, stage) * layers / v
+    return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:
@@ -301,10 +313,10 @@ def stage_layers(num_layers: int, layout: Layout, stage: int) -> list:
         bounds = [0]
         for n in layout.pipeline_layout:
             bounds.append(bounds[-1] + n)
-        return [i for j in range(stage, len(layout.pipeline_layout), layout.pp) for i in range(bounds[j], bounds[j + 1])]
+        return [i for j in _virtual_stages(layout, stage) for i in range(bounds[j], bounds[j + 1])]
     if layout.interleaved:
         chunk = math.ceil(num_layers / (layout.pp * layout.vpp))
-        starts = [(v * layout.pp + stage) * chunk for v in range(layout.vpp)]
+        starts = [s * chunk for s in _virtual_stages(layout, stage)]
         return [i for start in starts for i in range(start, min(start + chunk, num_layers))]
     per_stage = math.ceil(num_layers / layout.pp)
     ids = list(range(stage * per_stage, min((stage + 1) * per_stage, num_layers)))
@@ -344,7 +356,7 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
         params += word + (shape.seq * shape.hidden if shape.learned_positions else 0)
-    if stage == layout.pp - 1:
+    if stage == last_stage(layout):
         params += norm_params(shape)
         # untied: the output layer; tied with pp>1: the last stage holds a copy of the embedding
         if not shape.tied or layout.pp > 1:
@@ -397,8 +409,8 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     extra = 0.0
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
-    if stage == layout.pp - 1:  # the final norm and output-layer inputs; at the loss, the logits and the
-        # one fp32 copy the vocab-parallel cross entropy turns into its softmax are alive together
+    if stage == last_stage(layout):  # the final norm and output-layer inputs; at the loss, the logits and
+        # the one fp32 copy the vocab-parallel cross entropy turns into its softmax are alive together
         extra += tokens * (2 * e * shape.hidden / seq_split + (4 + e) * shape.padded_vocab(layout.tp) / layout.tp)
     return extra
 

@@ -353,7 +353,7 @@ def trainer_for_rehearsal(cfg, topo, data, clock):
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
     trainer.params = [p for _, p in trainer.named_params]
     trainer.optimizer = Optimizer(trainer.named_params, optimizer_config(cfg), topo, trainer.ddp)
-    trainer.compile_timer, trainer.schedule = None, get_schedule(topo)
+    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=cfg.parallel.pp_schedule)
     trainer.ramp = batch_ramp(cfg.train)
     trainer._plan_batches(cfg.train.global_batch_size)
     trainer.iteration = trainer.consumed_samples = 0

@@ -64,6 +64,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
     vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B); null: no interleaving
+    pp_schedule: str = "1f1b"  # pipeline schedule: 1f1b (interleaved when vpp is set) | zb1p (zero bubble ZB-H1: backward split into input- and weight-gradient passes; one chunk per rank) | zbv, dualpipev (two chunks per rank in a V, vpp=2; loss on pp rank 0)
     cp: int = 1  # context-parallel size (sequence split over ranks)
     dp: Optional[int] = None  # null: world size / (tp*pp*cp)
     sequence_parallel: bool = False  # shard norms/dropout activations over tp along the sequence
@@ -335,7 +336,22 @@ def validate(cfg, world_size: int) -> None:
     ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
     if ramp_message:
         raise ConfigError(ramp_message)
-    if p.vpp is not None:
+    from megand.core.pipeline_parallel.actions import SCHEDULES
+
+    if p.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+    if p.pp_schedule in ("zbv", "dualpipev") and (p.pp < 2 or p.vpp != 2):
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs two chunks per rank in a V: it needs "
+                          f"parallel.pp >= 2 and parallel.vpp=2 (got pp={p.pp}, vpp={p.vpp})")
+    if p.pp_schedule == "dualpipev" and micro_batches < 2 * p.pp:
+        raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * p.pp} micro-batches per step "
+                          f"(global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}) "
+                          f"= {micro_batches})")
+    if p.pp_schedule == "zb1p" and (p.pp < 2 or (p.vpp or 1) > 1):
+        raise ConfigError(f"parallel.pp_schedule=zb1p needs parallel.pp >= 2 and one chunk per rank "
+                          f"(got pp={p.pp}, vpp={p.vpp})")
+    if p.vpp is not None and p.pp_schedule == "1f1b":
         if p.pp < 2 or p.vpp < 1:
             raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp}) and vpp >= 1")
         micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)

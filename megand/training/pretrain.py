@@ -57,6 +57,7 @@ def build_topology(cfg, device) -> Topology:
     p = cfg.parallel
     sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
     return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp,
+                    pp_schedule=p.pp_schedule,
                     timeout_s=backend_timeout_s(collective_timeout_s(cfg, device)))
 
 
@@ -71,7 +72,7 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
     rng = seed_random_streams(cfg.train.seed, topo)
     layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
     chunks = []
-    for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank):
+    for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank, topo.pp_schedule):
         chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device)
         if cfg.train.get("fp8"):
             use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers)
@@ -158,7 +159,7 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
         self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
-        self.schedule = get_schedule(self.topo)
+        self.schedule = get_schedule(self.topo, schedule=cfg.parallel.pp_schedule)
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes

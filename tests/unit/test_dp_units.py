@@ -111,3 +111,17 @@ def test_two_backwards_inside_last_backward_is_an_error():
         model(torch.randn(2, 8)).sum().backward()
         with pytest.raises(RuntimeError, match="after its bucket was reduced"):
             model(torch.randn(2, 8)).sum().backward()
+
+
+def test_counted_contributions_make_a_bucket_final_once_and_refuse_one_more():
+    """A split schedule's engine: each parameter's m-th gradient (in whatever pass it arrives) completes
+    the bucket, which is reduced then, not before; a further gradient is an error, not a second sum."""
+    model = _model()
+    ddp = DataParallel([model], _topo(), DataParallelConfig(overlap_grad_reduce=True, bucket_size=10**6))
+    ddp.expect_contributions(2)
+    model(torch.randn(2, 8)).sum().backward()
+    assert not ddp._launched  # one of two gradients: nothing final yet
+    model(torch.randn(2, 8)).sum().backward()
+    assert ddp._launched == {b.index for b in ddp.buckets}  # every parameter's second: reduced
+    with pytest.raises(RuntimeError, match="received gradient 3 of the 2 expected"):
+        model(torch.randn(2, 8)).sum().backward()

@@ -84,6 +84,23 @@ def test_deferred_weight_gradient_pass_equals_the_immediate_one(kind):
     torch.testing.assert_close(w.main_grad, reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["column", "swiglu"])
+def test_deferred_pass_adds_into_an_accumulator_viewed_without_grad_mode(kind):
+    """The engine's ``main_grad`` is a view of its flat buffer made under no_grad; a W pass run by the
+    schedule, outside autograd's backward, must still add into it in place (it raised before)."""
+    module = layer(kind)
+    w = fake_engine(module)
+    with torch.no_grad():
+        flat = torch.zeros(w.numel(), dtype=torch.float32)
+        w.main_grad = flat.view(w.shape)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
+    with DeferredWeightGrads() as w_pass:
+        module(x).backward(g)
+    assert w_pass.run() == 1  # grad mode is on here, as in the schedule
+    torch.testing.assert_close(flat.view(w.shape), reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
+
+
 class Ops(TorchDispatchMode):
     """Records the aten ops (inside FakeTensorMode: fake CUDA tensors on this CPU build). The accumulating
     GEMM has no fake kernel here: it is answered with its in-place result. ``fail_first``: the first GEMM

@@ -19,7 +19,14 @@ A schedule receives ``grad_sync``: this engine, or ``None``. It runs the LAST ba
 - interleaved 1F1B: for every chunk, the backward of its last micro-batch (chunks finish at
   different times; each chunk's buckets start reducing as soon as that chunk is done).
 
-A gradient that arrives inside ``last_backward()`` is final: with ``optim.overlap_grad_reduce`` each
+A schedule that splits each backward into its input-gradient pass and a later weight-gradient pass
+(zero bubble) cannot name one final backward: a parameter's last gradient arrives in the last input-
+gradient pass (norms, embeddings, autograd's gradients) or in a weight-gradient pass run afterwards, in
+whatever order the schedule puts them. It calls :meth:`expect_contributions` with the number of
+micro-batches instead: every parameter receives one gradient per micro-batch, and the one that brings
+its count to that number is final. After each input-gradient pass it calls :meth:`input_grads_done`.
+
+A gradient that arrives inside ``last_backward()`` (or completes its parameter's count) is final: with ``optim.overlap_grad_reduce`` each
 bucket's reduction is launched (asynchronously) the moment its last parameter's gradient is final,
 while the rest of backward runs. After the schedule, the trainer calls :meth:`finish_grad_sync`, which
 launches whatever has not started and waits for everything. A schedule that ignores ``grad_sync`` is
@@ -186,6 +193,8 @@ class DataParallel:
         self.params = params
         self.forward_order = forward_order(chunks, self.bucket_of, borrowed=self.shard_params)
         self._final = False  # inside last_backward()
+        self._expected = None  # split schedules: gradients each parameter receives this step (else None)
+        self._arrived = {}  # parameter -> gradients received this step (counted under expect_contributions)
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
         # bytes this rank sent per collective kind (ring volume: (n-1)/n of the full buffer; all-reduce twice)
@@ -220,6 +229,19 @@ class DataParallel:
             bucket.scratch = None
         self._launched = set()
         self._synced = False
+        self._expected, self._arrived = None, {}
+
+    def expect_contributions(self, count: int) -> None:
+        """This step every parameter receives ``count`` gradients (one per micro-batch); the one that
+        completes the count is final, whichever pass brings it (a split schedule: its I or its W)."""
+        self._expected, self._arrived = count, {}
+
+    def input_grads_done(self) -> None:
+        """An input-gradient pass is over; its weight-gradient products read no parameter (only each
+        layer's input and output gradient), so ZeRO-3 frees the buckets it gathered for that backward
+        now instead of holding them until the W pass."""
+        if self.gatherer is not None:
+            self.gatherer.release_held()
 
     @contextlib.contextmanager
     def last_backward(self):
@@ -246,6 +268,13 @@ class DataParallel:
         itself adds the GEMM's product here directly, in fp32, instead of returning a ``p.grad`` in the
         parameter's dtype (bf16) that the hook then adds (Megatron's gradient-accumulation fusion)."""
         bucket = self.bucket_of[p]
+        final = self._final
+        if self._expected is not None:
+            arrived = self._arrived[p] = self._arrived.get(p, 0) + 1
+            if arrived > self._expected:
+                raise RuntimeError(f"parameter of shape {tuple(p.shape)} received gradient {arrived} of the "
+                                   f"{self._expected} expected this step")
+            final = arrived == self._expected
         if self.shard_grads:
             self._accumulate_sharded(p, bucket, add)
             return
@@ -253,7 +282,7 @@ class DataParallel:
             raise RuntimeError("a gradient arrived after its bucket was reduced: the schedule ran more than one "
                                "backward per chunk inside last_backward()")
         add(p.main_grad)
-        if self._final:
+        if final:
             pending = self._pending[bucket.index]
             pending.discard(p)
             if not pending and self.overlap_grad_reduce:

@@ -58,3 +58,11 @@ def all_reduce_layout_grads(params, topo):
     if topo.pp_size > 1 and topo.in_embedding_group:
         for same_dtype in _by_dtype([g for p, g in grads if p.meta.embedding_group_grad]):
             _all_reduce_coalesced(same_dtype, topo.embedding_group)
+    tied_here = [g for p, g in grads if p.meta.embedding_group_grad] if getattr(topo, "v_shaped", False) else []
+    if tied_here:  # a V: the word embedding (first stage) and the output layer's copy (last) both on this rank
+        word, output = tied_here
+        if word.shape != output.shape:
+            raise RuntimeError(f"tied embedding copies on one rank hold pieces of shapes {tuple(word.shape)} and "
+                               f"{tuple(output.shape)}: they must be laid out alike")
+        word.add_(output)
+        output.copy_(word)

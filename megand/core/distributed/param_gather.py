@@ -129,6 +129,11 @@ class ParamGatherer:
             if self._gathered(bucket.index):
                 self.release(bucket.index)
 
+    def release_held(self):
+        """Free every bucket held for a backward (the input-gradient pass of a split backward is over)."""
+        for i in list(self._held):
+            self.release(i)
+
     def before_forward(self, module, args):
         if self._held:  # inside a backward: activation recomputation, whose backward comes next
             self._hold(self._module_buckets[module], forward=True)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from megand.core.pipeline_parallel.actions import interleaved_placement
+from megand.core.pipeline_parallel.actions import placement_for
 
 
 class PipelineLayoutError(ValueError):
@@ -33,12 +33,13 @@ class ChunkSpec:
     post_process: bool  # holds the final norm, output layer and loss
 
 
-def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int) -> list[ChunkSpec]:
+def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
     """The model chunks of pipeline rank ``pp_rank``. With v = len(layers_per_stage) / pp virtual stages
-    per rank, chunk ``c`` of rank ``r`` is the virtual stage :func:`interleaved_placement` gives it
-    (``c*pp + r``, Megatron's interleaving), so consecutive virtual stages live on consecutive ranks."""
+    per rank, chunk ``c`` of rank ``r`` is the virtual stage the schedule's placement gives it: ``c*pp + r``
+    (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V schedule
+    (``zbv``, ``dualpipev``) stage r for chunk 0 and ``2·pp - 1 - r`` for chunk 1."""
     num_stages = len(layers_per_stage)
-    placement = interleaved_placement(pp_size, num_stages // pp_size)
+    placement = placement_for(pp_size, num_stages // pp_size, schedule)
     starts = [sum(layers_per_stage[:i]) for i in range(num_stages)]
     specs = []
     for chunk in range(placement.vpp):

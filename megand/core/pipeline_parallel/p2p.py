@@ -9,7 +9,10 @@ forward and receives backward at once (the steady state of 1F1B) cannot deadlock
 neighbour doing the mirror call.
 
 The pipeline wraps around (the last rank's next is the first rank): interleaved schedules pass the
-last rank's chunk ``c`` output to the first rank's chunk ``c+1``. With pp=2 both neighbours are the
+last rank's chunk ``c`` output to the first rank's chunk ``c+1``. A V placement (zbv, dualpipev) sends
+each way on both links: chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
+activations and chunk 0's gradients to the previous one (:meth:`PipelineP2P.exchange` names each
+message's peer and tag). With pp=2 both neighbours are the
 same rank, so one link carries activations and gradients in both directions; the two kinds are told
 apart by tag (gloo), and every call posts forward-direction messages before backward-direction ones,
 so the two ends of a link post them in the same order (what NCCL, which ignores tags, matches on).
@@ -33,7 +36,7 @@ posted with the call that waits for it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 
 import torch
 import torch.distributed as dist
@@ -52,7 +55,13 @@ def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
 
 
 class PipelineP2P:
-    """Sends and receives between this stage and its pipeline neighbours (global ranks, pp group).
+    """Sends and receives between this stage and its pipeline peers (global ranks, pp group).
+
+    A message travels on a channel: its peer and its tag (``FORWARD_TAG`` for activations,
+    ``BACKWARD_TAG`` for gradients). Each channel's messages arrive in the order they are sent and are
+    received in that order. Where the backend ignores tags (NCCL), a peer's messages of both kinds are
+    matched in the order that peer sends them: given that order (:meth:`expect`), a receive first takes
+    the peer's earlier messages of the other kind, kept for the call that needs them.
 
     ``comm_seconds``: the time spent posting and waiting (the bubble tool reads it), measured by the
     device's timer (:mod:`megand.core.timing`: on CUDA, how long the compute stream waited).
@@ -65,10 +74,12 @@ class PipelineP2P:
         self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
         self.prefetching = self.tagged
-        # per direction: receives posted ahead of the call that needs them, oldest first (request, tensor);
-        # how many receives this step still has to post; None: unknown (no prefetch)
-        self._prefetched = {FORWARD_TAG: deque(), BACKWARD_TAG: deque()}
-        self._to_post = {FORWARD_TAG: None, BACKWARD_TAG: None}
+        # per channel (peer, tag): receives posted ahead of the call that needs them, oldest first
+        # (request, tensor); how many receives this step still has to post (absent: unknown, no prefetch)
+        self._prefetched = defaultdict(deque)
+        self._to_post = {}
+        self._sender_order = {}  # untagged: peer -> the tags of its messages to this rank, in its send order
+        self._early = defaultdict(deque)  # untagged: (peer, tag) -> tensors received ahead of their call
 
     def _op(self, op, tensor, peer, tag):
         return dist.P2POp(op, tensor, peer, self.group, tag if self.tagged else 0)
@@ -76,60 +87,79 @@ class PipelineP2P:
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def expect(self, from_prev: int, from_next: int) -> None:
-        """The receives of this step: ``from_prev`` activations and ``from_next`` gradients (what
-        :meth:`prefetch` may post ahead; it never posts more)."""
-        self._to_post = {FORWARD_TAG: from_prev, BACKWARD_TAG: from_next}
+    def expect(self, from_prev: int | dict, from_next: int | None = None, sender_order: dict | None = None) -> None:
+        """The receives of this step (what :meth:`prefetch` may post ahead; it never posts more): either
+        ``from_prev`` activations and ``from_next`` gradients, or one dict ``{(peer, tag): count}``.
+        ``sender_order``: ``{peer: [tag, ...]}``, the kinds of the messages each peer sends this rank in
+        the order it sends them (needed where the backend ignores tags and a peer sends both kinds in
+        another order than this rank takes them)."""
+        if isinstance(from_prev, dict):
+            self._to_post = dict(from_prev)
+        else:
+            self._to_post = {(self.prev, FORWARD_TAG): from_prev, (self.next, BACKWARD_TAG): from_next}
+        self._sender_order = {peer: deque(tags) for peer, tags in (sender_order or {}).items()}
 
     def prefetch(self) -> None:
-        """Post the receive of the next activation and of the next gradient this stage needs, unless
-        already posted (called before each forward or backward, so they arrive during it)."""
+        """Post the receive of the next message of every channel this stage still expects, unless already
+        posted (called before each forward or backward, so they arrive during it)."""
         if not self.prefetching:
             return
         self.timer.start()
-        for tag, peer in ((FORWARD_TAG, self.prev), (BACKWARD_TAG, self.next)):
-            if not self._prefetched[tag] and self._to_post[tag]:
+        for (peer, tag), left in self._to_post.items():
+            if not self._prefetched[(peer, tag)] and left:
                 tensor = self._empty()
                 (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, tag)])
-                self._prefetched[tag].append((request, tensor))
-                self._to_post[tag] -= 1
+                self._prefetched[(peer, tag)].append((request, tensor))
+                self._to_post[(peer, tag)] -= 1
         self.timer.stop()
 
     @property
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
-    def _receive(self, tag, peer, ops, releases, waits):
-        """The tensor of the next receive from ``peer``: the prefetched one (its request added to
-        ``waits``), or a new one (its operation added to ``ops``)."""
-        if self._prefetched[tag]:
-            request, tensor = self._prefetched[tag].popleft()
-            waits.append(request)
-            return tensor
+    def _post_receive(self, tag, peer, ops, releases):
         tensor = self._empty()
         ops.append(self._op(dist.irecv, tensor, peer, tag))
         releases.append(None)
-        if self._to_post[tag] is not None:
-            self._to_post[tag] -= 1
+        if self._to_post.get((peer, tag)) is not None:
+            self._to_post[(peer, tag)] -= 1
         return tensor
 
-    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Post every given send and receive at once (a receive already posted by :meth:`prefetch` is
-        taken instead); wait for the receives; return ``(from_prev, from_next)``. The sends complete
-        while the caller computes (waited on by the next call)."""
-        ops, releases, from_prev, from_next, waits = [], [], None, None, []
-        # forward direction (activations) first, then backward direction (gradients)
-        if send_next is not None:
-            sent = self._checked(send_next)
-            ops.append(self._op(dist.isend, sent, self.next, FORWARD_TAG))
-            releases.append(send_next if send_next.is_contiguous() else None)  # sent shares its memory
-        if recv_prev:
-            from_prev = self._receive(FORWARD_TAG, self.prev, ops, releases, waits)
-        if send_prev is not None:
-            ops.append(self._op(dist.isend, self._checked(send_prev), self.prev, BACKWARD_TAG))
-            releases.append(None)
-        if recv_next:
-            from_next = self._receive(BACKWARD_TAG, self.next, ops, releases, waits)
+    def _receive(self, tag, peer, ops, releases, waits):
+        """The tensor of the next receive from ``peer`` on ``tag``: one received ahead, the prefetched one
+        (its request added to ``waits``), or a new one (its operation added to ``ops``, after the peer's
+        earlier messages of the other kind where the backend matches by order)."""
+        channel = (peer, tag)
+        if self._early[channel]:
+            return self._early[channel].popleft()
+        if self._prefetched[channel]:
+            request, tensor = self._prefetched[channel].popleft()
+            waits.append(request)
+            return tensor
+        order = self._sender_order.get(peer)
+        if order is not None:
+            while order and order[0] != tag:  # the peer sent these first: they are matched first
+                self._early[(peer, order[0])].append(self._post_receive(order[0], peer, ops, releases))
+                order.popleft()
+            if order:
+                order.popleft()
+        return self._post_receive(tag, peer, ops, releases)
+
+    def exchange(self, items):
+        """Post every send and receive of ``items`` at once, in their order: ``("send", tensor, peer, tag)``
+        or ``("recv", peer, tag)`` (a receive already posted by :meth:`prefetch` is taken instead); wait
+        for the receives; return the received tensors, in order. The sends complete while the caller
+        computes (waited on by the next call); an activation's storage is released once sent."""
+        ops, releases, waits, received = [], [], [], []
+        for item in items:
+            if item[0] == "send":
+                _, tensor, peer, tag = item
+                ops.append(self._op(dist.isend, self._checked(tensor), peer, tag))
+                # an activation's memory: released once sent (``sent`` shares it when contiguous)
+                releases.append(tensor if tag == FORWARD_TAG and tensor.is_contiguous() else None)
+            else:
+                _, peer, tag = item
+                received.append(self._receive(tag, peer, ops, releases, waits))
         self.timer.start()
         self.wait_sends()  # the previous call's sends ran while this stage computed
         if ops:
@@ -149,6 +179,23 @@ class PipelineP2P:
         for request in waits:  # prefetched receives: waited only now, once this call's sends are posted
             request.wait()
         self.timer.stop()
+        return received
+
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Neighbour exchange: every given send and receive at once, forward direction (activations)
+        first, then backward direction (gradients); return ``(from_prev, from_next)``."""
+        items = []
+        if send_next is not None:
+            items.append(("send", send_next, self.next, FORWARD_TAG))
+        if recv_prev:
+            items.append(("recv", self.prev, FORWARD_TAG))
+        if send_prev is not None:
+            items.append(("send", send_prev, self.prev, BACKWARD_TAG))
+        if recv_next:
+            items.append(("recv", self.next, BACKWARD_TAG))
+        received = iter(self.exchange(items))
+        from_prev = next(received) if recv_prev else None
+        from_next = next(received) if recv_next else None
         return from_prev, from_next
 
     def wait_sends(self) -> None:
@@ -164,9 +211,9 @@ class PipelineP2P:
         self.timer.start()
         self.wait_sends()
         self.timer.stop()
-        left = {tag: len(q) for tag, q in self._prefetched.items() if q}
+        left = {channel: len(q) for channel, q in [*self._prefetched.items(), *self._early.items()] if q}
         if left:  # a receive no call took would match a message of the next step
-            raise RuntimeError(f"pipeline p2p: prefetched receives never taken (tag: count): {left}")
+            raise RuntimeError(f"pipeline p2p: receives never taken ((peer, tag): count): {left}")
 
     def _checked(self, tensor):
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:

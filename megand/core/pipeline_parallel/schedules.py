@@ -13,10 +13,16 @@ It returns the summed loss (detached) on the last stage, ``None`` elsewhere.
   ``forward_backward_fill_drain`` (GPipe: all forwards, then all backwards) holds m; it is kept for
   comparison;
 - interleaved 1F1B (pp>1, vpp chunks per rank): Megatron's schedule, micro-batches in groups of pp run
-  through chunk 0, then chunk 1, ...; the bubble shrinks by v.
+  through chunk 0, then chunk 1, ...; the bubble shrinks by v;
+- zero bubble (``zb1p``, ZB-H1): each backward split into its input-gradient pass ``I`` (run with the
+  weight-gradient products of the parallel linear layers queued in a
+  :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`) and its weight-gradient pass ``W``
+  (the queue run later, where the rank would otherwise wait).
 
 ``grad_sync`` (the data-parallel engine, or None) sees the last backward of the step of each chunk run
-inside ``last_backward(grad_sync)``, so it can start reducing that chunk's gradient buckets while the
+inside ``last_backward(grad_sync)`` (a split schedule instead tells it how many gradients each parameter
+receives this step, :meth:`DataParallel.expect_contributions`, since a parameter's last one may arrive in
+an ``I`` or in a later ``W``), so it can start reducing that chunk's gradient buckets while the
 other chunks still run backward (megand/core/distributed/data_parallel.py). ``stats`` (optional
 :class:`ScheduleStats`) collects compute/communication time and the peak number of
 micro-batches whose activations are stored, for the bubble tool and the tests.
@@ -25,13 +31,15 @@ micro-batches whose activations are stored, for the bubble tool and the tests.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megand.core.distributed import last_backward
-from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, schedule_actions
-from megand.core.pipeline_parallel.p2p import PipelineP2P, tensor_shape
+from megand.core.pipeline_parallel.actions import (BACKWARD, FORWARD, INPUT_GRAD, V_SCHEDULES, WEIGHT_GRAD,
+                                                   schedule_actions)
+from megand.core.pipeline_parallel.p2p import BACKWARD_TAG, FORWARD_TAG, PipelineP2P, tensor_shape
+from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
 from megand.core.timing import device_timer
 
 
@@ -53,17 +61,23 @@ class ScheduleStats:
     # measured by the device's timer (megand/core/timing.py): device time on CUDA, wall time on the CPU
     compute_seconds: float = 0.0  # time inside forward and backward steps
     comm_seconds: float = 0.0  # time posting and waiting on pipeline p2p
-    peak_live: int = 0  # most micro-batch forwards stored at once (awaiting their backward)
+    peak_live: int = 0  # most micro-batch forwards stored at once (awaiting their backward, or their W)
     live: int = 0
+    weight_grad_passes: int = 0  # weight-gradient products deferred from an I and run in its W
+    kind_seconds: dict = field(default_factory=dict)  # action kind (F, B, I, W) -> compute seconds
 
 
 class _Steps:
     """Forward and backward of one micro-batch on one chunk, with the loss sum and the bookkeeping."""
 
-    def __init__(self, chunks, forward_step, topo, forward_only, stats, num_microbatches, grad_sync):
+    def __init__(self, chunks, forward_step, topo, forward_only, stats, num_microbatches, grad_sync, split=False):
         self.chunks, self.forward_step, self.forward_only = chunks, forward_step, forward_only
+        self.split = split  # backwards are split into I and W: the engine counts each parameter's gradients
+        if split and grad_sync is not None and not forward_only:
+            grad_sync.expect_contributions(num_microbatches)
         self.stats = stats or ScheduleStats()
-        self.timed = _Timed(topo.device) if stats is not None else nullcontext()
+        self.timers = {kind: _Timed(topo.device) for kind in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)} \
+            if stats is not None else {}
         self.num_microbatches, self.grad_sync = num_microbatches, grad_sync
         self.backwards_done = [0] * len(chunks)
         self.total = torch.zeros((), dtype=torch.float32, device=topo.device)
@@ -75,7 +89,7 @@ class _Steps:
         chunk = self.chunks[chunk_id]
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_()
-        with self.timed:
+        with self.timed(FORWARD):
             output = self.forward_step(chunk, microbatch, input_tensor)
             if chunk.post_process:
                 self.total += output.detach().float()
@@ -90,8 +104,8 @@ class _Steps:
         if self.p2p is not None:
             self.p2p.prefetch()
         self.backwards_done[chunk_id] += 1
-        with self.timed:
-            if self.backwards_done[chunk_id] == self.num_microbatches:  # this chunk's gradients become final
+        with self.timed(BACKWARD):
+            if self.backwards_done[chunk_id] == self.num_microbatches and not self.split:  # gradients become final
                 with last_backward(self.grad_sync):
                     torch.autograd.backward(output, grad_tensors=output_grad)
             else:
@@ -99,15 +113,40 @@ class _Steps:
         self.stats.live -= 1
         return None if input_tensor is None else input_tensor.grad
 
+    def input_grad(self, input_tensor, output, output_grad):
+        """The I of a split backward: the chunk's input gradient (returned, None on the first stage) and
+        every gradient autograd computes itself; the parallel linear layers' weight-gradient products are
+        queued in the returned :class:`DeferredWeightGrads`, for :meth:`weight_grad`."""
+        if self.p2p is not None:
+            self.p2p.prefetch()
+        with self.timed(INPUT_GRAD), DeferredWeightGrads() as deferred:
+            torch.autograd.backward(output, grad_tensors=output_grad)
+        if self.grad_sync is not None:
+            self.grad_sync.input_grads_done()  # ZeRO-3: W reads no parameter, the backward's buckets may go
+        return (None if input_tensor is None else input_tensor.grad), deferred
+
+    def weight_grad(self, deferred):
+        """The W of a split backward: its queued weight-gradient products, added into the accumulators."""
+        with self.timed(WEIGHT_GRAD):
+            self.stats.weight_grad_passes += deferred.run()
+        self.stats.live -= 1
+
     def finish(self) -> torch.Tensor:
         """The schedule's loss sum; the compute time added to the statistics (on CUDA: a read of the
         timing events, which waits for the step's queued work; only where statistics are asked for)."""
-        if isinstance(self.timed, _Timed):
-            self.stats.compute_seconds += self.timed.timer.seconds
+        for kind, timed in self.timers.items():
+            seconds = timed.timer.seconds
+            self.stats.kind_seconds[kind] = self.stats.kind_seconds.get(kind, 0.0) + seconds
+            self.stats.compute_seconds += seconds
         return self.total
 
+    def timed(self, kind):
+        """The timer of ``kind``'s compute where statistics are asked for (nothing otherwise)."""
+        return self.timers.get(kind) or nullcontext()
 
-def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
+
+def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None,
+                peer_actions=None):
     """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``.
 
     Each action's receive is posted with the previous action's send, in one call (the first action's
@@ -115,58 +154,85 @@ def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=
     neighbour doing the mirror call; :class:`PipelineP2P` prefetches receives and leaves sends in
     flight while the next action computes. Messages in each direction arrive in the order they are
     sent, and the action lists consume them in that order, so each receive is the input of the action
-    it is posted for.
+    it is posted for. ``peer_actions``: every pipeline rank's action list (which peer sends this rank
+    what, in which order; needed where the backend matches messages by order only). Where an action's
+    next virtual stage is on this rank (a V's turn), its output is handed over without p2p.
     """
-    steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync)
-    p2p = _p2p(chunks, microbatches, topo, steps, actions) if topo.pp_size > 1 else None
+    split = any(a.kind == WEIGHT_GRAD for a in actions)
+    steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync, split)
+    p2p = _p2p(chunks, microbatches, topo, steps, actions, peer_actions) if topo.pp_size > 1 else None
+    links = _Links(p2p, topo)
     inputs, outputs = {}, {}  # (chunk, micro-batch) -> the forward's input and output, kept for its backward
-    received = _communicate(p2p, None, None, actions[0] if actions else None)
+    deferred = {}  # (chunk, micro-batch) -> the weight-gradient products its I queued, for its W
+    received = links.communicate(None, None, actions[0] if actions else None)
     for index, action in enumerate(actions):
         key = action.chunk, action.microbatch
-        send_next = send_prev = None
+        sent = None
         if action.kind == FORWARD:
             output = steps.forward(action.chunk, microbatches[action.microbatch], received)
             if not forward_only:
                 inputs[key], outputs[key] = received, output
-            if action.send_to is not None:
-                send_next = output
+            sent = output
         elif action.kind == BACKWARD:
-            input_grad = steps.backward(inputs.pop(key), outputs.pop(key), received, action.chunk)
-            if action.send_to is not None:
-                send_prev = input_grad
+            sent = steps.backward(inputs.pop(key), outputs.pop(key), received, action.chunk)
+        elif action.kind == INPUT_GRAD:
+            sent, deferred[key] = steps.input_grad(inputs.pop(key), outputs.pop(key), received)
+        elif action.kind == WEIGHT_GRAD:
+            steps.weight_grad(deferred.pop(key))
         else:
             raise ValueError(f"pipeline schedule: no executor for action kind {action.kind!r}")
         following = actions[index + 1] if index + 1 < len(actions) else None
-        received = _communicate(p2p, send_next, send_prev, following)
+        received = links.communicate(action, sent, following)
     if p2p is None:
         return steps.finish()
-    return _finish(p2p, steps, topo, stats)
+    return _finish(p2p, steps, topo, stats, chunks)
 
 
-def _communicate(p2p, send_next, send_prev, following):
-    """Post the sends of the action just run with the receive of ``following``; return what it receives."""
-    if p2p is None:
-        return None
-    recv_prev = following is not None and following.kind == FORWARD and following.recv_from is not None
-    recv_next = following is not None and following.kind != FORWARD and following.recv_from is not None
-    if send_next is None and send_prev is None and not recv_prev and not recv_next:
-        return None
-    from_prev, from_next = p2p.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
-                                           recv_next=recv_next)
-    return from_prev if recv_prev else from_next
+def _tag(action):
+    return FORWARD_TAG if action.kind == FORWARD else BACKWARD_TAG
 
 
-def _actions(chunks, microbatches, topo, forward_only, fill_drain=False):
-    actions = schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
-                               forward_only=forward_only)
-    if topo.pp_size > 1:  # the p2p links only neighbours (the placement's peers must be those)
-        prev, next_ = (topo.pp_rank - 1) % topo.pp_size, (topo.pp_rank + 1) % topo.pp_size
-        for action in actions:
-            peers = (prev, next_) if action.kind == FORWARD else (next_, prev)
-            if action.recv_from not in (None, peers[0]) or action.send_to not in (None, peers[1]):
-                raise ValueError(f"pipeline rank {topo.pp_rank}: {action} talks to a rank that is not its "
-                                 f"neighbour ({prev} before, {next_} after); the pipeline p2p links neighbours only")
-    return actions
+class _Links:
+    """An action's output to the rank its action names, and the input of the next action: through the
+    pipeline p2p, or kept on this rank where the placement puts the next virtual stage here too (the
+    turn of a V)."""
+
+    def __init__(self, p2p, topo):
+        self.p2p, self.me = p2p, topo.pp_rank
+        self.peers = topo.ranks["pp"] if p2p is not None else None  # pipeline rank -> global rank
+        self.local = {}  # (tag, receiving virtual stage, micro-batch) -> the tensor handed over here
+
+    def communicate(self, action, sent, following):
+        """Post the send of ``action`` (its output ``sent``) with the receive of ``following``; return
+        what ``following`` receives (None where it receives nothing)."""
+        if self.p2p is None:
+            return None
+        items = []
+        if action is not None and action.send_to is not None and sent is not None:
+            receiver = action.stage + 1 if action.kind == FORWARD else action.stage - 1
+            if action.send_to == self.me:  # the next virtual stage is this rank's other chunk
+                self.local[(_tag(action), receiver, action.microbatch)] = sent.detach()
+            else:
+                items.append(("send", sent, self.peers[action.send_to], _tag(action)))
+        local_input = None
+        if following is not None and following.recv_from is not None:
+            if following.recv_from == self.me:
+                local_input = self.local.pop((_tag(following), following.stage, following.microbatch))
+            else:
+                items.append(("recv", self.peers[following.recv_from], _tag(following)))
+        if not items:
+            return local_input
+        # activations before gradients, a send before a receive: both ends of a link post in one order
+        items.sort(key=lambda item: (item[-1], item[0] != "send"))
+        received = self.p2p.exchange(items)
+        return received[0] if received else local_input
+
+
+def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule="1f1b"):
+    """This rank's action list, and every pipeline rank's (each rank knows in which order its peers send)."""
+    every = [schedule_actions(topo.pp_size, len(chunks), len(microbatches), rank, fill_drain=fill_drain,
+                              forward_only=forward_only, schedule=schedule) for rank in range(topo.pp_size)]
+    return every[topo.pp_rank], every
 
 
 def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
@@ -176,53 +242,95 @@ def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, for
     return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def _p2p(chunks, microbatches, topo, steps, actions):
-    """The stage's p2p, told what it receives this step: an activation for every forward that has a
-    sender, a gradient for every backward that has one."""
+def _p2p(chunks, microbatches, topo, steps, actions, peer_actions=None):
+    """The stage's p2p, told what it receives this step from each peer: an activation for every forward
+    that has a sender on another rank, a gradient for every backward that has one; and, from the other
+    ranks' action lists, in which order each peer sends this rank its messages."""
     cfg = chunks[0].cfg
     p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
-    from_prev = sum(1 for a in actions if a.kind == FORWARD and a.recv_from is not None)
-    from_next = sum(1 for a in actions if a.kind != FORWARD and a.recv_from is not None)
-    p2p.expect(from_prev, from_next)
+    me, peers = topo.pp_rank, topo.ranks["pp"]
+    counts = {}
+    for a in actions:
+        if a.recv_from is not None and a.recv_from != me and a.kind != WEIGHT_GRAD:
+            channel = (peers[a.recv_from], _tag(a))
+            counts[channel] = counts.get(channel, 0) + 1
+    order = None
+    if peer_actions is not None:
+        order = {peers[r]: [_tag(a) for a in theirs if a.send_to == me] for r, theirs in enumerate(peer_actions)
+                 if r != me}
+    p2p.expect(counts, sender_order=order)
     steps.p2p = p2p
     return p2p
 
 
-def _finish(p2p, steps, topo, stats):
+def _finish(p2p, steps, topo, stats, chunks):
     p2p.finish()  # the last sends complete before the step goes on
     if stats is not None:
         stats.comm_seconds += p2p.comm_seconds
     total = steps.finish()
-    return total if topo.is_last_stage else None
+    return total if any(chunk.post_process for chunk in chunks) else None
 
 
 def forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
                                                      stats=None, grad_sync=None):
     """1F1B (one chunk per rank)."""
     (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+    actions, every = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
 
 
 def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
     (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+    actions, every = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
 
 
 def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
                                                   stats=None, grad_sync=None):
     """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r."""
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+    actions, every = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
 
 
-def get_schedule(topo, fill_drain=False):
-    """The schedule for this layout: no pipelining (pp=1), 1F1B, or interleaved 1F1B (vpp > 1)."""
+def forward_backward_zero_bubble_h1(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
+                                    grad_sync=None):
+    """ZB-H1 (one chunk per rank): 1F1B's forwards with each backward split into I and W, the W passes
+    run where the rank would wait for a gradient (megand/core/pipeline_parallel/actions.py)."""
+    (_,) = chunks
+    actions, every = _actions(chunks, microbatches, topo, forward_only, schedule="zb1p")
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+
+
+def v_schedule(name):
+    """ZB-V (``zbv``) or DualPipeV (``dualpipev``): two chunks per rank on the V placement (chunk 0 of
+    rank r is virtual stage r, chunk 1 stage 2·pp-1-r; the loss on pipeline rank 0), backwards split into
+    I and W (megand/core/pipeline_parallel/actions.py)."""
+
+    def forward_backward_v(chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
+        actions, every = _actions(chunks, microbatches, topo, forward_only, schedule=name)
+        return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+
+    forward_backward_v.__name__ = f"forward_backward_{name}"
+    return forward_backward_v
+
+
+def get_schedule(topo, fill_drain=False, schedule="1f1b"):
+    """The schedule for this layout: no pipelining (pp=1), 1F1B, interleaved 1F1B (vpp > 1), or the one
+    ``schedule`` (``parallel.pp_schedule``) names."""
     if topo.pp_size == 1:
         return forward_backward_no_pipelining
+    if schedule == "zb1p":
+        if fill_drain or (topo.vpp or 1) > 1:
+            raise ValueError(f"pipeline schedule zb1p runs one chunk per rank (got vpp={topo.vpp})")
+        return forward_backward_zero_bubble_h1
+    if schedule in V_SCHEDULES:
+        if topo.vpp != 2 or fill_drain:
+            raise ValueError(f"pipeline schedule {schedule} runs two chunks per rank in a V (got vpp={topo.vpp})")
+        return v_schedule(schedule)
+    if schedule != "1f1b":
+        schedule_actions(topo.pp_size, topo.vpp, topo.pp_size, 0, schedule=schedule)  # its one-line refusal
     if fill_drain:
         return forward_backward_fill_drain
     if topo.vpp is not None and topo.vpp > 1:

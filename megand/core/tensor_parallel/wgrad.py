@@ -70,10 +70,13 @@ class DeferredWeightGrads:
         return len(self.passes)
 
     def run(self) -> int:
-        """Run the queued passes (each adds into its weight's accumulator); returns how many ran."""
+        """Run the queued passes (each adds into its weight's accumulator); returns how many ran. Outside
+        autograd's backward, so without grad mode as inside it (the accumulators are views made
+        without it, which grad mode forbids modifying in place)."""
         passes, self.passes = self.passes, []
-        for accumulate, add in passes:
-            accumulate(add)
+        with torch.no_grad():
+            for accumulate, add in passes:
+                accumulate(add)
         return len(passes)
 
 

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
+from megand.core.tensor_parallel.gemm import weight_grad_target
+from megand.core.tensor_parallel.wgrad import add_product, hand_over
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
@@ -160,6 +162,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
     split_points = (host_offsets or HostOffsets(offsets)).get()
+    target = weight_grad_target(weight)
+    if split_points is not None and target is not None and target is not True:
+        out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target)
+        if bias is None:
+            return out
+        rows_per_expert = torch.cat([counts, (rows - offsets[-1:]).to(counts.dtype)])  # the last: no expert
+        zero = bias.new_zeros(1, bias.shape[-1])
+        return out + torch.repeat_interleave(torch.cat([bias, zero]), rows_per_expert, dim=0, output_size=rows)
     if split_points is not None:
         parts = torch.tensor_split(x, split_points)
     else:  # fake tensors (a rehearsal) hold no counts: an even split has the same activation sizes
@@ -170,6 +180,43 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     rest = parts[weight.shape[0]]
     outs.append(rest.new_zeros(rest.shape[0], weight.shape[1]))
     return torch.cat(outs)
+
+
+class ExpertLoopLinear(torch.autograd.Function):
+    """The loop over experts (rows of ``x`` split at ``split_points``, the rows after the last expert's
+    coming out as zeros) whose weight gradient goes through the GEMM seam like a dense layer's: each
+    expert's ``dy_e^T x_e`` added into the engine's fp32 accumulator (``target``), now or, inside a
+    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+    Used where the engine fuses the weight gradient (else autograd differentiates the loop)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, split_points, target):
+        ctx.split_points, ctx.target = split_points, target
+        ctx.save_for_backward(x, weight)
+        parts = torch.tensor_split(x, split_points)
+        outs = [F.linear(parts[e], weight[e]) for e in range(weight.shape[0])]
+        rest = parts[weight.shape[0]]
+        return torch.cat(outs + [rest.new_zeros(rest.shape[0], weight.shape[1])])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        experts = weight.shape[0]
+        grads, inputs = torch.tensor_split(grad, ctx.split_points), torch.tensor_split(x, ctx.split_points)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            rest = inputs[experts]
+            grad_x = torch.cat([grads[e].matmul(weight[e]) for e in range(experts)]
+                               + [rest.new_zeros(rest.shape)])
+        if ctx.needs_input_grad[1]:
+            pairs = [(grads[e], inputs[e]) for e in range(experts)]
+
+            def add(main):
+                for e, (g, inp) in enumerate(pairs):
+                    add_product(main[e], g.t(), inp)
+
+            hand_over(ctx.target, add)
+        return grad_x, None, None, None
 
 
 class GroupedLinear(torch.nn.Module):

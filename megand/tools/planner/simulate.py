@@ -3,9 +3,10 @@
 Each pipeline rank runs its forwards and backwards in the order of its action list, the one the
 executor runs (megand/core/pipeline_parallel/actions.py: 1F1B's ``pp - r - 1`` warm-up forwards, then
 one forward and one backward, then the remaining backwards; interleaved: Megatron's chunk order over
-groups of pp micro-batches). An operation starts when its rank is free and its input has arrived: the previous
+groups of pp micro-batches; zero bubble ``zb1p``: each backward split into its input-gradient pass ``I``
+and a weight-gradient pass ``W`` placed where the rank would wait). An operation starts when its rank is free and its input has arrived: the previous
 virtual stage's forward of the same micro-batch (plus the p2p time of that boundary), or the next
-virtual stage's backward. The step's pipeline time, each rank's busy time and the bubble come out of
+virtual stage's backward (``I`` of a split one); a ``W`` follows its own ``I``. The step's pipeline time, each rank's busy time and the bubble come out of
 the replay, so uneven stages, interleaving and slow links are accounted as they happen, not by the
 equal-stage formula ``(p - 1) / (m + p - 1)``.
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megand.core.pipeline_parallel.actions import interleaved_placement, schedule_actions
+from megand.core.pipeline_parallel.actions import placement_for, schedule_actions
 
 
-def rank_operations(pp: int, vpp: int | None, m: int, rank: int) -> list:
-    """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F or B):
-    the keys of the action list megand's executor runs (megand/core/pipeline_parallel/actions.py)."""
-    return [action.key for action in schedule_actions(pp, vpp, m, rank)]
+def rank_operations(pp: int, vpp: int | None, m: int, rank: int, schedule: str = "1f1b") -> list:
+    """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F, B, or
+    I and W): the keys of the action list megand's executor runs (megand/core/pipeline_parallel/actions.py)."""
+    return [action.key for action in schedule_actions(pp, vpp, m, rank, schedule=schedule)]
 
 
 @dataclass
@@ -41,16 +42,23 @@ class Timeline:
         return sum(1.0 - b / self.makespan for b in self.busy) / len(self.busy)
 
 
-def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None) -> Timeline:
+WEIGHT_GRAD_SHARE = 0.5  # of a layer's backward: the weight-gradient GEMMs (dW = dy^T x), as many FLOPs as dx
+
+
+def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None, schedule: str = "1f1b",
+             weight_grad: list | None = None) -> Timeline:
     """Replay the schedule. ``forward[s]``/``backward[s]``: seconds of one micro-batch on virtual stage
     ``s`` (``pp * vpp`` entries); ``p2p[s]``: seconds to send an activation (or its gradient) across
-    the boundary between virtual stages ``s`` and ``s + 1`` (the sender does not wait for it)."""
+    the boundary between virtual stages ``s`` and ``s + 1`` (the sender does not wait for it).
+    ``schedule``: ``parallel.pp_schedule``; a split backward's ``W`` takes ``weight_grad[s]`` of
+    ``backward[s]`` (default: :data:`WEIGHT_GRAD_SHARE` of it) and its ``I`` the rest."""
     stages = pp * (vpp or 1)
     if len(forward) != stages or len(backward) != stages:
         raise ValueError(f"need {stages} forward and backward times, got {len(forward)} and {len(backward)}")
     p2p = list(p2p) if p2p is not None else [0.0] * max(stages - 1, 0)
-    orders = [rank_operations(pp, vpp, m, r) for r in range(pp)]
-    placement = interleaved_placement(pp, vpp or 1)
+    weight_grad = list(weight_grad) if weight_grad is not None else [WEIGHT_GRAD_SHARE * b for b in backward]
+    orders = [rank_operations(pp, vpp, m, r, schedule) for r in range(pp)]
+    placement = placement_for(pp, vpp, schedule)
     position, free = [0] * pp, [0.0] * pp
     busy, done = [0.0] * pp, {}
     remaining = sum(len(o) for o in orders)
@@ -59,15 +67,21 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
         for r in range(pp):
             while position[r] < len(orders[r]):
                 kind, s, i = orders[r][position[r]]
-                if kind == "F":
+                if kind == "F":  # the previous virtual stage's output has arrived (a V's turn: no link)
                     dep = ("F", s - 1, i) if s > 0 else None
-                    ready = 0.0 if dep is None else (done[dep][1] + p2p[s - 1] if dep in done else None)
+                    link = p2p[s - 1] if s > 0 and placement.location(s - 1)[0] != r else 0.0
+                    ready = 0.0 if dep is None else (done[dep][1] + link if dep in done else None)
                     cost = forward[s]
-                else:
-                    dep = ("B", s + 1, i) if s < stages - 1 else ("F", s, i)
-                    extra = p2p[s] if s < stages - 1 else 0.0
+                elif kind == "W":  # after its own I, on this rank
+                    ready = done[("I", s, i)][1] if ("I", s, i) in done else None
+                    cost = weight_grad[s]
+                else:  # B, or I: the input gradient of the next virtual stage (its B or I) has arrived
+                    dep = ("F", s, i)
+                    if s < stages - 1:
+                        dep = ("B", s + 1, i) if ("B", s + 1, i) in done else ("I", s + 1, i)
+                    extra = p2p[s] if s < stages - 1 and placement.location(s + 1)[0] != r else 0.0
                     ready = done[dep][1] + extra if dep in done else None
-                    cost = backward[s]
+                    cost = backward[s] - (weight_grad[s] if kind == "I" else 0.0)
                 if ready is None:
                     break
                 start = max(free[r], ready)
@@ -80,8 +94,9 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
         if not progressed:
             raise RuntimeError(f"schedule replay deadlocked (pp={pp}, vpp={vpp}, m={m}): a bug")
     last_backward = []
-    for r in range(pp):  # a chunk's gradients are final during its last micro-batch's backward
+    for r in range(pp):  # a chunk's gradients are final during its last micro-batch's backward (split: its W)
         own = [placement.stage(r, c) for c in range(placement.vpp)]
-        first_final = min(done[("B", s, m - 1)][0] for s in own)
+        first_final = min(done[("B", s, m - 1)][0] if ("B", s, m - 1) in done else done[("W", s, m - 1)][0]
+                          for s in own)
         last_backward.append(free[r] - first_final)
     return Timeline(makespan=max(free), busy=busy, finish=list(free), last_backward=last_backward, ops=done)
