@@ -106,3 +106,20 @@ def test_v_refusals_name_the_values():
         schedule_actions(2, None, 4, 0, schedule="zbv")
     with pytest.raises(ValueError, match="at least 2\\*pp = 8 micro-batches.*got 4"):
         schedule_actions(4, 2, 4, 0, schedule="dualpipev")
+
+
+def test_v_schedules_are_refused_on_nccl_in_one_line(monkeypatch):
+    """NCCL matches messages by order, not tag, and the order-matched V path is not validated yet: a GPU
+    run asking for zbv or dualpipev stops at configuration instead of risking a hang."""
+    import torch
+
+    from megand.training.config import ConfigError, compose, validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for schedule in ("zbv", "dualpipev"):
+        cfg = compose(["+experiment=tiny_llama", "parallel.pp=2", "parallel.vpp=2",
+                       f"parallel.pp_schedule={schedule}"])
+        with pytest.raises(ConfigError, match=f"pp_schedule={schedule} is not yet validated on NCCL"):
+            validate(cfg, 2)
+    validate(compose(["+experiment=tiny_llama", "parallel.pp=2", "parallel.pp_schedule=zb1p"]), 2)
