@@ -64,5 +64,5 @@ def test_the_import_refusal_names_every_adapter():
     from megand.models import hf
 
     with pytest.raises(ValueError) as e:
-        hf.adapter_for_hf(SimpleNamespace(model_type="deepseek_v3"))
+        hf.adapter_for_hf(SimpleNamespace(model_type="gemma3"))
     assert ", ".join(a.MODEL_TYPE for a in hf._adapters()) in str(e.value)
