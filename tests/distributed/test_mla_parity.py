@@ -63,3 +63,14 @@ def test_deepseek_v3_like_ep2_matches_one_process(reference, tmp_path, extra):
     run_pretrain(tmp_path, ["+experiment=tiny_llama", *DEEPSEEK, "train.micro_batch_size=2", "parallel.ep=2", *extra],
                  nproc=nproc)
     assert_parity(ref, read_metrics(tmp_path))
+
+
+from tests.distributed.test_model_features_parity import short_docs  # noqa: E402,F401  (the fixture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cp2", "cp2_a2a", "tp2_sp"])
+def test_latent_attention_with_documents_matches_one_process(reference, launch, short_docs, layout):
+    """Attention within documents (several per sample) and per-document positions on the latent heads."""
+    nproc, overrides = LAYOUTS[layout]
+    assert_parity(reference("tiny_llama", *MLA, *short_docs), launch("tiny_llama", nproc, *MLA, *short_docs, *overrides))
