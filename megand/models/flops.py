@@ -7,7 +7,11 @@ Conventions (shared by every function here):
 * Forward matmul FLOPs per token of one layer:
     - QKV projection  2·h·(q + 2·kv)         q = num_attention_heads · head_dim (= h unless head_dim is
                                              set apart), kv = num_query_groups · head_dim (GQA shrinks K, V)
-    - attention core  4·s·q                  scores Q·Kᵀ (2·s·q) and context P·V (2·s·q). The causal
+                      latent attention (kv_lora_rank set; H heads, r_q/r_kv the latents, d_qk = nope + rope):
+                      2·(h·r_q + r_q·H·d_qk) (or 2·h·H·d_qk without a query latent) + 2·h·(r_kv + rope)
+                      + 2·r_kv·H·(nope + v_head_dim); the output projection then 2·H·v_head_dim·h
+    - attention core  4·s·q                  scores Q·Kᵀ (2·s·q) and context P·V (2·s·q; latent attention:
+                                             2·s·H·v_head_dim, the model's width, not the kernel's padding). The causal
                                              mask is *not* halved: kernels and Megatron/torchtitan
                                              count the full s×s product, and so does torch's
                                              FlopCounterMode. A layer with a sliding window w
@@ -81,7 +85,13 @@ class Shape:
     moe_ffn: int = 0           # width f_e of one routed expert (of each of gate/up for swiglu)
     shared_experts: int = 0    # always-on experts: one MLP of width shared_experts·f_e
     shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x @ gate), gate [1, h]
-    moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0
+    moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0 (and i >= first_dense)
+    first_dense: int = 0       # the first layers kept dense (DeepSeek-V3's first_k_dense_replace)
+    # multi-head latent attention (kv_lora == 0: the standard attention); head_dim is then nope + rope
+    q_lora: int = 0            # query latent width (0: a full-rank query projection)
+    kv_lora: int = 0           # key/value latent width
+    qk_rope: int = 0           # the rotary part of a query/key head
+    v_head: int = 0            # value head width
     head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
     windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
 
@@ -99,8 +109,13 @@ class Shape:
     def kv_dim(self) -> int:
         return self.groups * self.head_dim
 
+    @property
+    def value_dim(self) -> int:
+        """Width of all value heads (the attention output): q_dim unless latent attention sets v_head_dim."""
+        return self.heads * self.v_head if self.kv_lora else self.q_dim
+
     def is_moe(self, layer: int) -> bool:
-        return self.experts > 0 and layer % self.moe_freq == 0
+        return self.experts > 0 and layer % self.moe_freq == 0 and layer >= self.first_dense
 
     @property
     def moe_layers(self) -> int:
@@ -150,7 +165,9 @@ class Shape:
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
-            head_dim=resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim)),
+            head_dim=(int(model["qk_nope_head_dim"]) + int(model["qk_rope_head_dim"]) if model.get("kv_lora_rank")
+                      else resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim))),
+            **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
@@ -163,6 +180,13 @@ def _windows(model: Mapping[str, Any], layers: int) -> tuple:
     return tuple(window) if isinstance(window, (list, tuple)) or hasattr(window, "__len__") else (window,) * layers
 
 
+def _latent_fields(model: Mapping[str, Any]) -> dict:
+    if not model.get("kv_lora_rank"):
+        return {}
+    return dict(q_lora=int(_get(model, "q_lora_rank", 0)), kv_lora=int(model["kv_lora_rank"]),
+                qk_rope=int(model["qk_rope_head_dim"]), v_head=int(model["v_head_dim"]))
+
+
 def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
     experts = int(_get(model, "num_experts", 0))
     if not experts:
@@ -171,7 +195,8 @@ def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
                 moe_ffn=int(_get(model, "moe_ffn_hidden_size", ffn)),
                 shared_experts=int(_get(model, "moe_shared_experts", 0)),
                 shared_gate=bool(_get(model, "moe_shared_expert_gate", False)),
-                moe_freq=int(_get(model, "moe_layer_freq", 1)))
+                moe_freq=int(_get(model, "moe_layer_freq", 1)),
+                first_dense=int(_get(model, "moe_first_k_dense_replace", 0)))
 
 
 @dataclass(frozen=True)
@@ -194,6 +219,7 @@ class LayerParams:
     experts_replicated: int = 0  # all E routed experts: fc2 bias [E, h] (split over ep, replicated over etp)
     top_k: int = 0
     experts: int = 0
+    attention_replicated: int = 0  # latent attention: the down projections and latent norms, replicated over tp
 
     @property
     def total(self) -> int:
@@ -204,7 +230,7 @@ class LayerParams:
         """Everything but the routed experts (what every token uses)."""
         return (self.qkv_weight + self.qkv_bias + self.proj_weight + self.proj_bias + self.mlp_in_weight
                 + self.mlp_in_bias + self.mlp_out_weight + self.mlp_out_bias + self.norms + self.router
-                + self.shared_gate)
+                + self.shared_gate + self.attention_replicated)
 
     @property
     def active(self) -> int:
@@ -221,7 +247,7 @@ class LayerParams:
         split = (self.qkv_weight + self.qkv_bias + self.proj_weight
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
         return (split / tp + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
-                + self.experts_split / (ep * etp) + self.experts_replicated / ep)
+                + self.attention_replicated + self.experts_split / (ep * etp) + self.experts_replicated / ep)
 
 
 def _mlp_params(shape: Shape, width: int) -> dict:
@@ -243,6 +269,8 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
         proj_bias=h if bias else 0,
         norms=2 * norm_params(shape),
     )
+    if shape.kv_lora:
+        attention.update(_latent_params(shape))
     if not moe:
         return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
     E, fe = shape.experts, shape.moe_ffn
@@ -255,6 +283,16 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
         experts_replicated=E * h if bias else 0,
         top_k=shape.top_k, experts=E,
     )
+
+
+def _latent_params(shape: Shape) -> dict:
+    """Latent attention's tensors: the up projections (split over tp, counted as ``qkv_weight``), the output
+    projection, and the replicated down projections with their latent norms."""
+    h, H, qk, r_q, r_kv = shape.hidden, shape.heads, shape.head_dim, shape.q_lora, shape.kv_lora
+    nope = qk - shape.qk_rope
+    up = (r_q * H * qk if r_q else h * H * qk) + r_kv * H * (nope + shape.v_head)
+    down = (h * r_q + r_q if r_q else 0) + h * (r_kv + shape.qk_rope) + r_kv
+    return dict(qkv_weight=up, qkv_bias=0, proj_weight=shape.value_dim * h, proj_bias=0, attention_replicated=down)
 
 
 def norm_params(shape: Shape) -> int:
@@ -327,13 +365,18 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
     h, q = s.hidden, s.q_dim
     mlp = 6 if s.swiglu else 4  # per h·width of one MLP
     attention = 2 * h * (q + 2 * s.kv_dim) + 2 * q * h
+    if s.kv_lora:  # every matmul weight of latent attention is used once per token
+        latent = _latent_params(s)
+        attention = 2 * (latent["qkv_weight"] + latent["proj_weight"] + latent["attention_replicated"]
+                         - (s.q_lora if s.q_lora else 0) - s.kv_lora)  # the norms are no matmul
     dense = attention + mlp * h * s.ffn
     moe = 0
     if s.moe_layers:
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
-    windowed = sum(4 * s.keys_seen(i) * q for i in range(s.layers)) if s.windows else None
-    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * q, windowed_attention=windowed,
+    core = 2 * (q + s.value_dim)  # per key seen: scores and context
+    windowed = sum(core * s.keys_seen(i) for i in range(s.layers)) if s.windows else None
+    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=core * s.seq, windowed_attention=windowed,
                                 logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
 
 

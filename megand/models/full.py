@@ -38,6 +38,12 @@ def full_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     return {name: tuple(meta.full_shape) for name, meta in param_metas(model_cfg).items()}
 
 
+def checkpoint_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """:func:`full_shapes` and the persistent buffers' shapes (e.g. the sigmoid router's expert bias, which
+    checkpoint adapters carry too)."""
+    return {**full_shapes(model_cfg), **{k: tuple(v.shape) for k, v in buffer_values(model_cfg).items()}}
+
+
 def buffer_values(model_cfg) -> dict[str, torch.Tensor]:
     """Name -> initial value of every persistent buffer a checkpoint of ``model_cfg`` holds (small: built on
     the CPU with the model's parameters on the meta device)."""

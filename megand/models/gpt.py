@@ -110,7 +110,7 @@ class GPTModel(torch.nn.Module):
     def rope(self, positions):
         if self.cfg.position_embedding != "rope":
             return None
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        return rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.

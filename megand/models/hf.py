@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
 
-An adapter (:mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
+An adapter (:mod:`megand.models.hf_deepseek_v3`, :mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
 :mod:`megand.models.hf_mistral` (import only), :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
 :mod:`megand.models.hf_qwen2_moe`, :mod:`megand.models.hf_qwen3_moe`) is the one place that knows how
 megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
@@ -80,18 +80,19 @@ def experts_fc2_rule(name: str, down: list[str]) -> Rule:
 
 
 def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
-    """The MoE layers of a megand ``model`` config: layer i when i % moe_layer_freq == 0."""
+    """The MoE layers of a megand ``model`` config: layer i when i % moe_layer_freq == 0 and i >=
+    moe_first_k_dense_replace."""
     if not m.get("num_experts"):
         return []
-    freq = m.get("moe_layer_freq") or 1
-    return [i for i in range(m["num_layers"]) if i % freq == 0]
+    freq, first = m.get("moe_layer_freq") or 1, m.get("moe_first_k_dense_replace") or 0
+    return [i for i in range(m["num_layers"]) if i % freq == 0 and i >= first]
 
 
 def _adapters():
-    from megand.models import (hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3,
-                               hf_qwen3_moe)
+    from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
+                               hf_qwen3, hf_qwen3_moe)
 
-    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
+    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe, hf_deepseek_v3)
 
 
 def adapter_for(m: Mapping[str, Any]):
@@ -107,7 +108,8 @@ def adapter_for(m: Mapping[str, Any]):
             f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
             f"qkv_bias={m.get('qkv_bias', False)} head_dim={m.get('head_dim')} (mixtral: llama-style, softmax router, renormalised top-k, "
             "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
-            "shared experts with their gate, head_dim null; qwen3_moe: qk_norm, softmax router, no shared experts)")
+            "shared experts with their gate, head_dim null; qwen3_moe: qk_norm, softmax router, no shared experts; "
+            "deepseek_v3: latent attention (kv_lora_rank), sigmoid router, ungated shared experts)")
     raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
                      f"activation={m['activation']} position_embedding={m['position_embedding']} "
                      f"qkv_bias={m.get('qkv_bias', False)} qk_norm={m.get('qk_norm', False)} head_dim={m.get('head_dim')} "
@@ -122,7 +124,7 @@ def adapter_for_hf(config):
             return adapter
     # the adapters' MODEL_TYPEs, spelled out (the troubleshooting page quotes this line)
     raise ValueError(f"model_type={config.model_type!r}"
-                     ": only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe can be imported")
+                     ": only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe, deepseek_v3 can be imported")
 
 
 def _require_transformers():

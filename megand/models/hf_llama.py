@@ -19,9 +19,10 @@ MODEL_CLASS = "LlamaForCausalLM"
 
 
 def llama_like(m) -> bool:
-    """The shape every LLaMA-family architecture shares: RMSNorm, SwiGLU, RoPE, no linear biases."""
+    """The shape every LLaMA-family architecture shares: RMSNorm, SwiGLU, RoPE, no linear biases, the standard
+    attention (latent attention is DeepSeek's adapter)."""
     return (m["arch"] == "llama" and m["norm"] == "rmsnorm" and m["activation"] == "swiglu"
-            and m["position_embedding"] == "rope")
+            and m["position_embedding"] == "rope" and m.get("kv_lora_rank") is None)
 
 
 def matches(m) -> bool:

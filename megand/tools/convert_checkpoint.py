@@ -63,7 +63,7 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
     adapter = hf.adapter_for(model_cfg)
     rules = adapter.rules(model_cfg)
     stored = offline.tensor_shapes(load)
-    expected = full.full_shapes(model_cfg)
+    expected = full.checkpoint_shapes(model_cfg)
     for rule in rules:
         if rule.megand not in stored:
             raise CheckpointError(f"{load}: tensor {rule.megand} is missing from the checkpoint")
@@ -126,7 +126,7 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
         raise CheckpointError(f"--hf {hf_dir}: tensor {name} is missing")
 
     rules = adapter.rules(model_cfg)
-    expected = full.full_shapes(model_cfg)
+    expected = full.checkpoint_shapes(model_cfg)
     shapes, used = {}, set()
     for rule in rules:
         for name, shape in rule.hf_shapes(expected[rule.megand]).items():

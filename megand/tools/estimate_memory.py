@@ -465,10 +465,15 @@ def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict
 
 
 def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
-    """Per-rank memory of ``stages`` (default: the first and the last pipeline stage)."""
+    """Per-rank memory of ``stages`` (default: the first and the last pipeline stage, and the most loaded
+    one when it is another: with dense first layers (DeepSeek-V3) or an uneven layout a middle stage peaks)."""
+    if stages is None:
+        every = estimate_memory(model, layout, range(layout.pp)).stages
+        peak = max(every, key=lambda st: st.total_bytes).stage
+        return MemoryEstimate(stages=[st for st in every if st.stage in {0, layout.pp - 1, peak}])
     shape = Shape.from_config(model)
     dense_bytes, expert_bytes = state_bytes_per_param(layout), state_bytes_per_param(layout, layout.expert_shards)
-    wanted = sorted({0, layout.pp - 1} if stages is None else set(stages))
+    wanted = sorted(set(stages))
     stages = []
     for stage in wanted:
         params = stage_params(model, layout, stage)
@@ -543,7 +548,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         "",
     ]
     names = {0: "first", layout.pp - 1: "last"}
-    cols = [f"stage {st.stage} ({'only' if layout.pp == 1 else names[st.stage]})" for st in estimate.stages]
+    cols = [f"stage {st.stage} ({'only' if layout.pp == 1 else names.get(st.stage, 'most loaded')})" for st in estimate.stages]
     rows = [
         ("parameters per rank", lambda st: _count(st.params)),
         *([("  of which routed experts", lambda st: _count(st.expert_params))] if moe else []),

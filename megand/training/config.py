@@ -41,6 +41,11 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: Any = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
+    kv_lora_rank: Optional[int] = None  # multi-head latent attention (DeepSeek-V2/V3) when set: keys and values of every head from one latent of this width per token; null: standard attention
+    q_lora_rank: Optional[int] = None  # latent attention: queries from a latent of this width (with its RMSNorm); null: a full-rank query projection
+    qk_nope_head_dim: Optional[int] = None  # latent attention: the query/key head width without position (needs kv_lora_rank)
+    qk_rope_head_dim: Optional[int] = None  # latent attention: the rotary query/key head width (one rotary key shared by all heads)
+    v_head_dim: Optional[int] = None  # latent attention: the value head width
     tie_embeddings: bool = True  # output layer shares the word embedding
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
     hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
@@ -51,8 +56,12 @@ class ModelConfig:
     moe_shared_experts: int = 0  # always-on experts, one MLP of width moe_shared_experts * moe_ffn_hidden_size (0: none)
     moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ gate) (Qwen2-MoE)
     moe_layer_freq: int = 1  # layer i (0-based) is MoE when i % moe_layer_freq == 0; the others stay dense
+    moe_first_k_dense_replace: int = 0  # the first k layers stay dense MLPs of ffn_hidden_size (DeepSeek-V3: 3)
     moe_router: str = "softmax"  # softmax (top-k of softmax, Mixtral) | sigmoid (DeepSeek-V3: sigmoid scores, aux-loss-free bias)
-    moe_norm_topk_prob: bool = True  # softmax router: renormalise the k chosen probabilities to sum to 1
+    moe_norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1 (the sigmoid router too)
+    moe_n_group: Optional[int] = None  # group-limited routing (DeepSeek-V3's n_group): experts in this many groups, a group scored by its 2 best experts; null: none
+    moe_topk_group: Optional[int] = None  # group-limited routing: each token chooses among the experts of its topk_group best groups
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)
     moe_bias_update_rate: float = 0.001  # sigmoid router: step of the aux-loss-free balancing bias after each optimizer step (0: off)
     moe_aux_loss_coeff: float = 0.0  # load-balancing (Switch/GShard) loss coefficient, over each micro-batch's global tokens
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
@@ -307,9 +316,10 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
+    latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     checks = [
-        (m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
+        (latent or m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads} "
          f"(or set model.head_dim)"),
         (m.head_dim is None or m.head_dim >= 1, f"model.head_dim={m.head_dim} must be positive (or null)"),
@@ -319,7 +329,7 @@ def validate(cfg, world_size: int) -> None:
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"),
         (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
-        (m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
+        (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
          f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),

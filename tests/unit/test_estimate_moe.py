@@ -130,7 +130,7 @@ def test_cli_reports_total_and_active_parameters():
     out = subprocess.run([sys.executable, str(tool), "model=deepseek_v3_small", "--json"],
                          capture_output=True, text=True, check=True, env=env).stdout
     stage = json.loads(out)["memory"]["stages"][0]
-    assert stage["moe_layers"] == 27 and stage["expert_params"] == 27 * 64 * 3 * 2048 * 1408
+    assert stage["moe_layers"] == 26 and stage["expert_params"] == 26 * 64 * 3 * 2048 * 1408  # layer 0 dense
 
 
 @pytest.mark.parametrize("overrides", [

@@ -176,3 +176,27 @@ def test_sliding_windows_count_the_band_each_query_sees():
     windowed = {**LLAMA, "sliding_window": 8}
     assert (flops.hardware_flops_per_token(windowed, "selective") - flops.model_flops_per_token(windowed)
             == 2 * 4 * 8 * q)
+
+
+# DeepSeek-V3 in small: latent attention (a query latent, value heads narrower than query/key heads), a dense
+# first layer, then MoE layers (sigmoid router, grouped top-k, a shared expert); and dense without a query latent
+MLA_MOE = dict(LLAMA, num_layers=3, num_query_groups=None, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+               qk_rope_head_dim=8, v_head_dim=10, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=32,
+               moe_shared_experts=1, moe_router="sigmoid", moe_n_group=4, moe_topk_group=2,
+               moe_routed_scaling_factor=2.5, moe_first_k_dense_replace=1)
+MLA_DENSE = {k: v for k, v in MLA_MOE.items() if not k.startswith(("moe_", "num_experts"))} | {"q_lora_rank": None}
+
+
+@pytest.mark.parametrize("cfg", [MLA_MOE, MLA_DENSE], ids=["moe", "dense_no_q_lora"])
+def test_latent_attention_counts_match_transformers(cfg):
+    from megand.models.hf import build_hf_model
+
+    model = build_hf_model(cfg, attn_implementation="eager", experts_implementation="eager")
+    assert flops.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"]), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert flops.flops_per_iteration(cfg, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+    # the attention core counts the value width apart: scores over d_qk = 20, context over v_head_dim = 10
+    assert flops.forward_flops_per_token(cfg).layer_attention == 2 * 32 * 4 * (20 + 10)

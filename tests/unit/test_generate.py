@@ -19,6 +19,9 @@ LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num
              rope_theta=10000.0, tie_embeddings=False, init_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
 GPT = dict(LLAMA, arch="gpt", num_query_groups=None, ffn_hidden_size=256, norm="layernorm", activation="gelu",
            position_embedding="learned", tie_embeddings=True)
+# latent attention (its cache holds the latents): a query latent, value heads narrower than query/key heads
+MLA = dict(LLAMA, num_query_groups=None, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+           v_head_dim=10)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def topo():
     dist.destroy_process_group()  # leave no process group to the next module
 
 
-@pytest.mark.parametrize("model_cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("model_cfg", [LLAMA, GPT, MLA], ids=["llama", "gpt", "mla"])
 def test_cached_decoding_gives_the_logits_of_the_full_forward(model_cfg, topo, tmp_path):
     full.save_random_model(str(tmp_path / "ckpt"), model_cfg, seed=3)
     model, _ = full.load_model(str(tmp_path / "ckpt"), topo)

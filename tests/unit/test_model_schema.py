@@ -64,5 +64,39 @@ def test_the_import_refusal_names_every_adapter():
     from megand.models import hf
 
     with pytest.raises(ValueError) as e:
-        hf.adapter_for_hf(SimpleNamespace(model_type="deepseek_v3"))
+        hf.adapter_for_hf(SimpleNamespace(model_type="gemma3"))
     assert ", ".join(a.MODEL_TYPE for a in hf._adapters()) in str(e.value)
+
+
+LATENT = dict(arch="llama", hidden_size=64, num_attention_heads=4, norm="rmsnorm", activation="swiglu",
+              position_embedding="rope", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+              v_head_dim=10)
+
+
+def test_latent_attention_widths_and_their_readers_agree():
+    cfg = TransformerConfig(**LATENT)
+    assert (cfg.multi_latent, cfg.head_dim, cfg.rope_dim, cfg.query_width, cfg.attention_output_width) == \
+        (True, 20, 8, 80, 40)
+    yarn = TransformerConfig(**LATENT, rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0,
+                                                     "original_max_position_embeddings": 4096})
+    assert yarn.softmax_scale == pytest.approx(20 ** -0.5 * (0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+    model = {**LATENT, "num_layers": 2, "ffn_hidden_size": 96, "seq_length": 32, "vocab_size": 251,
+             "tie_embeddings": False}
+    counted = sum(torch.Size(m.full_shape).numel() for m in param_metas(model).values())
+    assert flops.param_counts(model).total == counted
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"qk_rope_head_dim": None}, "model.qk_rope_head_dim=None"),
+    ({"qk_rope_head_dim": 7}, "(qk_rope_head_dim even)"),
+    ({"num_query_groups": 2}, "model.num_query_groups=2 belong(s) to the standard attention"),
+    ({"qk_norm": True}, "model.qk_norm=True belong(s)"),
+    ({"position_embedding": "learned"}, "its decoupled head is rotary"),
+    ({"num_experts": 8, "moe_router": "sigmoid", "moe_n_group": 3, "moe_topk_group": 1}, "divisible by n_group"),
+    ({"num_experts": 8, "moe_router": "softmax", "moe_n_group": 4, "moe_topk_group": 2}, "moe_router=sigmoid (got softmax)"),
+    ({"num_experts": 8, "moe_router": "sigmoid", "moe_n_group": 4}, "needs both"),
+])
+def test_latent_attention_and_grouped_routing_refuse_in_one_line(changes, needle):
+    with pytest.raises(ValueError) as e:
+        TransformerConfig(**{**LATENT, **changes})
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -41,29 +41,15 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[tor
     return q, qkv[:, q_per_group].reshape(-1, *rest), qkv[:, q_per_group + 1].reshape(-1, *rest)
 
 
-class Attention(torch.nn.Module):
-    def __init__(self, cfg, topo, rng, device=None, layer_id=0):
+class AttentionCore(torch.nn.Module):
+    """What every attention block shares: causal attention of its heads on this rank, over the context-parallel
+    group, within documents, with dropout and selective recomputation."""
+
+    def __init__(self, cfg, topo, rng, layer_id=0):
         super().__init__()
         self.cfg, self.rng = cfg, rng
         self.window = cfg.window(layer_id)  # sliding-window attention of this layer (None: full causal)
         self.cp_group = topo.cp_group if topo.cp_size > 1 else None
-        tp = topo.tp_size
-        self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
-        self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
-        qkv_size = cfg.query_width + 2 * cfg.kv_width
-        common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
-                      dtype=cfg.params_dtype, device=topo.device if device is None else device)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
-                                        **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
-        # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
-        retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim, cfg.head_dim, cfg.head_dim))
-        self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
-                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
-        self.q_norm = self.k_norm = None
-        if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
-            norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
-                        dtype=cfg.params_dtype, device=common["device"])
-            self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
 
     def core(self, q, k, v, documents=None):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
@@ -82,6 +68,34 @@ class Attention(torch.nn.Module):
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
             return local_attention(q, k, v, self.window, dropout_p=dropout)
 
+    def attend(self, q, k, v, documents=None):
+        """``core``, recomputed in backward under selective recomputation."""
+        if self.cfg.recompute == "selective":
+            return checkpoint(self.core, q, k, v, documents, rng=self.rng)
+        return self.core(q, k, v, documents)
+
+
+class Attention(AttentionCore):
+    def __init__(self, cfg, topo, rng, device=None, layer_id=0):
+        super().__init__(cfg, topo, rng, layer_id)
+        tp = topo.tp_size
+        self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
+        self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
+        qkv_size = cfg.query_width + 2 * cfg.kv_width
+        common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
+                      dtype=cfg.params_dtype, device=topo.device if device is None else device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
+                                        **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
+        # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
+        retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim, cfg.head_dim, cfg.head_dim))
+        self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
+                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
+            norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
+                        dtype=cfg.params_dtype, device=common["device"])
+            self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
+
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
         qkv = self.qkv(x)
@@ -96,9 +110,7 @@ class Attention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
             out = cached_attention(q, *cache.append(k, v), window=self.window)
-        elif self.cfg.recompute == "selective":
-            out = checkpoint(self.core, q, k, v, documents, rng=self.rng)
         else:
-            out = self.core(q, k, v, documents)
+            out = self.attend(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.proj(out)

@@ -5,7 +5,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megand.core.transformer.rope import RopeScaling
+from megand.core.transformer.rope import RopeScaling, yarn_mscale
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,6 +38,15 @@ class TransformerConfig:
     # sliding-window attention (Mistral): a query sees the `window` latest keys (itself included); an int for
     # every layer, or one entry per layer (None: full causal attention in that layer); None: none
     sliding_window: int | tuple | None = None
+    # multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank is set: keys and values come from one
+    # kv_lora_rank-wide latent per token (and queries from a q_lora_rank-wide one; None: a full-rank query
+    # projection); each head's query/key is qk_nope_head_dim wide without position plus qk_rope_head_dim wide
+    # with RoPE (one rotary key shared by every head); values are v_head_dim wide
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     tie_embeddings: bool = True
     init_std: float = 0.02
     hidden_dropout: float = 0.0
@@ -49,9 +58,13 @@ class TransformerConfig:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_experts: int = 0
     moe_shared_expert_gate: bool = False
-    moe_layer_freq: int = 1  # layer i is MoE when i % moe_layer_freq == 0
+    moe_layer_freq: int = 1  # layer i is MoE when i % moe_layer_freq == 0 (and i >= moe_first_k_dense_replace)
+    moe_first_k_dense_replace: int = 0  # the first k layers stay dense (DeepSeek-V3: 3)
     moe_router: str = "softmax"  # softmax | sigmoid
-    moe_norm_topk_prob: bool = True
+    moe_norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1
+    moe_n_group: int | None = None  # group-limited routing (DeepSeek-V3): experts in n groups ...
+    moe_topk_group: int | None = None  # ... and each token chooses among the experts of its topk_group best groups
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it (DeepSeek-V3: 2.5)
     moe_bias_update_rate: float = 0.001
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
@@ -84,8 +97,12 @@ class TransformerConfig:
     def __post_init__(self):
         # the one place the head width is derived: every width below and every reader (FLOPs, estimator,
         # checkpoint adapters) follow from it
-        object.__setattr__(self, "head_dim", resolve_head_dim(self.hidden_size, self.num_attention_heads,
-                                                              self.head_dim))
+        if not self.multi_latent:
+            object.__setattr__(self, "head_dim", resolve_head_dim(self.hidden_size, self.num_attention_heads,
+                                                                  self.head_dim))
+        if self.multi_latent:
+            self._check_latent()
+            object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
         if isinstance(self.sliding_window, (list, tuple)):
             object.__setattr__(self, "sliding_window", tuple(self.sliding_window))
             if len(self.sliding_window) != self.num_layers:
@@ -95,6 +112,8 @@ class TransformerConfig:
         if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
             raise ValueError(f"model.sliding_window={self.sliding_window!r}: expected a positive int, a list of "
                              f"them (null entries: full attention) or null")
+        if self.moe_n_group is not None or self.moe_topk_group is not None:
+            self._check_groups()
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -103,10 +122,75 @@ class TransformerConfig:
             raise ValueError(f"model.rope_scaling is set but model.position_embedding={self.position_embedding} "
                              f"has no rotary embedding to scale")
 
+    def _check_groups(self):
+        g, k, e = self.moe_n_group, self.moe_topk_group, self.num_experts
+        ok = (e is not None and isinstance(g, int) and isinstance(k, int) and g >= 1 and e % g == 0
+              and 1 <= k <= g and self.moe_top_k <= k * (e // g) and self.moe_router == "sigmoid")
+        if not ok:
+            raise ValueError(f"model.moe_n_group={g} model.moe_topk_group={k}: group-limited routing needs both, "
+                             f"num_experts={e} divisible by n_group, 1 <= topk_group <= n_group, moe_top_k="
+                             f"{self.moe_top_k} <= topk_group x experts per group, and moe_router=sigmoid "
+                             f"(got {self.moe_router})")
+
+    def _check_latent(self):
+        """One line naming the values for a latent-attention config that cannot be built."""
+        widths = dict(qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                      v_head_dim=self.v_head_dim)
+        bad = [k for k, v in widths.items() if not isinstance(v, int) or v < 1 or (k == "qk_rope_head_dim" and v % 2)]
+        if bad or self.kv_lora_rank < 1 or (self.q_lora_rank is not None and self.q_lora_rank < 1):
+            raise ValueError(f"model.kv_lora_rank={self.kv_lora_rank} (latent attention) needs positive "
+                             f"model.q_lora_rank (or null), {', '.join(f'model.{k}={v}' for k, v in widths.items())} "
+                             f"(qk_rope_head_dim even)")
+        if self.position_embedding != "rope":
+            raise ValueError(f"model.kv_lora_rank is set (latent attention) but model.position_embedding="
+                             f"{self.position_embedding}: its decoupled head is rotary")
+        clash = {k: v for k, v in dict(qk_norm=self.qk_norm, qkv_bias=self.qkv_bias, num_query_groups=self.num_query_groups,
+                                       head_dim=self.head_dim).items() if v not in (None, False)}
+        if clash.get("head_dim") == self.qk_nope_head_dim + self.qk_rope_head_dim:
+            clash.pop("head_dim")
+        if clash.get("num_query_groups") == self.num_attention_heads:  # one key/value per head: MLA's own
+            clash.pop("num_query_groups")
+        if clash:
+            raise ValueError(f"model.kv_lora_rank is set (latent attention): {', '.join(f'model.{k}={v}' for k, v in clash.items())} "
+                             f"belong(s) to the standard attention (unset them)")
+
+    @property
+    def multi_latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a query/key head: the decoupled RoPE head under latent attention."""
+        return self.qk_rope_head_dim if self.multi_latent else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention scores' factor: 1/sqrt(query head width), times DeepSeek's yarn temperature
+        ``mscale(factor, mscale_all_dim)**2`` under latent attention with yarn scaling (as transformers does)."""
+        return self.head_dim ** -0.5 * self.attention_temperature
+
+    @property
+    def attention_temperature(self) -> float:
+        """DeepSeek's yarn factor on the attention scores (1.0 elsewhere)."""
+        rs = self.rope_scaling
+        if self.multi_latent and rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim:
+            return yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+        return 1.0
+
     @property
     def query_width(self) -> int:
-        """Width of all query heads (the attention output projection's input)."""
+        """Width of all query heads."""
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def attention_output_width(self) -> int:
+        """Width of all heads' attention outputs (the output projection's input)."""
+        return self.num_attention_heads * self.value_head_dim
 
     @property
     def kv_width(self) -> int:
@@ -132,7 +216,8 @@ class TransformerConfig:
         return self.sliding_window
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return self.num_experts is not None and layer_id % self.moe_layer_freq == 0
+        return (self.num_experts is not None and layer_id >= self.moe_first_k_dense_replace
+                and layer_id % self.moe_layer_freq == 0)
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -10,9 +10,9 @@ from megand.core.attention_masks import local_attention
 class LayerKVCache:
     """One layer's keys and values ``[b, groups, max_len, d]`` of the tokens seen so far."""
 
-    def __init__(self, batch: int, groups: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(self, batch: int, groups: int, max_len: int, head_dim: int, dtype, device, v_dim: int | None = None):
         self.k = torch.empty(batch, groups, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(batch, groups, max_len, head_dim if v_dim is None else v_dim, dtype=dtype, device=device)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
@@ -27,10 +27,14 @@ class LayerKVCache:
 
 
 class KVCache:
-    """Per-layer caches for incremental decoding (one process, no tensor/context parallelism)."""
+    """Per-layer caches for incremental decoding (one process, no tensor/context parallelism). Under latent
+    attention a layer caches its normalised latent ``[b, 1, len, kv_lora_rank]`` as "k" and its rotated shared
+    key ``[b, 1, len, qk_rope_head_dim]`` as "v" (the layer expands them into every head's keys and values)."""
 
     def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids):
-        self.layers = {str(i): LayerKVCache(batch, cfg.query_groups, max_len, cfg.head_dim, dtype, device)
+        groups, k_dim, v_dim = ((1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.multi_latent
+                                else (cfg.query_groups, cfg.head_dim, cfg.head_dim))
+        self.layers = {str(i): LayerKVCache(batch, groups, max_len, k_dim, dtype, device, v_dim)
                        for i in layer_ids}
 
     @property

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from megand.core.sharding import split_by_tokens
 from megand.core.tensor_parallel import checkpoint
 from megand.core.transformer.attention import Attention
+from megand.core.transformer.mla import LatentAttention
 from megand.core.transformer.mlp import MLP
 from megand.core.transformer.moe import MoE
 from megand.core.transformer.norms import Norm
@@ -21,7 +22,8 @@ class TransformerLayer(torch.nn.Module):
         norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
                     tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        self.attention = Attention(cfg, topo, rng, device, layer_id)
+        attention = LatentAttention if cfg.multi_latent else Attention
+        self.attention = attention(cfg, topo, rng, device, layer_id)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
 

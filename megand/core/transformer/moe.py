@@ -87,7 +87,8 @@ class Router(torch.nn.Module):
     def __init__(self, cfg, topo, sharded_tokens: bool, device):
         super().__init__()
         self.num_experts, self.top_k, self.kind = cfg.num_experts, cfg.moe_top_k, cfg.moe_router
-        self.norm_topk = cfg.moe_norm_topk_prob
+        self.norm_topk, self.scaling = cfg.moe_norm_topk_prob, cfg.moe_routed_scaling_factor
+        self.groups, self.topk_groups = cfg.moe_n_group, cfg.moe_topk_group
         shape = (cfg.num_experts, cfg.hidden_size)
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
                                               input_split=split_by_tokens(sharded_tokens)), cfg.params_dtype, device)
@@ -108,10 +109,25 @@ class Router(torch.nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
         else:
             scores = torch.sigmoid(logits)
-            experts = top_k_stable(scores.detach() + self.expert_bias, self.top_k)
+            experts = top_k_stable(self.limit_to_groups(scores.detach() + self.expert_bias), self.top_k)
             weights = scores.gather(1, experts)
-            weights = weights / weights.sum(-1, keepdim=True)
+            if self.norm_topk:
+                weights = weights / weights.sum(-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return logits, scores, experts, weights
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3): the experts form ``n_group`` equal groups, each scored by the
+        sum of its two best ``choice`` values; a token chooses among the experts of its ``topk_group`` best
+        groups (the others' choice values become -inf). Ties go to the lower group index."""
+        if self.groups is None:
+            return choice
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        chosen = top_k_stable(group_scores, self.topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 # ------------------------------------------------------------------------------------------- experts

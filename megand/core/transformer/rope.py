@@ -49,7 +49,7 @@ class RopeScaling:
         return scaling
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -75,8 +75,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     # yarn: frequencies interpolated (divided by the factor) below a ramp over the dimensions, kept above it
     attention = scaling.attention_factor
     if attention is None:
-        attention = (_yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
-                     if scaling.mscale and scaling.mscale_all_dim else _yarn_mscale(factor))
+        attention = (yarn_mscale(factor, scaling.mscale) / yarn_mscale(factor, scaling.mscale_all_dim)
+                     if scaling.mscale and scaling.mscale_all_dim else yarn_mscale(factor))
 
     def correction_dim(rotations):
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -1,0 +1,149 @@
+"""State-dict adapter: megand models with multi-head latent attention <-> ``transformers``
+``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi K2, Moonlight).
+
+Attention: ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` (or ``q_proj`` with ``q_lora_rank`` null) are megand's
+``attention.q_down``/``q_down_norm``/``q_up``; ``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj`` its
+``kv_down``/``kv_down_norm``/``kv_up``. DeepSeek's published weights rotate interleaved pairs of the RoPE
+dimensions (``rope_interleave=true``); megand rotates halves, which is the same rotation once each head's
+RoPE rows are reordered (even rows first, then odd): import reorders, export writes them back interleaved.
+
+MoE layers: the sigmoid router (``mlp.gate``, its ``e_score_correction_bias`` is megand's ``expert_bias``),
+group-limited top-k (``n_group``/``topk_group``), ``routed_scaling_factor``, the routed experts and
+``n_shared_experts`` ungated shared experts; the first ``first_k_dense_replace`` layers are dense MLPs of
+``intermediate_size``. A model without experts is written with every layer dense. Multi-token prediction
+layers in the files are not read by transformers' class and not by this adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megand.models.hf import Rule, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
+from megand.models.hf_llama import embedding_rules, mlp_rules, rope_keys, rope_parameters
+
+MODEL_TYPE = "deepseek_v3"
+MODEL_CLASS = "DeepseekV3ForCausalLM"
+
+
+def matches(m) -> bool:
+    dense_llama = (m["arch"] == "llama" and m["norm"] == "rmsnorm" and m["activation"] == "swiglu"
+                   and m["position_embedding"] == "rope" and m.get("sliding_window") is None)
+    moe_ok = not m.get("num_experts") or (
+        m.get("moe_router") == "sigmoid" and (m.get("moe_shared_experts") or 0) > 0
+        and (m.get("moe_layer_freq") or 1) == 1 and not m.get("moe_shared_expert_gate"))
+    return dense_llama and m.get("kv_lora_rank") is not None and moe_ok
+
+
+def _interleaved_order(rope: int) -> torch.Tensor:
+    """megand's row i of a head's RoPE rows is DeepSeek's row ``order[i]`` (evens, then odds)."""
+    return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+
+
+def _reorder_rope_rows(t: torch.Tensor, unit: int, rope: int, inverse: bool) -> torch.Tensor:
+    """Reorder the last ``rope`` rows of every ``unit``-row block of ``t`` (a head, or the kv down projection)."""
+    order = _interleaved_order(rope)
+    if inverse:
+        order = torch.argsort(order)
+    blocks = t.reshape(-1, unit, *t.shape[1:])
+    if t.is_meta:
+        return t
+    rows = torch.cat([blocks[:, : unit - rope], blocks[:, unit - rope:][:, order]], dim=1)
+    return rows.reshape(t.shape)
+
+
+def _rope_rule(megand: str, hf: str, unit: int, rope: int) -> Rule:
+    return Rule(megand, (hf,), lambda t: (_reorder_rope_rows(t, unit, rope, inverse=True),),
+                lambda t: _reorder_rope_rows(t, unit, rope, inverse=False))
+
+
+def hf_config(m: dict):
+    from transformers import DeepseekV3Config
+
+    moe = bool(m.get("num_experts"))
+    routing = dict(n_routed_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),
+                   moe_intermediate_size=m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"],
+                   n_shared_experts=m["moe_shared_experts"], n_group=m.get("moe_n_group") or 1,
+                   topk_group=m.get("moe_topk_group") or 1,
+                   routed_scaling_factor=float(m.get("moe_routed_scaling_factor", 1.0)),
+                   norm_topk_prob=bool(m.get("moe_norm_topk_prob", True)),
+                   first_k_dense_replace=int(m.get("moe_first_k_dense_replace") or 0)) if moe else dict(
+        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=m["num_layers"])
+    return DeepseekV3Config(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                            intermediate_size=m["ffn_hidden_size"], num_hidden_layers=m["num_layers"],
+                            num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_attention_heads"],
+                            q_lora_rank=m.get("q_lora_rank"), kv_lora_rank=m["kv_lora_rank"],
+                            qk_nope_head_dim=m["qk_nope_head_dim"], qk_rope_head_dim=m["qk_rope_head_dim"],
+                            v_head_dim=m["v_head_dim"], hidden_act="silu", max_position_embeddings=m["seq_length"],
+                            initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
+                            rope_parameters=rope_parameters(m), rope_interleave=True,
+                            tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False,
+                            attention_dropout=m.get("attention_dropout", 0.0), num_mtp_layers=0,
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None, **routing)
+
+
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``DeepseekV3Config``; ValueError for what megand does not implement."""
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention_bias=true: megand's latent attention has no biases")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
+    if getattr(config, "rope_interleave", True) is False:
+        raise ValueError("rope_interleave=false: the adapter reads DeepSeek's interleaved RoPE rows only")
+    L = config.num_hidden_layers
+    m = dict(**rope_keys(config), arch="llama", num_layers=L, hidden_size=config.hidden_size,
+             ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+             q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+             qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+             v_head_dim=config.v_head_dim, seq_length=config.max_position_embeddings, vocab_size=config.vocab_size,
+             norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu", position_embedding="rope",
+             tie_embeddings=bool(config.tie_word_embeddings), init_std=config.initializer_range,
+             hidden_dropout=0.0, attention_dropout=0.0)
+    first_dense = config.first_k_dense_replace or 0
+    if first_dense >= L:  # every layer dense
+        return m
+    grouped = (config.n_group or 1) > 1
+    return dict(m, num_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,
+                moe_ffn_hidden_size=config.moe_intermediate_size, moe_shared_experts=config.n_shared_experts,
+                moe_router="sigmoid", moe_norm_topk_prob=bool(config.norm_topk_prob),
+                moe_n_group=config.n_group if grouped else None, moe_topk_group=config.topk_group if grouped else None,
+                moe_routed_scaling_factor=float(config.routed_scaling_factor),
+                moe_first_k_dense_replace=first_dense, moe_layer_freq=1, moe_aux_loss_coeff=0.0)
+
+
+def rules(m: dict, rope_interleave: bool = True) -> list[Rule]:
+    """``rope_interleave``: the files' RoPE rows interleaved (DeepSeek's layout, and what export writes)."""
+    first, last = embedding_rules(m)
+    out = first
+    moe_layers = set(moe_layer_ids(m))
+    heads, nope, rope = m["num_attention_heads"], m["qk_nope_head_dim"], m["qk_rope_head_dim"]
+    r = m["kv_lora_rank"]
+
+    def rope_rows(megand, hf, unit):
+        return _rope_rule(megand, hf, unit, rope) if rope_interleave else Rule(megand, (hf,))
+
+    for i in range(m["num_layers"]):
+        p, q = f"layers.{i}.attention.", f"model.layers.{i}.self_attn."
+        if m.get("q_lora_rank") is None:
+            out.append(rope_rows(p + "q_up.weight", q + "q_proj.weight", nope + rope))
+        else:
+            out += [Rule(p + "q_down", (q + "q_a_proj.weight",)),
+                    Rule(p + "q_down_norm.weight", (q + "q_a_layernorm.weight",)),
+                    rope_rows(p + "q_up.weight", q + "q_b_proj.weight", nope + rope)]
+        out += [rope_rows(p + "kv_down", q + "kv_a_proj_with_mqa.weight", r + rope),
+                Rule(p + "kv_down_norm.weight", (q + "kv_a_layernorm.weight",)),
+                Rule(p + "kv_up.weight", (q + "kv_b_proj.weight",)),
+                Rule(p + "proj.weight", (q + "o_proj.weight",))]
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        out += [Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
+                Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",))]
+        if i not in moe_layers:
+            out += mlp_rules(p + "mlp.", q + "mlp.")
+            continue
+        mlp, experts = q + "mlp.", range(m["num_experts"])
+        out += [Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
+                Rule(p + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)),
+                experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
+                                 [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
+                experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
+                *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]
+    return out + last
