@@ -208,3 +208,16 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
         r = max((r for r in range(pp) if n[r] > 1), key=lambda r: table[r][n[r]])
         n[r] -= 1
     return tuple(n) if sum(n) == L and min(n) >= 1 else None
+
+
+def speedup(planner) -> dict:
+    """The heterogeneous speed-up ``planner`` predicts: its best heterogeneous plan's throughput over the sum
+    of each group's best homogeneous throughput (each group alone on the same model and batch)."""
+    homogeneous = {g.name: planner.plan_homogeneous(g, 1) for g in planner.cluster.groups}
+    best = {name: plans[0].prediction.tokens_per_s if plans else 0.0 for name, plans in homogeneous.items()}
+    hetero = planner.plan_heterogeneous(1)
+    plan = hetero[0] if hetero else None
+    total = sum(best.values())
+    return {"homogeneous_tokens_per_s": best, "homogeneous_plans": {k: v[0] if v else None for k, v in homogeneous.items()},
+            "plan": plan, "tokens_per_s": plan.prediction.tokens_per_s if plan else 0.0,
+            "ratio": plan.prediction.tokens_per_s / total if plan and total else None}
