@@ -4,6 +4,7 @@
     python benchmarks/bench_data.py --size-mb 50 --tokenizers sentencepiece huggingface tiktoken --skip-indices
     python benchmarks/bench_data.py --size-mb 1000 --format parquet --tokenizers huggingface --workers 2
     python benchmarks/bench_data.py --stream --size-mb 200 --workers 1 2 --lanes 8 --seq-length 1024
+    python benchmarks/bench_data.py --stream --size-mb 1000 --workers 0 --lanes 32 --dp 1 2 4 --steps 40
 
 Generates a jsonl (or Parquet, --format) of about --size-mb MB of text (paragraphs of the pydoc topics,
 shuffled into documents of a few KB) and tokenizers of each kind (a sentencepiece model; a byte-level BPE
@@ -16,6 +17,11 @@ of --seq-length tokens reads batches for --seconds from the quickstart corpus (t
 JSON lines) and from a synthetic Parquet file of --size-mb, tokenizing with a sentencepiece model in
 --workers processes. It reports tokens/s (and per worker), the training step that rate sustains for a
 data-parallel rank of --lanes samples, and the peak RSS of the reader and of its largest worker.
+
+``--stream --dp 1 2 4`` measures instead what one reader reads at each data-parallel size: a global batch
+of --lanes samples, the reader of data-parallel rank 0 (its --lanes / dp lanes) reads --steps batches;
+it reports the bytes that reader read from storage (counted by the reader: JSON-lines chunks, gzip files,
+Parquet column chunks), which fall as 1/dp, with its tokens/s and peak RSS.
 """
 
 import argparse
@@ -116,17 +122,19 @@ def child_stream(args) -> None:
     """Run in a fresh process: read a stream for ``--seconds``, then report throughput and peak RSS as JSON."""
     from megand.data.stream import StreamSource
 
+    per_rank = args.lanes // args.dp
     source = StreamSource({"paths": [[1.0, args.input]], "tokenizer": args.tokenizer_model, "workers": args.workers},
-                          args.seq_length, args.vocab_size, seed=1234).open(args.lanes, 0, args.lanes)
+                          args.seq_length, args.vocab_size, seed=1234).open(args.lanes, 0, per_rank)
     source.next_samples()  # the pool's start and the first units out of the timing
     start, batches = time.perf_counter(), 0
-    while time.perf_counter() - start < args.seconds:
+    while (batches < args.steps - 1) if args.steps else (time.perf_counter() - start < args.seconds):
         source.next_samples()
         batches += 1
     seconds = time.perf_counter() - start
     source.close()  # joins the workers: their peak RSS is then counted
     kb = 1024
-    print(json.dumps({"seconds": seconds, "batches": batches, "tokens": batches * args.lanes * args.seq_length,
+    print(json.dumps({"seconds": seconds, "batches": batches, "tokens": batches * per_rank * args.seq_length,
+                      "bytes_read": source.bytes_read, "corpus_bytes": sum(u.size for u in source.sources[0]),
                       "main_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb / 1e6,
                       "worker_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb / 1e6}))
 
@@ -141,22 +149,29 @@ def bench_stream(args) -> None:
             f.writelines(json.dumps({"text": d}) + "\n" for d in quickstart_documents())
         synthetic = os.path.join(work, "synthetic")
         os.makedirs(synthetic, exist_ok=True)
-        generate_parquet(os.path.join(synthetic, "corpus.parquet"), args.size_mb)
+        corpus = os.path.join(synthetic, "corpus.parquet")
+        if not os.path.exists(corpus):  # a --workdir kept (--keep) from an earlier run is reused
+            generate_parquet(corpus, args.size_mb)
         model = train_sentencepiece(quickstart_documents(), os.path.join(work, "tok"), args.vocab_size)
+        runs = [(w, dp) for w in args.workers for dp in (args.dp or [1])]
         for name, path in (("quickstart jsonl", quick), (f"synthetic parquet {args.size_mb:g} MB", synthetic)):
-            for w in args.workers:
+            for w, dp in runs:
                 out = subprocess.run([sys.executable, __file__, "--child-stream", "--workers", str(w), "--input", path,
                                       "--tokenizer-model", model, "--lanes", str(args.lanes), "--seq-length",
                                       str(args.seq_length), "--vocab-size", str(args.vocab_size), "--seconds",
-                                      str(args.seconds)], capture_output=True, text=True)
+                                      str(args.seconds), "--dp", str(dp), "--steps", str(args.steps or 0)],
+                                     capture_output=True, text=True)
                 if out.returncode:
                     sys.exit(f"stream {name} workers={w} failed: {out.stderr.strip().splitlines()[-1]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 rate = r["tokens"] / r["seconds"]
-                print(f"stream {name} workers={w}: {rate:.0f} tokens/s ({rate / max(w, 1):.0f} per worker); sustains a "
-                      f"step of {r['seconds'] / r['batches'] * 1e3:.0f} ms for a data-parallel rank of {args.lanes} x "
-                      f"{args.seq_length} tokens; peak RSS reader {r['main_peak_mb']:.0f} MB, largest worker "
-                      f"{r['worker_peak_mb']:.0f} MB", flush=True)
+                per_rank = args.lanes // dp
+                read = (f"dp={dp}: rank 0 read {r['bytes_read'] / 1e6:.1f} MB of {r['corpus_bytes'] / 1e6:.1f} MB in "
+                        f"{r['batches'] + 1} steps; " if args.dp else "")
+                print(f"stream {name} workers={w}: {read}{rate:.0f} tokens/s ({rate / max(w, 1):.0f} per worker); "
+                      f"sustains a step of {r['seconds'] / r['batches'] * 1e3:.0f} ms for a data-parallel rank of "
+                      f"{per_rank} x {args.seq_length} tokens; peak RSS reader {r['main_peak_mb']:.0f} MB, largest "
+                      f"worker {r['worker_peak_mb']:.0f} MB", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -193,6 +208,9 @@ def main() -> None:
     p.add_argument("--stream", action="store_true", help="measure data.kind=stream (see above)")
     p.add_argument("--lanes", type=int, default=8, help="--stream: samples per step of the reader's dp rank")
     p.add_argument("--seconds", type=float, default=20, help="--stream: how long each reader reads")
+    p.add_argument("--dp", type=int, nargs="+", default=None,
+                   help="--stream: data-parallel sizes; the reader of rank 0 holds --lanes / dp lanes")
+    p.add_argument("--steps", type=int, default=None, help="--stream: read this many batches (not --seconds)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--input", help=argparse.SUPPRESS)
@@ -201,6 +219,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child or args.child_stream:
         args.workers = args.workers[0]
+        args.dp = args.dp[0] if args.dp else 1
         return child_stream(args) if args.child_stream else child_preprocess(args)
     if args.stream:
         return bench_stream(args)

@@ -8,21 +8,24 @@ So iteration ``i`` trains on the same tokens at every ``dp`` (and tp/cp/pp), and
 lane's position: resumed at another ``dp``, each rank takes the positions of its lanes, and no document
 is repeated or skipped.
 
-Where lane ``l`` reads from: every source of ``data.paths`` is a list of *units*, a ``.jsonl`` or
-``.jsonl.gz`` file or one row group of a Parquet file. Each epoch of a source visits its units in an
-order shuffled by ``(seed, source, epoch)``, and the documents of one unit in an order shuffled by
-``(seed, source, epoch, unit)`` (the unit is the shuffle buffer). Document ``k`` (in that order) of the
-``p``-th unit of the epoch belongs to lane ``(p + k) mod B``: every document of an epoch belongs to
-exactly one lane. With several sources, a lane takes its next document from the source furthest behind
-its weight in characters of text read (weights are shares of text, about shares of tokens).
+Where lane ``l`` reads from: every source of ``data.paths`` is a list of *units*: a ``.jsonl.gz`` file, a
+``.jsonl`` file cut into chunks of at most ``CHUNK_BYTES`` at line starts, or one row group of a Parquet
+file. Each epoch of a source visits its units in an order shuffled by ``(seed, source, epoch)``. When a
+source has fewer units than lanes, each unit is cut into ``c = ceil(B / units)`` *pieces* (rows
+``j, j+c, ...`` of the unit, for piece ``j``), otherwise a piece is a whole unit. The piece at position
+``p`` of the epoch belongs to lane ``p mod B``, which reads its pieces in order, the rows of each in an
+order shuffled by ``(seed, source, epoch, unit)`` (the unit is the shuffle buffer). So every document of
+an epoch belongs to exactly one lane, and a reader reads only the units of its own lanes: its cost is its
+share of the corpus (the pieces of one unit fall on consecutive lanes, mostly one reader's). With several
+sources, a lane takes its next document from the source furthest behind its weight in characters of text
+read (weights are shares of text, about shares of tokens).
 
 A lane's samples are its documents' tokens, each document followed by the EOD id, cut into
 ``seq_length + 1`` token windows that overlap by one token (the last label of one sample is the first
 input of the next, as for indexed data). Its state is where the document it is inside starts (the
 cursors and characters read of every source before it) and the token offset there.
 
-Each reader reads every unit that holds one of its lanes' documents (reading a unit costs far less than
-tokenizing it) and tokenizes only its lanes' documents, in ``data.workers`` worker processes.
+A reader tokenizes its lanes' documents in ``data.workers`` worker processes.
 """
 
 from __future__ import annotations
@@ -41,19 +44,25 @@ from megand.data.errors import DataError
 from megand.data.source import DataSource, register_kind
 
 TOKENIZE_AHEAD = 4  # samples per lane tokenized in one round trip to the worker processes
-UNIT_CACHE = 16  # units (decoded rows) a reader keeps: its lanes move through the units together
+UNIT_CACHE = 4  # units (decoded rows) a reader keeps beyond one per lane (neighbouring lanes share small units)
+CHUNK_BYTES = 32 << 20  # a .jsonl file is read in units of at most this many bytes (a .jsonl.gz one whole)
 TEXT_KEY = "text"
+STATE_VERSION = 2  # of the lane state's meaning (2: whole units per lane)
 
 
 @dataclass(frozen=True)
 class Unit:
     path: str
-    row_group: int | None  # None: the whole file (JSON lines)
-    first_row: int = 1  # the file's row number of the unit's first row
+    row_group: int | None  # a Parquet row group; None: JSON lines
+    first_row: int = 1  # the file's row number of the unit's first row (Parquet)
+    start: int = 0  # JSON lines: the unit holds the lines that start in bytes [start, end) of the file
+    end: int | None = None  # None: to the end of the file
+    size: int = 0  # bytes read from storage to read the unit (compressed: the file's or column chunk's size)
 
 
 def list_units(spec: str) -> list[Unit]:
-    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable."""
+    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable. Only file
+    sizes and Parquet footers are read."""
     from megand.data.preprocess import expand_inputs
 
     units = []
@@ -70,22 +79,55 @@ def list_units(spec: str) -> list[Unit]:
                 raise DataError(f"{path}: cannot read Parquet ({' '.join(str(e).split())})") from e
             if TEXT_KEY not in names:
                 raise DataError(f"{path}: no column {TEXT_KEY!r} (columns: {', '.join(names)})")
+            leaves = meta.schema.names  # the column chunk of `text` is what a read fetches
+            column = leaves.index(TEXT_KEY) if TEXT_KEY in leaves else None
             row = 1
             for g in range(meta.num_row_groups):
-                units.append(Unit(path, g, row))
-                row += meta.row_group(g).num_rows
+                group = meta.row_group(g)
+                size = group.total_byte_size if column is None else group.column(column).total_compressed_size
+                units.append(Unit(path, g, row, size=size))
+                row += group.num_rows
+        elif path.endswith(".gz"):  # a gzip stream cannot be entered in the middle
+            units.append(Unit(path, None, size=os.path.getsize(path)))
         else:
-            units.append(Unit(path, None))
+            size = os.path.getsize(path)
+            n = max(1, -(-size // CHUNK_BYTES))
+            bounds = [size * i // n for i in range(n + 1)]
+            units += [Unit(path, None, start=a, end=None if i == n - 1 else b, size=b - a)
+                      for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return units
 
 
-def read_unit(unit: Unit) -> list[tuple[int, object]]:
-    """``(row number, raw row)`` of every non-blank row: bytes of a JSON line, or a Parquet value."""
+def _read_lines(unit: Unit) -> list[tuple[object, bytes]]:
+    """``(row, line)`` of the lines that start in the unit's byte range; ``row`` is the line number in the
+    file when the unit starts the file, else ``"byte N"`` (the line's offset: line numbers would need the
+    bytes before it)."""
+    if unit.path.endswith(".gz"):
+        with gzip.open(unit.path, "rb") as f:
+            return list(enumerate(f, 1))
+    out = []
+    with open(unit.path, "rb") as f:
+        if unit.start > 0:
+            f.seek(unit.start - 1)
+            if f.read(1) != b"\n":
+                f.readline()  # the line under way belongs to the unit before
+        pos = f.tell()
+        n = 0
+        while unit.end is None or pos < unit.end:
+            line = f.readline()
+            if not line:
+                break
+            n += 1
+            out.append((n if unit.start == 0 else f"byte {pos}", line))
+            pos += len(line)
+    return out
+
+
+def read_unit(unit: Unit) -> list[tuple[object, object]]:
+    """``(row, raw row)`` of every non-blank row: bytes of a JSON line, or a Parquet value."""
     try:
         if unit.row_group is None:
-            opener = gzip.open if unit.path.endswith(".gz") else open
-            with opener(unit.path, "rb") as f:
-                return [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+            return [(n, line) for n, line in _read_lines(unit) if line.strip()]
         import pyarrow.parquet as pq
 
         values = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[TEXT_KEY]).column(0).to_pylist()
@@ -152,14 +194,10 @@ class Lane:
     def __init__(self, index: int, stream: "StreamSource"):
         self.index, self.stream = index, stream
         n = len(stream.sources)
-        self.cursors = [[0, 0, self.first_own(0)] for _ in range(n)]  # [epoch, unit position, row] per source
+        self.cursors = [[0, index, 0] for _ in range(n)]  # [epoch, piece position, row in the piece] per source
         self.chars = [0] * n  # characters of text taken from each source
         self.docs: deque[Document] = deque()  # taken, in order; docs[0] holds the next sample's first token
         self.offset = 0  # that token's index in docs[0]
-
-    def first_own(self, position: int) -> int:
-        """The first row of the ``position``-th unit of an epoch that belongs to this lane."""
-        return (self.index - position) % self.stream.lanes
 
     # -- state
     def selection_state(self) -> dict:
@@ -186,26 +224,27 @@ class Lane:
         """The next document of this lane (its text still to tokenize)."""
         before = self.selection_state()
         s = self.next_source()
-        units = self.stream.sources[s]
         cursor = self.cursors[s]
-        passed = 0  # units passed without a document for this lane
+        pieces = self.stream.pieces(s)
+        passed = 0  # pieces passed without a document
         while True:
             epoch, position, row = cursor
-            if position >= len(units):
-                cursor[:] = [epoch + 1, 0, self.first_own(0)]
+            if position >= pieces:
+                cursor[:] = [epoch + 1, self.index, 0]
                 continue
-            unit, rows = self.stream.unit_rows(s, epoch, position)
+            unit, rows = self.stream.piece_rows(s, epoch, position)
             if row >= len(rows):
                 passed += 1
-                if passed > 2 * len(units):
+                if passed > 2 * (pieces // self.stream.lanes + 1):
                     skipped = f", {self.stream.skipped} malformed row(s) skipped" if self.stream.skipped else ""
                     raise DataError(f"data.paths entry {self.stream.specs[s]!r}: stream lane {self.index} found no "
-                                    f"document in two epochs of its {len(units)} unit(s) (files and Parquet row "
-                                    f"groups{skipped}): the stream is empty, or has not clearly more documents "
-                                    f"than the {self.stream.lanes} lanes (train.global_batch_size)")
-                cursor[:] = [epoch, position + 1, self.first_own(position + 1)]
+                                    f"document in two epochs of its share of the {len(self.stream.sources[s])} "
+                                    f"unit(s) (files, chunks of files and Parquet row groups{skipped}): the stream "
+                                    f"is empty, or has not clearly more documents than the {self.stream.lanes} "
+                                    f"lanes (train.global_batch_size)")
+                cursor[:] = [epoch, position + self.stream.lanes, 0]
                 continue
-            cursor[2] = row + self.stream.lanes
+            cursor[2] = row + 1
             rowno, raw = rows[row]
             text, reason = parse_row(unit, raw)
             where = f"{unit.path}:{rowno}"
@@ -268,7 +307,10 @@ class StreamSource(DataSource):
         self.workers = int(data_cfg.get("workers", 1))
         self.eod_id = self.tokenizer.eod_id
         self.mine: list[Lane] = []
-        self._cache: OrderedDict = OrderedDict()
+        self._cache: OrderedDict = OrderedDict()  # (source, epoch, unit position) -> the unit and its shuffled rows
+        self._orders: dict = {}  # (source, epoch) -> the epoch's unit order
+        self._split = [1] * len(self.sources)  # pieces per unit of each source (set by open)
+        self.bytes_read = 0  # from storage, by this reader (units read again after leaving the cache count again)
         self._pool = None
         self.skipped, self.notices = 0, []
         self.history: dict | None = None  # a dict: every lane's documents taken, in order (tools/inspect_data.py)
@@ -278,8 +320,14 @@ class StreamSource(DataSource):
         """Of ``lanes`` (the global batch size), read ``[first_lane, first_lane + count)`` (one data-parallel
         rank's slice of the batch)."""
         self.lanes = int(lanes)
+        self._split = [max(1, -(-self.lanes // len(units))) for units in self.sources]
         self.mine = [Lane(i, self) for i in range(first_lane, first_lane + count)]
         return self
+
+    def pieces(self, source: int) -> int:
+        """Pieces of one epoch of ``source``: its units, each cut in as many as it takes to have a piece
+        for every lane."""
+        return len(self.sources[source]) * self._split[source]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -288,40 +336,65 @@ class StreamSource(DataSource):
 
     # -- state: one entry per lane; a reader knows only its own
     def state_dict(self) -> dict:
-        return {"kind": "stream", "lanes": self.lanes, "seed": self.seed, "sources": list(self.specs),
+        return {"kind": "stream", "version": STATE_VERSION, "lanes": self.lanes, "seed": self.seed,
+                "sources": list(self.specs),
                 "lane_states": {lane.index: lane.state_dict() for lane in self.mine}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Every lane's state (a checkpoint's); this reader takes its own lanes' (a lane the state does not
+        hold was never read: under a batch ramp-up, a lane of a batch larger than any read yet)."""
+        self.check_state(state)
+        lane_states = {int(k): v for k, v in state["lane_states"].items()}
+        for i, lane in enumerate(self.mine):
+            if lane.index in lane_states:
+                lane.load_state_dict(lane_states[lane.index])
+            else:
+                self.mine[i] = Lane(lane.index, self)
+
+    def check_state(self, state: dict) -> None:
+        """A one-line DataError when ``state`` is not a state of this stream."""
         if state.get("kind") != "stream":
             raise DataError(f"the checkpoint's data state is of kind {state.get('kind')!r}, not a stream "
                             f"(data.kind changed since the checkpoint?)")
+        if int(state.get("version", 1)) != STATE_VERSION:
+            raise DataError(f"the checkpoint's stream state is of version {state.get('version', 1)}, this megand reads "
+                            f"version {STATE_VERSION} (lanes now read whole units): resume it with the megand that "
+                            f"wrote it")
         if int(state["lanes"]) != self.lanes:
             raise DataError(f"the checkpoint's stream has {state['lanes']} lanes (its train.global_batch_size), this "
                             f"run {self.lanes}: a stream resumes only at the same global batch size")
         if list(state["sources"]) != self.specs:
             raise DataError(f"the checkpoint's stream reads data.paths {list(state['sources'])}, this run "
                             f"{self.specs}: a stream resumes only on the same sources")
-        lane_states = {int(k): v for k, v in state["lane_states"].items()}
-        for lane in self.mine:
-            lane.load_state_dict(lane_states[lane.index])
+        if int(state["seed"]) != self.seed:
+            raise DataError(f"the checkpoint's stream was shuffled with train.seed={state['seed']}, this run's is "
+                            f"{self.seed}: a stream resumes only with the same seed")
 
     # -- reading
-    def unit_rows(self, source: int, epoch: int, position: int):
-        """The ``position``-th unit of ``epoch`` of ``source`` and its rows in this epoch's shuffled order."""
-        key = (source, epoch, position)
+    def piece_rows(self, source: int, epoch: int, position: int):
+        """The unit of piece ``position`` of ``epoch`` of ``source`` and the piece's rows, in this epoch's
+        shuffled order."""
+        split = self._split[source]
+        unit_position, piece = divmod(position, split)
+        key = (source, epoch, unit_position)
         if key in self._cache:
             self._cache.move_to_end(key)
-            return self._cache[key]
-        units = self.sources[source]
-        order = np.random.default_rng([self.seed, source, epoch]).permutation(len(units))
-        unit = units[int(order[position])]
-        rows = read_unit(unit)
-        perm = np.random.default_rng([self.seed, source, epoch, position]).permutation(len(rows))
-        value = (unit, [rows[int(i)] for i in perm])
-        self._cache[key] = value
-        if len(self._cache) > UNIT_CACHE:
-            self._cache.popitem(last=False)
-        return value
+        else:
+            units = self.sources[source]
+            if (source, epoch) not in self._orders:
+                if len(self._orders) > 2 * len(self.sources):  # lanes are at most an epoch apart, or so
+                    self._orders.clear()
+                self._orders[source, epoch] = np.random.default_rng([self.seed, source, epoch]).permutation(len(units))
+            unit = units[int(self._orders[source, epoch][unit_position])]
+            rows = read_unit(unit)
+            self.bytes_read += unit.size
+            perm = np.random.default_rng([self.seed, source, epoch, unit_position]).permutation(len(rows))
+            shuffled = [rows[int(i)] for i in perm]
+            self._cache[key] = (unit, [shuffled[j::split] for j in range(split)])
+            if len(self._cache) > len(self.mine) + UNIT_CACHE:
+                self._cache.popitem(last=False)
+        unit, pieces = self._cache[key]
+        return unit, pieces[piece]
 
     def note_skipped(self, where: str, reason: str) -> None:
         self.skipped += 1
@@ -384,8 +457,20 @@ class StreamSource(DataSource):
 
 @register_kind("stream")
 def build_stream(data_cfg, seq_length, vocab_size, seed, num_samples):
-    """The train stream (validation and test splits are not streamed: ``train.eval_iters`` must be 0).
-    Lanes are opened by the trainer, which knows the global batch size and this rank's slice."""
-    if num_samples[1] or num_samples[2]:
-        raise DataError("data.kind=stream has no validation split: set train.eval_iters=0")
-    return StreamSource(data_cfg, seq_length, vocab_size, seed), None, None
+    """The train stream of ``data.paths`` and, when the run evaluates, the validation stream of
+    ``data.valid_paths`` (no file in both). Lanes are opened by the trainer, which knows the global batch
+    size and this rank's slice."""
+    train = StreamSource(data_cfg, seq_length, vocab_size, seed)
+    if not num_samples[1]:
+        return train, None, None
+    valid_paths = data_cfg.get("valid_paths")
+    if not valid_paths:
+        raise DataError("data.kind=stream evaluates (train.eval_iters>0) on a held-out stream: set data.valid_paths "
+                        "(files that data.paths does not hold), or train.eval_iters=0")
+    valid = StreamSource({**dict(data_cfg), "paths": valid_paths}, seq_length, vocab_size, seed)
+    held_out = {os.path.realpath(u.path) for units in valid.sources for u in units}
+    both = sorted({u.path for units in train.sources for u in units if os.path.realpath(u.path) in held_out})
+    if both:
+        raise DataError(f"data.valid_paths holds {len(both)} file(s) that data.paths trains on, e.g. {both[0]}: the "
+                        f"validation stream must be held out")
+    return train, valid, None

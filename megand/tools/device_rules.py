@@ -258,6 +258,11 @@ class DeviceRules(TorchDispatchMode):
         finally:
             self.sdpa_depth -= 1
 
+    def rms_norm(self, x, normalized_shape, weight=None, eps=None):
+        """``F.rms_norm`` as CUDA runs it: one fused kernel that keeps its input and an fp32 inverse
+        RMS per row for backward (a CPU build's composite keeps two fp32 copies of the input)."""
+        return _FusedRmsNorm.apply(x, weight, len(normalized_shape))
+
     # -- summaries -----------------------------------------------------------------------------------
     def sync_table(self, phases) -> list[dict]:
         """``[{"where", "kind", "count"}]`` of the syncs in ``phases``, most frequent first."""
@@ -266,3 +271,18 @@ class DeviceRules(TorchDispatchMode):
             if phase in phases:
                 counts[(where, kind)] += n
         return [{"where": w, "kind": k, "count": n} for (w, k), n in counts.most_common()]
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """Shapes, dtypes and saved tensors of CUDA's fused RMSNorm (values are not computed: fake tensors)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: int):
+        rstd = x.new_empty(x.shape[:x.dim() - dims] + (1,) * dims, dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None

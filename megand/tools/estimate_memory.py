@@ -427,8 +427,9 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     extra = 0.0
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
-    if stage == layout.pp - 1:
-        extra += tokens * (2 * e * shape.hidden / seq_split + 4 * shape.padded_vocab(layout.tp) / layout.tp)
+    if stage == layout.pp - 1:  # the final norm and output-layer inputs; at the loss, the logits and the
+        # one fp32 copy the vocab-parallel cross entropy turns into its softmax are alive together
+        extra += tokens * (2 * e * shape.hidden / seq_split + (4 + e) * shape.padded_vocab(layout.tp) / layout.tp)
     return extra
 
 

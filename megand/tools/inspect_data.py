@@ -37,8 +37,8 @@ def _datasets_summary(cfg) -> list[str]:
 
         paths = parse_paths(list(cfg.data.paths))
         total = sum(w for w, _ in paths)
-        return [f"{spec}: stream of {len({u.path for u in units})} file(s), {len(units)} unit(s) (files and Parquet row "
-                f"groups), mixture weight {w / total:.3f}" for (w, spec), units in
+        return [f"{spec}: stream of {len({u.path for u in units})} file(s), {len(units)} unit(s) (files, chunks of "
+                f"files and Parquet row groups), mixture weight {w / total:.3f}" for (w, spec), units in
                 zip(paths, (list_units(spec) for _, spec in paths))]
     if cfg.data.kind != "indexed":
         return [f"data.kind={cfg.data.kind} (blend: one dataset)"]

@@ -420,6 +420,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
                                                                                               rules)))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
                                                       rules.scaled_dot_product_attention))
+                stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", rules.rms_norm))
             topo = build_topology(cfg, device)
             t, m = cfg.train, cfg.model
             data = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.global_batch_size)

@@ -194,6 +194,13 @@ def data_peer_group(topo):
     return mine, by_dp[topo.dp_rank][0]
 
 
+def merge_lane_states(states: list[dict]) -> dict:
+    """One stream state from the readers' states (each holds its own lanes)."""
+    merged = dict(states[0])
+    merged["lane_states"] = {str(k): v for s in states for k, v in s["lane_states"].items()}
+    return merged
+
+
 class StreamBatches:
     """The stream's only consumer: reads each step's samples once, in order, on a background thread.
 
@@ -205,33 +212,64 @@ class StreamBatches:
     before it: nothing is lost), and the next :meth:`get` reads from the loaded state. A read error
     (a malformed row, an unreadable file) is agreed on by every rank and raised by the :meth:`get` of the
     step that needs it, on every rank alike.
+
+    Under a batch ramp-up (``ramp``), slot ``s`` of a step's global batch of ``b`` samples is lane ``s`` of
+    the final batch's lanes: lanes ``[b, final)`` wait unread until the batch grows to them. When ``b``
+    changes, the lanes move to the readers of their new slices with their states (gathered from the
+    readers), so the ramp-up reads exactly the stream of the same ramp-up at any layout.
     """
 
     def __init__(self, source, topo, global_batch_size: int, micro_batch_size: int, seq_length: int,
-                 needs_tokens=True, documents=None, device=None):
+                 needs_tokens=True, documents=None, device=None, ramp=None):
+        from megand.training.rampup import ConstantBatch
+
         self.topo, self.micro_batch_size, self.seq_length = topo, micro_batch_size, seq_length
         self.needs_tokens, self.documents = needs_tokens, documents
         self.device = topo.device if device is None else device
-        per_dp = global_batch_size // topo.dp_size
+        self.lanes = global_batch_size  # the final global batch's slots
+        self.ramp = ramp or ConstantBatch(global_batch_size)
         self.group, self.reader_rank = data_peer_group(topo)
-        self.all_ranks = dist.new_group(backend="gloo")  # agreement on read errors (the reading thread's)
+        self.all_ranks = dist.new_group(backend="gloo")  # the reading thread's: read errors, lanes changing reader
         self.state_ranks = dist.new_group(backend="gloo")  # gathering the state (the training thread's)
         self.is_reader = topo.rank == self.reader_rank
-        self.source = source.open(global_batch_size, topo.dp_rank * per_dp, per_dp) if self.is_reader else None
-        self.state = self.source.state_dict() if self.is_reader else None  # after the last batch returned
+        self.source = source if self.is_reader else None
+        self.opened = None  # the global batch size this reader's lanes are opened for
+        self.pending = None  # a loaded state (every lane's), taken by the next read
+        self.state = None  # this reader's lanes' state after the last batch returned
+        self._open(self.ramp.batch_size(0))  # no collective: nothing to gather yet
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-stream")
-        self._ahead = None
+        self._ahead = self._ahead_at = None
 
-    def _read(self):
-        """Collective over every rank: ``(samples, state after them)``, read and broadcast once."""
-        payload = [None]
+    def _open(self, batch_size: int) -> None:
+        """Collective over every rank (the reading thread's): this reader's lanes for global batches of
+        ``batch_size``, in the state of the lanes where they stand now, whichever reader read them."""
+        state = self.pending
+        if state is None and self.opened is not None:  # a ramp-up step: gather the lanes from their readers
+            every = [None] * self.topo.world_size
+            dist.all_gather_object(every, self.source.state_dict() if self.is_reader else None, group=self.all_ranks)
+            state = merge_lane_states([s for s in every if s is not None])
         if self.is_reader:
-            try:
+            per_dp = batch_size // self.topo.dp_size
+            self.source.open(self.lanes, self.topo.dp_rank * per_dp, per_dp)
+            if state is not None:
+                self.source.load_state_dict(state)
+            self.state = self.source.state_dict()
+        self.opened, self.pending = batch_size, None
+
+    def _read(self, consumed: int):
+        """Collective over every rank: ``(samples, state after them)`` of the step after ``consumed``
+        samples, read and broadcast once."""
+        payload = [None]
+        try:
+            batch_size = self.ramp.batch_size(consumed)
+            if batch_size != self.opened:
+                self._open(batch_size)
+            if self.is_reader:
                 samples = self.source.next_samples()
                 notices, self.source.notices = self.source.notices, []
                 payload = [(samples, self.source.state_dict(), notices, None)]
-            except Exception as e:  # noqa: BLE001 - agreed on below, raised by the step that needs it
-                payload = [(None, None, [], e)]
+        except Exception as e:  # noqa: BLE001 - agreed on below, raised by the step that needs it
+            payload = [(None, None, [], e)]
         if dist.get_world_size(self.group) > 1:
             dist.broadcast_object_list(payload, src=self.reader_rank, group=self.group)
         samples, state, notices, error = payload[0]
@@ -248,35 +286,48 @@ class StreamBatches:
             raise error
         return torch.from_numpy(samples), state, notices
 
-    def get(self) -> list:
+    def get(self, consumed: int = 0, read_ahead: bool = True) -> list:
+        """The micro-batches of the step after ``consumed`` samples (this rank's); then, with
+        ``read_ahead``, starts reading the next step's."""
         if self._ahead is None:
-            self._ahead = self._pool.submit(self._read)
+            self._ahead, self._ahead_at = self._pool.submit(self._read, consumed), consumed
+        if self._ahead_at != consumed:
+            raise RuntimeError(f"the stream read ahead the step after {self._ahead_at} samples, the trainer asks "
+                               f"for the step after {consumed}")
         samples, state, notices = self._ahead.result()
-        self._ahead = self._pool.submit(self._read)
-        if self.is_reader:
-            self.state = state
+        self._ahead = None
+        if read_ahead:
+            after = consumed + self.ramp.batch_size(consumed)
+            self._ahead, self._ahead_at = self._pool.submit(self._read, after), after
         if self.is_reader:  # each reader its own (data-parallel rank r's lanes)
+            self.state = state
             for line in notices:
                 print(f"{line} (reader of data-parallel rank {self.topo.dp_rank})", flush=True)
         host = samples_microbatches(samples, self.micro_batch_size, self.topo, self.seq_length, self.needs_tokens,
                                     self.documents, device=torch.device("cpu"))
         return to_device(host, self.device)
 
+    def restart(self) -> None:
+        """Back to the stream's start (a validation stream, read from its start at every evaluation); the
+        units read stay in the reader's cache."""
+        self._drain()
+        self.opened = self.pending = None
+        self._open(self.ramp.batch_size(0))  # no collective: nothing to gather
+
     def state_dict(self) -> dict:
-        """Collective: every lane's state (each reader knows its own lanes)."""
-        mine = [self.state]
+        """Collective: every lane's state (each reader knows its own lanes; a lane never read has none)."""
+        if self.pending is not None:  # loaded, nothing read since
+            return self.pending
         every = [None] * self.topo.world_size
-        dist.all_gather_object(every, mine[0], group=self.state_ranks)
-        states = [s for s in every if s is not None]
-        merged = dict(states[0])
-        merged["lane_states"] = {str(k): v for s in states for k, v in s["lane_states"].items()}
-        return merged
+        dist.all_gather_object(every, self.state, group=self.state_ranks)
+        return merge_lane_states([s for s in every if s is not None])
 
     def load_state_dict(self, state: dict) -> None:
+        """Every lane's state (a checkpoint's); checked here, taken by the next read."""
         self._drain()
         if self.is_reader:
-            self.source.load_state_dict(state)
-            self.state = self.source.state_dict()
+            self.source.check_state(state)
+        self.opened, self.pending, self.state = None, state, None
 
     def _drain(self):
         if self._ahead is not None:

@@ -148,6 +148,7 @@ class DataConfig:
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
     on_error: str = "fail"  # stream: a malformed row stops the run (fail) or is skipped (skip)
     workers: int = 1  # stream: tokenizer processes per reader (one reader per data-parallel rank); 0: in the reader
+    valid_paths: List[Any] = field(default_factory=list)  # stream: the held-out validation stream, [[weight, directory or glob], ...] (no file of data.paths); read from its start at every evaluation
 
 
 @dataclass
@@ -356,13 +357,12 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
     if cfg.data.kind == "indexed" and not cfg.data.paths:
         raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
-    if cfg.data.kind == "stream" and not (cfg.data.paths and cfg.train.eval_iters == 0 and cfg.data.workers >= 0
-                                          and cfg.train.rampup_batch_size is None):
-        raise ConfigError(f"data.kind=stream needs data.paths (a list of [weight, directory or glob]), "
-                          f"train.eval_iters=0 (no validation stream yet), data.workers >= 0 and no batch ramp-up "
-                          f"(a stream has one lane per sample of the global batch): got data.paths="
-                          f"{list(cfg.data.paths)}, train.eval_iters={cfg.train.eval_iters}, data.workers="
-                          f"{cfg.data.workers}, train.rampup_batch_size={cfg.train.rampup_batch_size}")
+    if cfg.data.kind == "stream" and not (cfg.data.paths and cfg.data.workers >= 0):
+        raise ConfigError(f"data.kind=stream needs data.paths (a list of [weight, directory or glob]) and "
+                          f"data.workers >= 0: got data.paths={list(cfg.data.paths)}, data.workers={cfg.data.workers}")
+    if cfg.data.kind == "stream" and cfg.train.eval_iters > 0 and not cfg.data.valid_paths:
+        raise ConfigError(f"data.kind=stream evaluates (train.eval_iters={cfg.train.eval_iters}) on a held-out "
+                          f"stream: set data.valid_paths (files that data.paths does not hold), or train.eval_iters=0")
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
@@ -577,7 +577,9 @@ def optimizer_config(cfg):
 def data_parallel_config(cfg):
     from megand.core.distributed.config import DataParallelConfig
 
-    return DataParallelConfig(**_known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True)))
+    keys = _known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True))
+    # compiled layers read their weights' FP8 operands by quantising the gathered bf16 weight
+    return DataParallelConfig(**keys, fp8_param_gather=not cfg.train.get("compile", False))
 
 
 def checkpoint_config(cfg):

@@ -168,7 +168,10 @@ class Trainer:
         self.prefetcher = None  # reads the next step's batch while this one computes
         t = cfg.train  # a stream (data.kind=stream): read in order by its only consumer (collective)
         self.stream = (StreamBatches(self.train_data, self.topo, t.global_batch_size, t.micro_batch_size,
-                                     **self.batch_needs) if getattr(self.train_data, "is_stream", False) else None)
+                                     **self.batch_needs, ramp=self.ramp)
+                       if getattr(self.train_data, "is_stream", False) else None)
+        self.valid_stream = (StreamBatches(self.valid_data, self.topo, t.global_batch_size, t.micro_batch_size,
+                                           **self.batch_needs) if getattr(self.valid_data, "is_stream", False) else None)
         self.loaded_iteration = self.last_save_attempt = None
         self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
@@ -437,13 +440,13 @@ class Trainer:
         will be rolled back."""
         t = self.cfg.train
         self._progress("data")
+        if self.ramp.batch_size(self.consumed_samples) != self.batch_size:
+            self._plan_batches(self.ramp.batch_size(self.consumed_samples))
         if self.stream is not None:  # a rollback keeps the stream where it is: after the spike's batch
-            microbatches = self.stream.get()
+            microbatches = self.stream.get(self.consumed_samples)
         else:
             if self.prefetcher is None:
                 self.prefetcher = Prefetcher(self._read_step, self.topo.device, self._next_read)
-            if self.ramp.batch_size(self.consumed_samples) != self.batch_size:
-                self._plan_batches(self.ramp.batch_size(self.consumed_samples))
             microbatches = self.prefetcher.get(self.consumed_samples, self.train_data)
         self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
@@ -571,10 +574,15 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        if self.valid_stream is not None:  # the same batches at every evaluation: from the stream's start
+            self.valid_stream.restart()
         for k in range(t.eval_iters):
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
-            microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size, self.topo,
-                                             **self.batch_needs)
+            if self.valid_stream is not None:
+                microbatches = self.valid_stream.get(k * t.global_batch_size, read_ahead=k + 1 < t.eval_iters)
+            else:
+                microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size,
+                                                 self.topo, **self.batch_needs)
             self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
             loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
                                                   forward_only=True))
@@ -646,8 +654,9 @@ class Trainer:
             if self.prefetcher is not None:
                 self.prefetcher.close()
                 self.prefetcher = None
-            if self.stream is not None:
-                self.stream.close()
+            for stream in (self.stream, self.valid_stream):
+                if stream is not None:
+                    stream.close()
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 

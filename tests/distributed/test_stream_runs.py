@@ -145,3 +145,50 @@ def test_spike_rollback_of_a_stream_skips_exactly_the_spike_batch(tmp_path):
     assert [r["iter"] for r in after] == list(range(16, 21))
     # the rolled-back run reads stream batches 18.. where the uninterrupted one read 18..20
     assert [r["batch_checksum"] for r in after[:3]] == [plain[i]["batch_checksum"] for i in (18, 19, 20)]
+
+
+RAMP_BATCHES = [2, 2, 4, 6, 8, 8]  # train.rampup_batch_size=[2,2,12]: one increment of 2 every 4 samples
+
+
+def test_stream_ramp_up_and_validation_stream_resume_at_another_dp(tmp_path):
+    """Under a batch ramp-up, slot s of every batch is lane s: a dp=2 run (lanes change readers as the batch
+    grows) stopped mid-ramp and resumed at dp=1 trains on the batches of the uninterrupted dp=1 run, and
+    evaluates on the held-out stream of data.valid_paths (the same batches at every layout)."""
+    write_corpus(tmp_path / "train", 400)
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "valid.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(str(7 + (i * k) % 900) for k in range(20))}) + "\n" for i in range(100)))
+    args = ["+experiment=tiny_gpt", "data=stream", f"data.paths=[[1.0,{tmp_path / 'train'}]]",
+            f"data.valid_paths=[[1.0,{tmp_path / 'held'}]]", "model.vocab_size=1000", "data.workers=0",
+            "train.eval_iters=2", "train.eval_interval=3", "train.micro_batch_size=1", "train.batch_checksum=true",
+            "train.rampup_batch_size=[2,2,12]", "train.iters=6", "optim.warmup_iters=2"]
+    whole = str(tmp_path / "whole")
+    run_pretrain(whole, args)
+    ref = read_metrics(whole)
+    assert [r["global_batch_size"] for r in ref] == RAMP_BATCHES
+    save, split = str(tmp_path / "ckpt"), str(tmp_path / "split")
+    run_pretrain(split, [*args, "parallel.dp=2", f"checkpoint.save={save}", "train.exit_interval=3"], nproc=2)
+    run_pretrain(split, [*args, f"checkpoint.save={save}", f"checkpoint.load={save}"])
+    resumed = read_metrics(split)
+    assert [r["iter"] for r in resumed] == list(range(1, 7))
+    assert [r["batch_checksum"] for r in resumed] == [r["batch_checksum"] for r in ref]
+    assert_parity(ref, resumed, steps=6)
+
+    def evaluations(run_dir):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return {r["iter"]: r["val_loss"] for r in map(json.loads, f) if "val_loss" in r}
+
+    expected, got = evaluations(whole), evaluations(split)
+    assert sorted(expected) == [3, 6] and sorted(got) == [3, 6]
+    for it in (3, 6):
+        assert abs(got[it] - expected[it]) <= 1e-4 * abs(expected[it]), (it, got[it], expected[it])
+
+
+def test_a_validation_stream_that_overlaps_training_is_refused(tmp_path):
+    write_corpus(tmp_path / "train", 100)
+    args = [a for a in common(tmp_path / "train") if not a.startswith("train.eval_iters=")]
+    proc = run_pretrain(str(tmp_path / "run"), [*args, "train.eval_iters=1",
+                                                 f"data.valid_paths=[[1.0,{tmp_path / 'train'}/a.jsonl]]"], check=False)
+    assert proc.returncode == 2
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "data.valid_paths holds 1 file(s) that data.paths trains on" in lines[0], lines

@@ -66,6 +66,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_impossible_request_is_one_line(tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER)
-    r = _run("model=llama_8b", "train.global_batch_size=8", "--cluster", str(cluster))
+    # 4k tokens: at 8k the last stage (fp32 logits and their fp32 softmax, 4.2 GB at tp=2) fits no 8 GiB device
+    r = _run("model=llama_8b", "train.global_batch_size=8", "model.seq_length=4096", "--cluster", str(cluster))
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "the smallest layout that fits needs" in r.stderr and "devices of 8 GiB" in r.stderr

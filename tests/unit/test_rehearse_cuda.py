@@ -45,6 +45,11 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "recompute_selective": T + ["train.recompute=selective", "--world-size", "1"],
     "recompute_full": T + ["train.recompute=full", "--world-size", "1"],
     "fp16": ["+experiment=tiny_llama", "train.precision=fp16", "--world-size", "1"],
+    # FP8: torch._scaled_mm's argument rules on CUDA tensors (layouts, scale shapes), the sequence-parallel
+    # all-gather in FP8 and the ZeRO-3 gathers handing FP8 operands to the layers
+    "fp8_tp2_sp": T + ["train.fp8=tensorwise", "parallel.tp=2", "parallel.sequence_parallel=true", "--world-size", "2",
+                       "--rank", "1"],
+    "fp8_zero3": T + ["train.fp8=tensorwise", "optim.sharding=optim_grads_params", "--world-size", "2", "--rank", "1"],
 }
 CAUGHT = {  # layouts on which earlier code synchronised with the host where a GPU run should not (now fixed)
     "cp2_ring_documents": (T + DOCS + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
@@ -100,9 +105,11 @@ def test_dense_preset_rank_runs_as_on_its_gpus(rehearsed, name):
     assert {a["backend"] for a in report["attention"]} == {"flash (aten op)"}, report["attention"]
     assert report["estimator_fused_attention"]
     assert any(k["kernel"] == "addmm torch.bfloat16->torch.float32" for k in report["kernels"])  # wgrad fusion
-    # the estimator counts the states exactly; the activations (Megatron-like, fused) within 35%
+    # the estimator counts the states exactly and the activations within 10% (1.02 on llama8b, 1.04 on
+    # llama70b's first stage: before CUDA's fused RMSNorm was modelled and the loss kept one fp32 copy of the
+    # logits, 1.23)
     assert abs(peak["build"] / est["build"] - 1) <= 0.02, (peak, est)
-    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.35, (peak, est)
+    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.10, (peak, est)
     s = report["syncs"]
     assert s["per_line"][-1]["where"].startswith("megand/training/pretrain.py") and s["step"] <= s["allowed"]
 

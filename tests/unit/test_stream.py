@@ -74,7 +74,7 @@ def lane_documents(batches, lane):
 def test_every_dp_reads_the_same_stream_and_a_reshard_loses_and_repeats_nothing(tmp_path):
     docs = write_corpus(tmp_path / "corpus")
     paths = [[1.0, str(tmp_path / "corpus")]]
-    steps = 60  # more than one epoch of every lane (about 300 docs * 20 tokens / (8 lanes * 16))
+    steps = 120  # more than one epoch of every lane (its share: up to 2 pieces of 12, about 80 docs * 20 tokens / 16)
     whole = read(readers(paths, 1), steps)
     assert all(np.array_equal(a, b) for a, b in zip(whole, read(readers(paths, 2), steps)))  # dp-independent
     # dp=2 for 13 steps, checkpoint, resume at dp=4: the same batches as the uninterrupted run
@@ -177,3 +177,63 @@ def test_a_killed_tokenizer_worker_is_an_error_not_a_hang(tmp_path):
             read([s], 60)
     finally:
         s.close()
+
+
+def test_a_reader_reads_only_the_units_of_its_lanes(tmp_path, monkeypatch):
+    """.jsonl files cut into byte chunks at line starts hold each line once; each of dp readers reads about
+    1/dp of the bytes a single reader reads, and together they read each unit once."""
+    import megand.data.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "CHUNK_BYTES", 1500)
+    rng = np.random.default_rng(1)
+    texts = [doc_text(d, rng) for d in range(600)]
+    (tmp_path / "c").mkdir()
+    for k in range(2):
+        (tmp_path / "c" / f"{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[k::2]))
+    paths = [[1.0, str(tmp_path / "c")]]
+    units = stream_module.list_units(paths[0][1])
+    assert len(units) > 2 * LANES  # whole units per lane
+    rows = [json.loads(line)["text"] for u in units for _, line in stream_module.read_unit(u)]
+    assert sorted(rows) == sorted(texts)  # every line in exactly one chunk
+    total = sum(u.size for u in units)
+    assert total == sum((tmp_path / "c" / f"{k}.jsonl").stat().st_size for k in range(2))
+    steps = 40  # about 40% of an epoch (600 docs * ~21 tokens / (8 lanes * 16 tokens a step)): no lane finishes it
+    read_bytes = {}
+    for dp in (1, 2, 4):
+        sources = readers(paths, dp)
+        batches = read(sources, steps)
+        read_bytes[dp] = [s.bytes_read for s in sources]
+        if dp == 1:
+            whole = batches
+        assert all(np.array_equal(a, b) for a, b in zip(whole, batches))
+    assert total * 0.3 < read_bytes[1][0] <= total * 0.7
+    assert sum(read_bytes[2]) == sum(read_bytes[4]) == read_bytes[1][0]  # no unit read twice
+    for dp in (2, 4):
+        assert max(read_bytes[dp]) < 1.5 * read_bytes[1][0] / dp, (dp, read_bytes)
+
+
+def test_a_malformed_row_inside_a_file_chunk_is_named_by_its_byte_offset(tmp_path, monkeypatch):
+    import megand.data.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "CHUNK_BYTES", 1000)
+    (tmp_path / "c").mkdir()
+    lines = [json.dumps({"text": f"{i} 7 7 7"}) + "\n" for i in range(400)]
+    lines[300] = '{"text": "1 2 3"\n'
+    (tmp_path / "c" / "a.jsonl").write_text("".join(lines))
+    offset = sum(len(x) for x in lines[:300])
+    with pytest.raises(DataError, match=rf"a.jsonl:byte {offset}: invalid JSON"):
+        read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
+
+
+def test_a_state_of_another_seed_batch_or_format_is_refused_in_one_line(tmp_path):
+    write_corpus(tmp_path / "c", 100)
+    paths = [[1.0, str(tmp_path / "c")]]
+    state = merged_state(readers(paths, 1))
+    s = readers(paths, 2)[0]
+    for change, message in (({"seed": 8}, r"shuffled with train.seed=8, this run's is 7"),
+                            ({"lanes": 16}, r"has 16 lanes .* this run 8"),
+                            ({"version": 1}, r"stream state is of version 1")):
+        with pytest.raises(DataError, match=message):
+            s.load_state_dict({**state, **change})
+    s.load_state_dict({**state, "lane_states": {}})  # lanes the state does not hold were never read
+    assert [lane.cursors for lane in s.mine] == [[[0, lane.index, 0]] for lane in s.mine]

@@ -38,6 +38,7 @@ class Bucket:
     packed: int = 0  # where this bucket's slice starts in a packed (sharded) buffer
     full: torch.Tensor | None = None  # sharded params: the bucket's own full-size parameter storage
     scratch: torch.Tensor | None = None  # sharded grads: the full gradient while it is accumulated
+    fp8: object = None  # ZeRO-3 in FP8: the bucket's BucketFp8Gather (its parameters are FP8 layers' weights)
 
     def _packed(self, data, lo, hi, sharded):
         """Buffer offsets ``[lo, hi)`` (inside this rank's slice) of ``data``, packed or not."""
@@ -88,13 +89,15 @@ class Bucket:
         return self.end - self.start
 
 
-def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), starts=()):
+def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), starts=(), align: int = 1):
     """Offsets and bucket boundaries for parameters of ``numels`` (in buffer order).
 
     Returns ``(offsets, buckets)`` with ``buckets`` a list of ``(start, end, [param indices])``; each
     bucket's length is a multiple of ``pad_to``. Indices in ``own_bucket`` get a bucket to themselves
     (the tied embedding copies, so both pipeline stages shard them identically); indices in ``starts``
-    open a new bucket (model chunk boundaries, so a bucket's parameters are used by one chunk).
+    open a new bucket (model chunk boundaries, so a bucket's parameters are used by one chunk). Every
+    parameter starts at a multiple of ``align`` elements from its bucket's start (``pad_to`` should then
+    be a multiple of it).
     """
     offsets, buckets = [], []
     start, members = 0, []
@@ -111,6 +114,7 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), star
     for i, n in enumerate(numels):
         if i in own_bucket or i in starts:
             cursor = close(cursor)
+        cursor = start + -(-(cursor - start) // align) * align
         offsets.append(cursor)
         members.append(i)
         cursor += n
@@ -131,11 +135,12 @@ class ParamAndGradBuffer:
     """
 
     def __init__(self, params, dtype, bucket_size: int, shard_rank: int, shard_count: int, device,
-                 shard_grads: bool = False, shard_params: bool = False, starts=()):
+                 shard_grads: bool = False, shard_params: bool = False, starts=(), align: int = 1):
         self.dtype, self.params = dtype, list(params)
         self.shard_grads, self.shard_params = shard_grads, shard_params
         own = {i for i, p in enumerate(self.params) if getattr(p.meta, "embedding_group_grad", False)} if shard_count > 1 else ()
-        offsets, layout = bucket_layout([p.numel() for p in self.params], bucket_size, shard_count, own, starts)
+        offsets, layout = bucket_layout([p.numel() for p in self.params], bucket_size, shard_count * align, own,
+                                        starts, align)
         self.numel = layout[-1][1] if layout else 0
         packed = self.numel // shard_count
         self.param_data = torch.zeros(packed if shard_params else self.numel, dtype=dtype, device=device)

@@ -13,6 +13,7 @@ class DataParallelConfig:
     overlap_grad_reduce: bool = False  # reduce each gradient bucket as soon as backward has finished it
     overlap_param_gather: bool = False  # all-gather updated params during the next forward (sharded optimizer)
     bucket_size: int = 40_000_000  # elements per bucket
+    fp8_param_gather: bool = True  # ZeRO-3: gather FP8 layers' weights in FP8 (off: bf16, as other parameters)
 
     def __post_init__(self):
         if self.sharding not in SHARDING_LEVELS:

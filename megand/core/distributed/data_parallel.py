@@ -77,8 +77,10 @@ import torch.distributed as dist
 from megand.core.distributed.buffers import ParamAndGradBuffer
 from megand.core.distributed.config import DataParallelConfig
 from megand.core.distributed.forward_order import forward_order
+from megand.core.distributed.fp8_gather import BucketFp8Gather, Fp8Weight
 from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.distributed.param_gather import ParamGatherer
+from megand.core.tensor_parallel.fp8 import MX_BLOCK, Fp8Policy
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 
 
@@ -97,6 +99,21 @@ class ReduceGroup:
 def is_expert(p) -> bool:
     """A routed expert's tensor (split over expert-parallel ranks)."""
     return getattr(getattr(p, "meta", None), "expert", False)
+
+
+def fp8_weights(chunks) -> dict:
+    """``{weight: (policy, parts)}`` of the layers whose GEMMs run in FP8 (a dense 2-D weight; ``parts``:
+    the forward runs one GEMM per part of interleaved rows, ``gemm_row_parts`` of the layer). MX weights
+    whose rows are not whole 32-element blocks are left out (gathered in high precision)."""
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            policy, weight = getattr(module, "gemm", None), module._parameters.get("weight")
+            if (not isinstance(policy, Fp8Policy) or weight is None or weight.dim() != 2 or is_expert(weight)
+                    or (policy.name == "mxfp8" and weight.shape[1] % MX_BLOCK)):
+                continue
+            found[weight] = (policy, getattr(module, "gemm_row_parts", 1))
+    return found
 
 
 def last_backward(grad_sync):
@@ -129,18 +146,22 @@ class DataParallel:
         self.reshard_after_forward = config.reshard_after_forward
         chunk_of = {p: k for k, chunk in enumerate(chunks) for p in chunk.parameters()}
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        # ZeRO-3 gathers FP8 layers' weights in FP8: they get buffers of their own (one recipe per buffer)
+        fp8 = fp8_weights(chunks) if self.shard_params and config.fp8_param_gather and dense.size > 1 else {}
         by_kind = {}
         for p in reversed(params):  # backward produces gradients in roughly reverse order
-            by_kind.setdefault((p.dtype, self.expert_parallel and is_expert(p)), []).append(p)
+            recipe = fp8[p][0].name if p in fp8 else None
+            by_kind.setdefault((p.dtype, self.expert_parallel and is_expert(p), recipe), []).append(p)
         self.buffers = []
-        for (dtype, experts), ps in by_kind.items():
+        for (dtype, experts, recipe), ps in by_kind.items():
             reduce = expert if experts else dense
             shards = (reduce.rank, reduce.size) if self.distributed else (0, 1)
             # ZeRO-3: a bucket never spans two model chunks, so one chunk's forward frees what it gathered
             starts = {i for i in range(1, len(ps)) if chunk_of[ps[i]] != chunk_of[ps[i - 1]]} if self.shard_params else ()
             buf = ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
-                                     self.shard_grads, self.shard_params, starts)
-            buf.reduce, buf.experts = reduce, experts
+                                     self.shard_grads, self.shard_params, starts,
+                                     align=MX_BLOCK if recipe == "mxfp8" else 1)  # MX blocks never straddle slices
+            buf.reduce, buf.experts, buf.fp8 = reduce, experts, recipe
             self.buffers.append(buf)
         replaced = {k: v for buf in self.buffers for k, v in buf.replaced.items()}
         if replaced:  # parameters built on the meta device now live in the buffers: put them in the modules
@@ -155,6 +176,12 @@ class DataParallel:
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         for i, bucket in enumerate(self.buckets):
             bucket.index = i
+        if fp8:  # the modules hold the buffers' parameters now
+            by_param = {p: entry for p, entry in fp8_weights(chunks).items()}
+            for buf in self.buffers:
+                for bucket in buf.buckets if buf.fp8 else ():
+                    weights = [Fp8Weight(p, *by_param[p], off - bucket.start) for p, off in bucket.params]
+                    bucket.fp8 = BucketFp8Gather(bucket, weights, buf.fp8)
         self.bucket_of = {p: b for b in self.buckets for p, _ in b.params}
         self.params = params
         self.forward_order = forward_order(chunks, self.bucket_of, borrowed=self.shard_params)
@@ -387,6 +414,8 @@ class DataParallel:
         for bucket in self.buckets:
             if bucket.full is not None:
                 total += bucket.full.untyped_storage().size()
+            if bucket.fp8 is not None:
+                total += bucket.fp8.nbytes
             if bucket.scratch is not None:
                 total += bucket.scratch.numel() * 4
         return total

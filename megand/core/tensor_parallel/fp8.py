@@ -151,6 +151,9 @@ class Fp8Policy(GemmPolicy):
         self.grad_dtype = E4M3 if recipe == "mxfp8" else E5M2
         # the logical dims tp splits: a column layer's output features n, a row layer's input features k
         self.sharded = {"column": {"n"}, "row": {"k"}}.get(split, set()) if self._split_over_tp() else set()
+        # the weight's operands as gathered in FP8 by ZeRO-3 (keyed by the view a GEMM reads, see
+        # megand.core.distributed.fp8_gather): used in place of quantising the weight while it is gathered
+        self.gathered = {}
 
     def _split_over_tp(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
@@ -169,6 +172,21 @@ class Fp8Policy(GemmPolicy):
         else:
             agree = self.name == "rowwise" and contraction in self.sharded
         return quantize(t, self.name, dtype, dim, self.group if agree else None)
+
+    def _weight_q(self, weight, dim, contraction, part=0, parts=1) -> Quantized:
+        """The weight's rows of ``part`` (of ``parts`` interleaved) in FP8 along ``dim``: as gathered (found
+        by the view's place in the storage: a gathered weight has no high-precision values to view), or
+        quantised now."""
+        if self.gathered and not torch.compiler.is_compiling():
+            n, k = weight.shape
+            key = (weight.storage_offset() + part * weight.stride(0), (parts * weight.stride(0), weight.stride(1)),
+                   (n // parts, k), dim)
+            q = self.gathered.get(key)
+            if q is not None:
+                return q
+        if parts > 1:
+            weight = weight.view(-1, parts, weight.shape[-1])[:, part]
+        return self._q(weight, E4M3, dim, "nk", contraction)
 
     # -- communication ----------------------------------------------------------------------------
     def gather_input(self, x, group):
@@ -195,13 +213,22 @@ class Fp8Policy(GemmPolicy):
     # -- the three products -----------------------------------------------------------------------
     def forward(self, x, weight, bias=None):
         a = x if isinstance(x, Quantized) else self.input_operand(x)
-        b = self._q(weight, E4M3, 1, "nk", "k").t()
+        b = self._weight_q(weight, 1, "k").t()
         out = scaled_mm(a, b, weight.dtype)
         return out if bias is None else out + bias
 
+    def forward_parts(self, x, weight, bias, parts):
+        a = x if isinstance(x, Quantized) else self.input_operand(x)
+        biases = bias.view(-1, parts) if bias is not None else None
+        outs = []
+        for part in range(parts):
+            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype)
+            outs.append(out if biases is None else out + biases[:, part])
+        return outs
+
     def input_grad(self, grad, weight):
         a = self._q(grad, self.grad_dtype, 1, "mn", "n")
-        b = self._q(weight, E4M3, 0, "nk", "n")
+        b = self._weight_q(weight, 0, "n")
         return scaled_mm(a, b, grad.dtype)
 
     def _weight_product(self, grad, x, out_dtype):

@@ -67,6 +67,14 @@ class GemmPolicy:
         """``x W^T (+ b)`` ``[m, n]`` from ``x [m, k]`` (or what :meth:`gather_input` returned) and ``W [n, k]``."""
         return F.linear(x, weight, bias)
 
+    def forward_parts(self, x, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> list[torch.Tensor]:
+        """The forward of each part of ``weight``'s interleaved rows (row ``r`` in part ``r % parts``: the
+        SwiGLU fc1's gate and up), ``[x W_p^T (+ b_p)]``: strided views of the rows, no copy (a matrix whose
+        rows are ``parts * k`` apart is still a valid GEMM operand)."""
+        rows = weight.view(-1, parts, weight.shape[-1])
+        biases = bias.view(-1, parts) if bias is not None else None
+        return [self.forward(x, rows[:, p], None if biases is None else biases[:, p]) for p in range(parts)]
+
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``dy W`` ``[m, k]``."""
         return grad.matmul(weight)

@@ -44,13 +44,6 @@ def _swiglu_grad(grad, gate, up):
     return torch.stack([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
 
 
-def _interleaved(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up rows of a fused fc1 weight ``[f * 2, hidden]`` (or bias ``[f * 2]``): strided views,
-    no copy (a matrix whose rows are ``2 * hidden`` apart is still a valid GEMM operand)."""
-    pairs = weight.view(-1, 2, *weight.shape[1:])
-    return pairs[:, 0], pairs[:, 1]
-
-
 class SwiGLULinear(torch.autograd.Function):
     """``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)`` from the fused fc1 weight (gate and up rows
     interleaved), as two GEMMs on strided views of it. One GEMM into the interleaved ``[..., f, 2]`` output
@@ -70,9 +63,7 @@ class SwiGLULinear(torch.autograd.Function):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         ctx.policy, ctx.wgrad_target = policy, weight_grad_target(weight)
         full = policy.gather_input(x, group) if sequence_parallel else policy.input_operand(x.reshape(-1, x.shape[-1]))
-        (w_gate, w_up), (b_gate, b_up) = _interleaved(weight), _interleaved(bias) if bias is not None else (None, None)
-        gate = policy.forward(full, w_gate, b_gate)
-        up = policy.forward(full, w_up, b_up)
+        gate, up = policy.forward_parts(full, weight, bias, 2)
         ctx.save_for_backward(x, weight, gate, up)
         return (F.silu(gate) * up).view(-1, *x.shape[1:-1], gate.shape[-1])
 
@@ -99,6 +90,8 @@ class SwiGLULinear(torch.autograd.Function):
 class SwiGLUColumnParallelLinear(ColumnParallelLinear):
     """The SwiGLU fc1: a column-parallel linear (same parameters, so the same checkpoints and hooks) whose
     output is already activated, ``silu(gate) * up`` ``[..., f / tp]``."""
+
+    gemm_row_parts = 2  # its forward runs one GEMM per part of the interleaved rows (gate, up)
 
     def forward(self, x):
         if not self.sequence_parallel:

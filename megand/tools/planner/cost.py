@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megand.models.flops import Shape, flops_per_iteration, layer_params
+from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, layer_params
 from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
 from megand.tools.planner.simulate import simulate
+from megand.training.peak import mixed_peak
 
 GIB = 2 ** 30
 ADAM_BYTES_PER_MAIN_PARAM = 36  # read fp32 grad, param, m, v; write param, m, v; model copy; grad norm read
@@ -118,13 +119,15 @@ class LayerTimes:
         return t
 
 
-def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str) -> LayerTimes:
+def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str, fp8: bool = False) -> LayerTimes:
+    """``fp8``: a layer whose linear GEMMs run in FP8 (``train.fp8``), at the profile's FP8 peak, its
+    sequence-parallel all-gathers moving FP8 bytes."""
     h, q, f, kv, s, e = shape.hidden, shape.q_dim, shape.ffn, shape.kv_dim, shape.seq, _elem(c.precision)
     tp, cp = c.tp, c.cp
     tokens = c.micro_batch_size * s / cp
     mlp_in = (2 if shape.swiglu else 1) * f
-    gemm = (gemm_time(profile, tokens, (q + 2 * kv) / tp, h) + gemm_time(profile, tokens, h, q / tp)
-            + gemm_time(profile, tokens, mlp_in / tp, h) + gemm_time(profile, tokens, h, f / tp))
+    gemm = (gemm_time(profile, tokens, (q + 2 * kv) / tp, h, fp8=fp8) + gemm_time(profile, tokens, h, q / tp, fp8=fp8)
+            + gemm_time(profile, tokens, mlp_in / tp, h, fp8=fp8) + gemm_time(profile, tokens, h, f / tp, fp8=fp8))
     # attention core: scores and context, 4*s*q FLOPs per token over the local heads (flops.py's count),
     # run as batched [s/cp, d] x [d, s] products
     heads = shape.heads / tp
@@ -142,7 +145,8 @@ def layer_times(shape: Shape, c: Candidate, profile, tp_link: str, cp_link: str)
     act_bytes = tokens * h * e  # one full activation of the micro-batch on this cp rank
     if tp > 1:
         if c.sequence_parallel:
-            tp_fwd = 2 * (collective_time(profile, "all_gather", act_bytes, tp, tp_link)
+            gather_bytes = act_bytes / e if fp8 else act_bytes  # FP8: one byte per element
+            tp_fwd = 2 * (collective_time(profile, "all_gather", gather_bytes, tp, tp_link)
                           + collective_time(profile, "reduce_scatter", act_bytes, tp, tp_link))
         else:
             tp_fwd = 2 * collective_time(profile, "all_reduce", act_bytes, tp, tp_link)
@@ -235,20 +239,28 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
         g = stage_groups[r]
         links_r = (links["tp"][r], links["cp"][r], links["dp_shard"][r])
         # virtual stages alike in group, links, layers and position cost the same: computed once
-        key = (g.name, links_r, layers[s], recomputed[s], s == 0, s == stages - 1, s < c.pp)
+        in_fp8 = fp8_layers_in(shape.layers, c, sum(layers[:s]), layers[s])
+        key = (g.name, links_r, layers[s], recomputed[s], s == 0, s == stages - 1, s < c.pp, in_fp8)
         if key not in per_stage:
             prof = g.profile
-            if (g.name, links_r) not in per_group:
-                per_group[(g.name, links_r)] = layer_times(shape, c, prof, links_r[0], links_r[1])
-            lt = per_group[(g.name, links_r)]
-            f = layers[s] * lt.forward()
-            # the layers that recompute re-run their forward (or attention core) in backward; the others not
-            b = (layers[s] - recomputed[s]) * lt.backward("none") + recomputed[s] * lt.backward(c.recompute)
+            for fp8 in {False, bool(in_fp8)}:
+                if (g.name, links_r, fp8) not in per_group:
+                    per_group[(g.name, links_r, fp8)] = layer_times(shape, c, prof, links_r[0], links_r[1], fp8)
+            lt, lt8 = per_group[(g.name, links_r, False)], per_group[(g.name, links_r, bool(in_fp8))]
+            f = (layers[s] - in_fp8) * lt.forward() + in_fp8 * lt8.forward()
+            # the layers that recompute re-run their forward (or attention core) in backward, the others
+            # not; the recomputing share taken alike among the stage's FP8 and bf16 layers
+            share = recomputed[s] / layers[s] if layers[s] else 0.0
+
+            def layer_backward(times):
+                return (1 - share) * times.backward("none") + share * times.backward(c.recompute)
+
+            b = (layers[s] - in_fp8) * layer_backward(lt) + in_fp8 * layer_backward(lt8)
             ef, eb = _edge_times(shape, c, prof, links_r[0], s == 0, s == stages - 1)
             f, b = f + ef, b + eb
             if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
                 f += prof.overhead_s.get("per_microbatch", 0.0)
-            per_stage[key] = _add_sharded_comm(shape, c, prof, links, r, layers[s], f, b, elem)
+            per_stage[key] = _add_sharded_comm(shape, c, prof, links, r, layers[s], f, b, elem, in_fp8)
         f, b = per_stage[key]
         forward.append(f)
         backward.append(b)
@@ -281,7 +293,11 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     per_step = max(g.profile.overhead_s.get("per_step", 0.0) for g in stage_groups)
     step = max(ends) + max(opt_times) + norm_sync + per_step
     flops = flops_per_iteration(model, global_batch_size, c.recompute, recomputed_layers=recomputed_ids(model, c))
-    peak_sum = sum(g.profile.peak_tflops for g in stage_groups) * c.stage_size * 1e12
+    # FP8 runs: the peak of the step's mix of FP8 and bf16 FLOPs (as the training log's MFU)
+    layers = Shape.from_config(model).layers
+    fraction = fp8_flops_fraction(model, round(fp8_layers_in(layers, c, 0, layers)), c.tp) if c.fp8 else 0.0
+    peak_sum = sum(mixed_peak(g.profile.peak_tflops, g.profile.peak_fp8_tflops, fraction)
+                   for g in stage_groups) * c.stage_size * 1e12
     mem = memory if memory is not None else stage_memory_gib(model, c, m)
     return Prediction(
         step_time_s=step, tokens_per_s=flops["tokens"] / step,
@@ -303,6 +319,15 @@ def recomputed_ids(model: dict, c: Candidate):
     return recomputed_layer_ids(sizes, list(c.recompute_layers))
 
 
+def fp8_layers_in(num_layers: int, c: Candidate, first: float, count: float) -> float:
+    """How many of the ``count`` layers from layer ``first`` run their GEMMs in FP8 (``train.fp8``: all but
+    the first and last ``fp8_bf16_layers``); fractional with an even split of layers over stages."""
+    if not c.fp8:
+        return 0.0
+    lo, hi = c.fp8_bf16_layers, num_layers - c.fp8_bf16_layers
+    return max(0.0, min(first + count, hi) - max(first, lo))
+
+
 def _wrap_link(links, c: Candidate) -> str:
     """Interleaving sends from the last rank back to the first between model chunks."""
     return "inter_node" if "inter_node" in links["pp"] else "intra_node"
@@ -312,9 +337,12 @@ def _dp_size(c: Candidate) -> int:
     return c.dp * c.cp
 
 
-def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: float, f: float, b: float, elem):
+def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: float, f: float, b: float, elem,
+                      in_fp8: float = 0.0):
     """ZeRO-2's per-micro-batch gradient reduce-scatter and ZeRO-3's parameter gathers, prefetched
-    under the chunk's compute: only their excess (at least one bucket) adds to the chunk's time."""
+    under the chunk's compute: only their excess (at least one bucket) adds to the chunk's time. The
+    ``in_fp8`` layers' weights are gathered in FP8 (one byte) for forward, and for backward too under
+    tensorwise scaling (rowwise and MX gather the high-precision weight for it)."""
     d = c.dp_shard or _dp_size(c)
     if d <= 1 or c.sharding not in ("optim_grads", "optim_grads_params"):
         return f, b
@@ -325,10 +353,11 @@ def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: f
     b_comm = rs
     f_comm = 0.0
     if c.sharding == "optim_grads_params":
-        ag = collective_time(prof, "all_gather", elem * params, d, link)
-        f_comm = ag
+        fp8_params = in_fp8 * layer_params(shape).per_tp_rank(c.tp)
+        f_comm = collective_time(prof, "all_gather", elem * params - (elem - 1) * fp8_params, d, link)
         if c.reshard_after_forward:
-            b_comm += ag
+            fp8_bwd = fp8_params if c.fp8 == "tensorwise" else 0.0
+            b_comm += collective_time(prof, "all_gather", elem * params - (elem - 1) * fp8_bwd, d, link)
     f += max(f_comm * bucket, f_comm - f)
     b += max(b_comm * bucket, b_comm - b)
     return f, b

@@ -45,11 +45,13 @@ def _square_curve(effs: dict, head_dim_effs: dict) -> list:
     return points
 
 
-def _profile(name, source, dtype, peak, curve, memory_gbps, colls, overhead=None) -> Profile:
+def _profile(name, source, dtype, peak, curve, memory_gbps, colls, overhead=None, peak_fp8=None) -> Profile:
     gemm = [{"m": p["m"], "n": p["n"], "k": p["k"], "tflops": p["eff"] * peak} for p in curve]
-    return Profile.from_dict({"name": name, "source": source, "dtype": dtype, "peak_tflops": peak,
-                              "gemm": gemm, "memory_gbps": memory_gbps, "collectives": colls,
-                              "overhead_s": overhead or {}}, where=f"shipped profile {name}")
+    d = {"name": name, "source": source, "dtype": dtype, "peak_tflops": peak, "gemm": gemm,
+         "memory_gbps": memory_gbps, "collectives": colls, "overhead_s": overhead or {}}
+    if peak_fp8 is not None:  # dense FP8 tensor-core peak (datasheet); train.fp8 GEMMs run against it
+        d["peak_fp8_tflops"] = peak_fp8
+    return Profile.from_dict(d, where=f"shipped profile {name}")
 
 
 _A100_CURVE = _square_curve({256: 0.10, 512: 0.35, 1024: 0.62, 2048: 0.78, 4096: 0.84, 8192: 0.86, 16384: 0.86},
@@ -73,10 +75,10 @@ DEVICES = {
                                        _colls(230.0, 23.0, 2e-5, 3e-5, p2p_intra=200.0))),
     "h100": dict(peak_tflops=989.0, memory_gib=80, intra_node_gbps=370.0, inter_node_gbps=45.0,
                  profile=_profile("h100-sxm", _SOURCE, "bf16", 989.0, _H100_CURVE, 2850.0,
-                                  _colls(370.0, 45.0, 2e-5, 3e-5, p2p_intra=320.0))),
+                                  _colls(370.0, 45.0, 2e-5, 3e-5, p2p_intra=320.0), peak_fp8=1979.0)),
     "h200": dict(peak_tflops=989.0, memory_gib=141, intra_node_gbps=370.0, inter_node_gbps=45.0,
                  profile=_profile("h200-sxm", _SOURCE, "bf16", 989.0, _H100_CURVE, 4100.0,
-                                  _colls(370.0, 45.0, 2e-5, 3e-5, p2p_intra=320.0))),
+                                  _colls(370.0, 45.0, 2e-5, 3e-5, p2p_intra=320.0), peak_fp8=1979.0)),
     "cpu": dict(peak_tflops=0.084, memory_gib=8, intra_node_gbps=2.0, inter_node_gbps=1.0,
                 profile=_profile("cpu-1core", "rough default for a one-core CPU rank on gloo (calibrate it)", "fp32",
                                  0.084, [{"m": 64, "n": 64, "k": 64, "eff": 0.25},

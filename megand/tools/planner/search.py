@@ -201,6 +201,7 @@ class Planner:
 
     def _base(self) -> dict:
         return dict(precision=self.precision, fused_attention=self.fused_attention, optimizer=self.cfg.optim.name,
+                    fp8=self.cfg.train.get("fp8"), fp8_bf16_layers=int(self.cfg.train.get("fp8_bf16_layers", 1)),
                     order=self.pinned.get("parallel.order", self.cfg.parallel.order),
                     bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
 
@@ -436,7 +437,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order)
+                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)))
 
 
 def predict_config(cfg, cluster, world_size: int):
