@@ -385,23 +385,32 @@ def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> in
     return 3 * forward_flops_per_token(model, tp).total
 
 
-def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None) -> int:
-    """Model FLOPs plus the forward work that activation recomputation executes again."""
+def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None,
+                             recomputed_layers=None) -> int:
+    """Model FLOPs plus the forward work that activation recomputation executes again;
+    ``recomputed_layers``: the ids of the layers that recompute (``train.recompute_layers``), None: all."""
     fwd = forward_flops_per_token(model, tp)
-    extra = {
-        "none": 0,
-        "selective": fwd.attention,
-        "full": fwd.layers_matmul + fwd.attention,
-    }
-    if recompute not in extra:
+    if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")
-    return 3 * fwd.total + extra[recompute]
+    if recompute == "none":
+        return 3 * fwd.total
+    if recomputed_layers is None:
+        extra = fwd.attention + (fwd.layers_matmul if recompute == "full" else 0)
+    else:
+        s = Shape.from_config(model)
+        extra = 0
+        for i in recomputed_layers:
+            extra += 4 * s.keys_seen(i) * s.q_dim  # the attention core (scores and context)
+            if recompute == "full":
+                extra += fwd.layer_moe if s.is_moe(i) else fwd.layer_dense
+    return 3 * fwd.total + extra
 
 
 def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,
-                        recompute: str = "none", tp: int | None = None) -> dict:
+                        recompute: str = "none", tp: int | None = None, recomputed_layers=None) -> dict:
     """Model and hardware FLOPs of one optimizer step over ``global_batch_size`` sequences; ``tp``: of a
-    megand model at that tensor-parallel size (its padded logits), None: of an unpadded model.
+    megand model at that tensor-parallel size (its padded logits), None: of an unpadded model;
+    ``recomputed_layers``: the layer ids that recompute (None: all).
 
     Divide by (iteration time × world size) for achieved FLOP/s per rank.
     """
@@ -409,7 +418,7 @@ def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,
     return {
         "tokens": tokens,
         "model_flops": tokens * model_flops_per_token(model, tp),
-        "hardware_flops": tokens * hardware_flops_per_token(model, recompute, tp),
+        "hardware_flops": tokens * hardware_flops_per_token(model, recompute, tp, recomputed_layers),
     }
 
 

@@ -6,6 +6,8 @@ so every chunk's names are those of the full model: initialisation and checkpoin
 Activations between layers are ``[seq, batch, hidden]``, sequence-sharded under sequence parallelism.
 """
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -65,17 +67,22 @@ class Embedding(torch.nn.Module):
 
 class GPTModel(torch.nn.Module):
     def __init__(self, cfg: TransformerConfig, topo, rng, layer_ids=None, pre_process=True, post_process=True,
-                 device=None):
+                 device=None, recompute_ids=None):
         """``device``: where the parameters are created (default ``topo.device``). On ``meta`` nothing is
-        allocated: the data-parallel engine later places the parameters in its buffers."""
+        allocated: the data-parallel engine later places the parameters in its buffers.
+        ``recompute_ids``: the layers that apply ``cfg.recompute`` (the others store their activations);
+        None: every layer."""
         super().__init__()
         device = topo.device if device is None else device
         self.cfg, self.topo = cfg, topo
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         self.embedding = Embedding(cfg, topo, rng, device) if pre_process else None
-        self.layers = torch.nn.ModuleDict({str(i): TransformerLayer(cfg, topo, rng, device, layer_id=i)
-                                           for i in self.layer_ids})
+        stored = dataclasses.replace(cfg, recompute="none")  # the layers that keep their activations
+        self.layers = torch.nn.ModuleDict({
+            str(i): TransformerLayer(cfg if recompute_ids is None or i in recompute_ids else stored, topo, rng, device,
+                                     layer_id=i)
+            for i in self.layer_ids})
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps,

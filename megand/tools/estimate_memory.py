@@ -32,6 +32,8 @@ log-sum-exp per query and head (4·a bytes per token), which makes ``selective``
 Recompute: ``selective`` drops the attention-core term (Megatron recomputes core attention);
 ``full`` stores only each layer's input (e·h per token, /tp with sequence parallelism) and adds one
 layer's full activations for one micro-batch as the working set of the recomputation in backward.
+With ``recompute_layers`` (``train.recompute_layers``) only the first n_j layers of virtual stage j
+recompute; the stage's other layers store everything (each layer counted with its own mode).
 
 Context parallelism divides the tokens of a rank by cp; the attention core is counted with each local
 query seeing all s keys (all-gather semantics, an upper bound for ring attention).
@@ -102,6 +104,7 @@ class Layout:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered buckets after forward
     precision: str = "bf16"            # fp32 | bf16 | fp16
     recompute: str = "none"            # none | selective | full
+    recompute_layers: Optional[tuple] = None  # per virtual stage: how many of its first layers recompute; None: all
     micro_batch_size: int = 1
     num_microbatches: Optional[int] = None  # per dp rank and step; None: enough to fill the pipeline
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
@@ -126,6 +129,9 @@ class Layout:
             raise ValueError(f"ep={self.ep} must divide dp*cp = {self.dp * self.cp}")
         if self.etp not in (None, 1, self.tp):
             raise ValueError(f"etp={self.etp} must be 1 or tp={self.tp}")
+        if self.recompute_layers is not None and len(self.recompute_layers) != self.pp * (self.vpp or 1):
+            raise ValueError(f"recompute_layers={list(self.recompute_layers)} needs one entry per virtual stage "
+                             f"(pp*vpp = {self.pp * (self.vpp or 1)})")
 
     @classmethod
     def from_config(cls, parallel: Mapping[str, Any], train: Mapping[str, Any], optim: Mapping[str, Any],
@@ -146,6 +152,8 @@ class Layout:
                    bucket_size=int(optim.get("bucket_size") or 40_000_000),
                    reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
+                   recompute_layers=(tuple(train.get("recompute_layers")) if train.get("recompute_layers") is not None
+                                     else None),
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
@@ -323,6 +331,28 @@ def stage_layers(num_layers: int, layout: Layout, stage: int) -> list:
     return ids or list(range(per_stage))  # more stages than layers: count one stage's worth
 
 
+def virtual_stage_sizes(num_layers: int, layout: Layout) -> list:
+    """Layers of each virtual stage (pp·vpp entries): ``layout.pipeline_layout``, else the even split
+    (rounded up as :func:`stage_layers` counts it)."""
+    if layout.pipeline_layout is not None:
+        return list(layout.pipeline_layout)
+    stages = layout.pp * (layout.vpp if layout.interleaved else 1)
+    chunk = math.ceil(num_layers / stages)
+    return [max(0, min((j + 1) * chunk, num_layers) - j * chunk) for j in range(stages)]
+
+
+def layer_recompute(num_layers: int, layout: Layout):
+    """``layer id -> recompute mode``: ``layout.recompute`` for the first ``recompute_layers[j]`` layers of
+    each virtual stage j (every layer when ``recompute_layers`` is None), ``none`` for the others."""
+    if layout.recompute_layers is None or layout.recompute == "none":
+        return lambda i: layout.recompute
+    from megand.core.pipeline_parallel.layout import recomputed_layer_ids
+
+    sizes = virtual_stage_sizes(num_layers, layout)
+    ids = recomputed_layer_ids(sizes, [min(int(n), have) for n, have in zip(layout.recompute_layers, sizes)])
+    return lambda i: layout.recompute if i in ids else "none"
+
+
 def stage_moe_layers(model: Mapping[str, Any], layout: Layout, stage: int) -> int:
     shape = Shape.from_config(model)
     return sum(shape.is_moe(i) for i in stage_layers(shape.layers, layout, stage))
@@ -427,9 +457,11 @@ def all_to_all_bytes_per_step(model: Mapping[str, Any], layout: Layout, stage: i
     # holds a slice of each local expert), and the partial outputs back
     over_tp = layout.tp - 1 if layout.sp and layout.expert_tp > 1 else 0
     per_pass = routed * shape.hidden * _activation_elem_bytes(layout) * ((layout.ep - 1) / layout.ep + over_tp)
-    passes = 6 if layout.recompute == "full" else 4  # dispatch + combine in forward, their gradients in backward
+    mode = layer_recompute(shape.layers, layout)
+    # dispatch + combine in forward, their gradients in backward; a fully recomputing layer's forward twice
+    passes = sum(6 if mode(i) == "full" else 4 for i in stage_layers(shape.layers, layout, stage) if shape.is_moe(i))
     micro = layout.num_microbatches or layout.pp  # None: enough to fill the pipeline
-    return stage_moe_layers(model, layout, stage) * micro * passes * per_pass
+    return micro * passes * per_pass
 
 
 def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict:
@@ -474,6 +506,7 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
     shape = Shape.from_config(model)
     dense_bytes, expert_bytes = state_bytes_per_param(layout), state_bytes_per_param(layout, layout.expert_shards)
     wanted = sorted(set(stages))
+    mode = layer_recompute(shape.layers, layout)
     stages = []
     for stage in wanted:
         params = stage_params(model, layout, stage)
@@ -486,11 +519,12 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
-        per_layer = ((len(ids) - n_moe) * layer_activation_bytes(model, layout)
-                     + n_moe * layer_activation_bytes(model, layout, moe=True)) / len(ids)
+        kinds = [(mode(i), shape.is_moe(i)) for i in ids]
+        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1]) for k in set(kinds)}
+        per_layer = sum(stored[k] for k in kinds) / len(ids)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
         working = 0.0
-        if layout.recompute == "full":
+        if any(k[0] == "full" for k in kinds):  # one recomputed layer's activations, during its backward
             working = layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0)
         stages.append(StageMemory(
             stage=stage, params=params,
@@ -542,7 +576,9 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
         + (f"ep={layout.ep} etp={layout.expert_tp} expert-dp={layout.edp} " if moe else "")
         + f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
-        f"{layout.precision} recompute={layout.recompute} micro_batch={layout.micro_batch_size} "
+        f"{layout.precision} recompute={layout.recompute}"
+        + (f" recompute_layers={list(layout.recompute_layers)}" if layout.recompute_layers is not None else "")
+        + f" micro_batch={layout.micro_batch_size} "
         f"micro_batches={layout.num_microbatches if layout.num_microbatches is not None else 'auto'}"
         f"{' fused_attention' if layout.fused_attention else ''}",
         "",

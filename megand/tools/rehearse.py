@@ -369,11 +369,12 @@ def trainer_for_rehearsal(cfg, topo, data, clock):
 
 def moe_reads_allowed(cfg, chunks, microbatches: int) -> int:
     """MoE's documented host reads per step: one per expert-parallel MoE layer and micro-batch (twice
-    with full recompute, whose forward runs again)."""
+    in the layers that fully recompute, whose forward runs again)."""
     from megand.core.expert_parallel.dispatcher import AllToAllDispatcher
 
-    layers = sum(isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher) for c in chunks for m in c.modules())
-    return layers * microbatches * (2 if cfg.train.recompute == "full" else 1)
+    return microbatches * sum((2 if layer.cfg.recompute == "full" else 1)
+                              * sum(isinstance(getattr(m, "dispatcher", None), AllToAllDispatcher) for m in layer.modules())
+                              for c in chunks for layer in c.layers.values())
 
 
 def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory_bytes: int = 80 * 2**30,

@@ -95,6 +95,7 @@ class TrainConfig:
     fp8: Optional[str] = None  # null | tensorwise | rowwise | mxfp8: the transformer layers' linear and expert GEMMs in FP8 (needs precision=bf16)
     fp8_bf16_layers: int = 1  # with fp8: this many first and last transformer layers stay in bf16 (the output layer and the router always do)
     recompute: str = "none"  # none | selective | full
+    recompute_layers: Optional[List[int]] = None  # per (virtual) pipeline stage, in parallel.pipeline_layout's order: how many of its layers (its first ones) apply train.recompute, the others store their activations; null: every layer
     compile: bool = False  # torch.compile each transformer layer (regional compilation); the compile time is printed after the first step
     log_interval: int = 1  # console line and metrics.jsonl every N steps
     batch_checksum: bool = False  # log a checksum of each global batch's tokens (batch_checksum in metrics.jsonl; a test aid)
@@ -376,7 +377,8 @@ def validate(cfg, world_size: int) -> None:
                               f"global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}))"
                               f" to be a multiple of parallel.pp={p.pp}")
     try:
-        pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
+        layers = pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
+        check_recompute_layers(t, layers)
     except PipelineLayoutError as e:
         raise ConfigError(str(e)) from None
     if p.cp > 1 and p.cp_comm == "a2a" and (m.num_attention_heads // p.tp) % p.cp:
@@ -493,6 +495,21 @@ MINIMUM = {"train.iters": 1, "train.micro_batch_size": 1, "train.global_batch_si
            "train.eval_interval": 0, "train.eval_iters": 0, "optim.warmup_iters": 0, "checkpoint.interval": 0}
 
 
+def check_recompute_layers(t, layers_per_stage) -> None:
+    """``train.recompute_layers``: one count per (virtual) pipeline stage, within its layers, and a
+    ``train.recompute`` for those layers to apply."""
+    from megand.core.pipeline_parallel.layout import recomputed_layer_ids
+
+    counts = t.get("recompute_layers")
+    if counts is None:
+        return
+    counts = list(counts)
+    if t.recompute == "none":
+        raise ConfigError(f"train.recompute_layers={counts} says how many layers of each stage apply train.recompute, "
+                          f"which is none: set train.recompute=full or selective (or train.recompute_layers=null)")
+    recomputed_layer_ids(layers_per_stage, counts)
+
+
 def check_counts(cfg) -> None:
     """Counts within their range and a readable ``data.split``; ConfigError naming the value."""
     from megand.data.builder import parse_split
@@ -553,6 +570,18 @@ def transformer_config(cfg):
                                             precision=cfg.train.precision, expert_tensor_parallel=etp == cfg.parallel.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def recomputed_layers(cfg):
+    """The layer ids that apply ``train.recompute`` (``train.recompute_layers``' first layers of each
+    (virtual) pipeline stage), or None: every layer."""
+    from megand.core.pipeline_parallel.layout import pipeline_layout, recomputed_layer_ids
+
+    counts = cfg.train.get("recompute_layers")
+    if counts is None:
+        return None
+    p = cfg.parallel
+    return recomputed_layer_ids(pipeline_layout(cfg.model.num_layers, p.pp, p.vpp, p.pipeline_layout), list(counts))
 
 
 def document_flags(cfg):

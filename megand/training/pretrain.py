@@ -41,6 +41,7 @@ from megand.training.config import (
     data_parallel_config,
     document_flags,
     optimizer_config,
+    recomputed_layers,
     save_timeout_s,
     transformer_config,
     validate,
@@ -71,9 +72,11 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
     model_cfg = transformer_config(cfg)
     rng = seed_random_streams(cfg.train.seed, topo)
     layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
+    recompute_ids = recomputed_layers(cfg)
     chunks = []
     for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank, topo.pp_schedule):
-        chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device)
+        chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device,
+                         recompute_ids=recompute_ids)
         if cfg.train.get("fp8"):
             use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers)
         if device is None or torch.device(device).type != "meta":
@@ -213,7 +216,7 @@ class Trainer:
                                 documents=document_flags(cfg))
         self.loss_tokens = self.tokens_per_batch  # per global batch: fewer with data.eod_mask_loss
         self.flops = flops_per_iteration(cfg.model, global_batch_size, cfg.train.recompute,
-                                         tp=self.topo.tp_size)  # the padded vocabulary's logits
+                                         tp=self.topo.tp_size, recomputed_layers=recomputed_layers(cfg))  # the padded vocabulary's logits
 
     def _build_checkpointer(self):
         cfg = self.cfg

@@ -47,3 +47,23 @@ def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int, schedul
         ids = list(range(starts[stage], starts[stage] + layers_per_stage[stage]))
         specs.append(ChunkSpec(ids, stage == 0, stage == num_stages - 1))
     return specs
+
+
+def recomputed_layer_ids(layers_per_stage: list[int], recompute_layers=None) -> frozenset | None:
+    """The layer ids that apply the run's recomputation: the first ``recompute_layers[j]`` layers of
+    virtual stage ``j`` (``layers_per_stage``'s order: pp entries, pp*vpp when interleaved); None: every
+    layer (``recompute_layers=None``). A stage with more free memory recomputes fewer of its layers."""
+    if recompute_layers is None:
+        return None
+    counts = list(recompute_layers)
+    if len(counts) != len(layers_per_stage) or any(
+            not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= have
+            for n, have in zip(counts, layers_per_stage)):
+        raise PipelineLayoutError(
+            f"train.recompute_layers={counts} must have one entry per (virtual) pipeline stage "
+            f"({len(layers_per_stage)}), each between 0 and that stage's layers {list(layers_per_stage)}")
+    ids, start = set(), 0
+    for n, have in zip(counts, layers_per_stage):
+        ids.update(range(start, start + n))
+        start += have
+    return frozenset(ids)

@@ -14,6 +14,7 @@ def candidate_of(cfg, world: int):
     return Candidate(tp=sizes.tp, pp=sizes.pp, vpp=p.vpp, cp=sizes.cp, dp=sizes.dp,
                      sequence_parallel=bool(p.sequence_parallel), sharding=o.sharding, dp_shard=p.dp_shard,
                      micro_batch_size=t.micro_batch_size, recompute=t.recompute, cp_comm=p.cp_comm,
+                     recompute_layers=tuple(t.recompute_layers) if t.get("recompute_layers") is not None else None,
                      precision=t.precision,
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout is not None else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),

@@ -66,6 +66,7 @@ def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
     return Layout(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sequence_parallel,
                   sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
+                  recompute_layers=c.recompute_layers,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
                   fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
 
@@ -74,6 +75,13 @@ def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
     """Peak GiB of each pipeline stage's most loaded rank."""
     est = estimate_memory(model, memory_layout(c, num_microbatches), stages=range(c.pp))
     return [st.total_bytes / GIB for st in est.stages]
+
+
+def recomputed_per_stage(layers: list, c: Candidate) -> list:
+    """Layers that recompute in each virtual stage (``c.recompute_layers``, or all of them)."""
+    if c.recompute == "none":
+        return [0] * len(layers)
+    return list(layers) if c.recompute_layers is None else list(c.recompute_layers)
 
 
 def virtual_stage_layers(num_layers: int, c: Candidate) -> list:
@@ -223,6 +231,7 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
     stages = c.pp * (c.vpp or 1)
     placement, links = _placement_and_links(c, tuple(stage_groups))
     layers = virtual_stage_layers(shape.layers, c)
+    recomputed = recomputed_per_stage(layers, c)
     elem = _elem(c.precision)
     forward, backward, per_group, per_stage = [], [], {}, {}
     for s in range(stages):
@@ -231,7 +240,7 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
         links_r = (links["tp"][r], links["cp"][r], links["dp_shard"][r])
         # virtual stages alike in group, links, layers and position cost the same: computed once
         in_fp8 = fp8_layers_in(shape.layers, c, sum(layers[:s]), layers[s])
-        key = (g.name, links_r, layers[s], s == 0, s == stages - 1, s < c.pp, in_fp8)
+        key = (g.name, links_r, layers[s], recomputed[s], s == 0, s == stages - 1, s < c.pp, in_fp8)
         if key not in per_stage:
             prof = g.profile
             for fp8 in {False, bool(in_fp8)}:
@@ -239,7 +248,14 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
                     per_group[(g.name, links_r, fp8)] = layer_times(shape, c, prof, links_r[0], links_r[1], fp8)
             lt, lt8 = per_group[(g.name, links_r, False)], per_group[(g.name, links_r, bool(in_fp8))]
             f = (layers[s] - in_fp8) * lt.forward() + in_fp8 * lt8.forward()
-            b = (layers[s] - in_fp8) * lt.backward(c.recompute) + in_fp8 * lt8.backward(c.recompute)
+            # the layers that recompute re-run their forward (or attention core) in backward, the others
+            # not; the recomputing share taken alike among the stage's FP8 and bf16 layers
+            share = recomputed[s] / layers[s] if layers[s] else 0.0
+
+            def layer_backward(times):
+                return (1 - share) * times.backward("none") + share * times.backward(c.recompute)
+
+            b = (layers[s] - in_fp8) * layer_backward(lt) + in_fp8 * layer_backward(lt8)
             ef, eb = _edge_times(shape, c, prof, links_r[0], s == 0, s == stages - 1)
             f, b = f + ef, b + eb
             if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
@@ -276,7 +292,7 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
                                 "inter_node" if len(times.placement.nodes) > 1 else "intra_node")
     per_step = max(g.profile.overhead_s.get("per_step", 0.0) for g in stage_groups)
     step = max(ends) + max(opt_times) + norm_sync + per_step
-    flops = flops_per_iteration(model, global_batch_size, c.recompute)
+    flops = flops_per_iteration(model, global_batch_size, c.recompute, recomputed_layers=recomputed_ids(model, c))
     # FP8 runs: the peak of the step's mix of FP8 and bf16 FLOPs (as the training log's MFU)
     layers = Shape.from_config(model).layers
     fraction = fp8_flops_fraction(model, round(fp8_layers_in(layers, c, 0, layers)), c.tp) if c.fp8 else 0.0
@@ -291,6 +307,16 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
         parts={"pipeline_s": timeline.makespan, "grad_sync_exposed_s": max(ends) - timeline.makespan,
                "optimizer_s": max(opt_times), "microbatches": m,
                "forward_s": forward, "backward_s": times.backward})
+
+
+def recomputed_ids(model: dict, c: Candidate):
+    """The layer ids that recompute (None: all)."""
+    if c.recompute_layers is None:
+        return None
+    from megand.core.pipeline_parallel.layout import recomputed_layer_ids
+
+    sizes = [int(n) for n in virtual_stage_layers(Shape.from_config(model).layers, c)]
+    return recomputed_layer_ids(sizes, list(c.recompute_layers))
 
 
 def fp8_layers_in(num_layers: int, c: Candidate, first: float, count: float) -> float:

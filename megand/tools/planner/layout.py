@@ -22,6 +22,8 @@ class Candidate:
     dp_shard: Optional[int] = None
     micro_batch_size: int = 1
     recompute: str = "none"
+    recompute_layers: Optional[tuple] = None  # per virtual stage: how many of its first layers recompute; None: all
+    pp_schedule: str = "1f1b"  # the pipeline schedule (1f1b: interleaved with vpp)
     cp_comm: str = "p2p"
     precision: str = "bf16"
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage; None: even
@@ -65,7 +67,10 @@ class Candidate:
             "optim.overlap_param_gather": self.overlap_param_gather,
             "optim.reshard_after_forward": self.reshard_after_forward, "optim.bucket_size": self.bucket_size,
             "train.micro_batch_size": self.micro_batch_size, "train.recompute": self.recompute,
+            "train.recompute_layers": list(self.recompute_layers) if self.recompute_layers is not None else None,
             "train.precision": self.precision,
+            # only a schedule other than the default is written (the key is the schedules' own)
+            **({"parallel.pp_schedule": self.pp_schedule} if self.pp_schedule != "1f1b" else {}),
         }
 
 

@@ -42,7 +42,7 @@ LLAMA3_405B = dict(arch="llama", num_layers=126, hidden_size=16384, ffn_hidden_s
 MEGATRON_2021 = "Narayanan et al., SC21 (Megatron-LM), Table 1"
 LLAMA3 = "Llama Team, The Llama 3 Herd of Models (2024), Table 4"
 # how Megatron-LM 2021 ran (see the module docstring): pinned for its layout and for the search alike
-_MEGATRON_PINS = dict(recompute="full", sharding="none", overlap_grad_reduce=False, overlap_param_gather=False,
+_MEGATRON_PINS = dict(recompute="full", recompute_layers=None, sharding="none", overlap_grad_reduce=False, overlap_param_gather=False,
                       sequence_parallel=False, fused_attention=False)
 
 
@@ -91,7 +91,8 @@ def _config(model: dict, global_batch_size: int):
 def _planner(run: PublishedRun, pinned: dict) -> Planner:
     cfg = _config(run.model, run.global_batch_size)
     keys = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "dp": "parallel.dp",
-            "vpp": "parallel.vpp", "recompute": "train.recompute", "sharding": "optim.sharding",
+            "vpp": "parallel.vpp", "recompute": "train.recompute", "recompute_layers": "train.recompute_layers",
+            "sharding": "optim.sharding",
             "micro_batch_size": "train.micro_batch_size", "overlap_grad_reduce": "optim.overlap_grad_reduce",
             "overlap_param_gather": "optim.overlap_param_gather", "sequence_parallel": "parallel.sequence_parallel"}
     pins = {"train.precision"}
@@ -109,7 +110,8 @@ def _planner(run: PublishedRun, pinned: dict) -> Planner:
 def evaluate(run: PublishedRun, search: bool = True) -> dict:
     """Predicted TFLOP/s per GPU of the published layout (searching only what the paper leaves open)
     and of the planner's top plan with only the model, batch, cluster and implementation pinned."""
-    published = _planner(run, {**run.implementation, **run.layout}).plan(1)[0]
+    # the published layout as run: one recompute choice for every layer
+    published = _planner(run, {**run.implementation, **run.layout, "recompute_layers": None}).plan(1)[0]
     row = {"run": run.name, "source": run.source, "published_tflops": run.tflops_per_gpu,
            "layout": run.layout, "predicted_tflops": published.prediction.tflops_per_device,
            "predicted_tokens_per_s": published.prediction.tokens_per_s,

@@ -3,7 +3,9 @@
 Homogeneous (one group): tp (a divisor of the heads, query groups and ffn width, inside a node), cp,
 pp (dividing what is left of the devices), vpp, the micro-batch size, the sharding level, hybrid
 sharding (one node's ranks per shard group), sequence parallelism (on with tp), cp_comm and the least
-recompute that fits; dp takes the devices left (the largest that divides the batch). Every pinned key
+recompute that fits (and, unless ``train.recompute_layers`` is pinned, each rank recomputing only the
+fewest of its layers that fit its memory: ranks with fewer micro-batches in flight recompute less), the
+pipeline schedule (``SCHEDULES``); dp takes the devices left (the largest that divides the batch). Every pinned key
 (a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
 do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
 timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megand.models.flops import Shape
-from megand.tools.estimate_memory import estimate_memory
+from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
 from megand.tools.planner.cost import GIB, Prediction, memory_layout, predict, stage_memory_gib, stage_times
 from megand.tools.planner.layout import Candidate, override_value, place
 
@@ -30,13 +32,15 @@ CP_COMM = ("p2p", "all_gather", "a2a")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VPP = (2, 3, 4, 6, 8)
 CP = (1, 2, 4, 8, 16, 32)
+# the pipeline schedules searched with pp > 1 (parallel.pp_schedule; 1f1b runs interleaved with vpp)
+SCHEDULES = ("1f1b",)
 
 # the config keys the planner chooses (a pinned one keeps the user's value)
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
             "parallel.sequence_parallel", "parallel.dp_shard", "parallel.cp_comm", "parallel.pipeline_layout",
             "parallel.order", "optim.sharding", "optim.overlap_grad_reduce", "optim.overlap_param_gather",
             "optim.reshard_after_forward", "optim.bucket_size", "train.micro_batch_size", "train.recompute",
-            "train.precision")
+            "train.recompute_layers", "train.precision", "parallel.pp_schedule")
 
 
 def config_validator(cfg):
@@ -58,6 +62,17 @@ def config_validator(cfg):
         return None
 
     return check
+
+
+def spread(k: int, sizes: list) -> list:
+    """``k`` recomputed layers over model chunks of ``sizes`` layers, one chunk after the other in turn."""
+    out = [0] * len(sizes)
+    while k > 0:
+        for j, size in enumerate(sizes):
+            if k > 0 and out[j] < size:
+                out[j] += 1
+                k -= 1
+    return out
 
 
 class PlanError(ValueError):
@@ -205,18 +220,67 @@ class Planner:
         """Every stage within its device memory. On one group with an even split only the first and last
         stages need checking: the others hold fewer micro-batches than the first and no embedding or
         output layer."""
-        if len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None:
+        if len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None and c.recompute_layers is None:
             stages = sorted({0, c.pp - 1})
             return all(x <= stage_groups[0].memory_gib for x in self.memory(c, stages))
         return all(x <= g.memory_gib for x, g in zip(self.memory(c), stage_groups))
 
-    def _fitting(self, candidate: Candidate, stage_groups):
-        """The candidate with the least recompute (or the pinned one) that fits; None."""
+    @property
+    def per_stage_recompute(self) -> bool:
+        """Whether each rank's recomputed layers are searched (``train.recompute_layers`` not pinned)."""
+        return "train.recompute_layers" not in self.pinned
+
+    def _fitting(self, candidate: Candidate, stage_groups) -> list:
+        """The candidates that fit: the least recompute applied to every layer (or the pinned one) and, with
+        :attr:`per_stage_recompute`, each recompute mode with the fewest layers per rank that fit."""
+        pinned = self.pinned.get("train.recompute_layers")
+        fits = []
         for recompute in self._dom("train.recompute", RECOMPUTE):
-            c = candidate.with_(recompute=recompute)
-            if self.fits(c, stage_groups):
-                return c
-        return None
+            if recompute == "none" and pinned is not None:
+                continue
+            c = candidate.with_(recompute=recompute, recompute_layers=tuple(pinned) if pinned is not None else None)
+            if not self.fits(c, stage_groups):
+                continue
+            if recompute == "none" or not self.per_stage_recompute:
+                return fits or [c]
+            if not fits:
+                fits.append(c)
+            fewer = self.fewest_recomputed(c, stage_groups)
+            if fewer != c:
+                fits.append(fewer)
+        return fits
+
+    def fewest_recomputed(self, c: Candidate, stage_groups) -> Candidate:
+        """``c`` (which fits with every layer recomputing) with each rank recomputing the fewest of its
+        layers that fit its device: a bisection per rank (its memory falls with each layer that
+        recomputes; the others' counts do not change it), the count spread over its model chunks."""
+        m = self.gbs // (c.micro_batch_size * c.dp)
+        sizes = [int(n) for n in virtual_stage_sizes(self.shape.layers, memory_layout(c, m))]
+        counts = list(sizes)
+        for r in range(c.pp):
+            slots = list(range(r, len(sizes), c.pp))  # this rank's virtual stages
+            mine = [sizes[j] for j in slots]
+
+            def with_count(k, base):
+                trial = list(base)
+                for j, n in zip(slots, spread(k, mine)):
+                    trial[j] = n
+                return trial
+
+            lo, hi = 0, sum(mine)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                trial = c.with_(recompute_layers=tuple(with_count(mid, sizes)))
+                if self.memory(trial, [r])[0] <= stage_groups[r].memory_gib:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            counts = with_count(lo, counts)
+        return c if counts == sizes else c.with_(recompute_layers=tuple(counts))
+
+    def schedules(self, pp: int) -> list:
+        """The pipeline schedules to try for ``pp`` stages (the pinned one, or ``SCHEDULES``)."""
+        return self._dom("parallel.pp_schedule", SCHEDULES) if pp > 1 else ["1f1b"]
 
     # --- homogeneous ----------------------------------------------------------------------------
     def homogeneous_candidates(self, group):
@@ -240,13 +304,12 @@ class Planner:
                                 if vpp and m % pp:
                                     continue
                                 for opts in self.options(tp, cp, dp, pp, group.devices_per_node):
-                                    c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
-                                                  pipeline_layout=layout, **opts, **self._base())
-                                    if not self._quick_valid(c):
-                                        continue
-                                    fit = self._fitting(c, [group] * pp)
-                                    if fit:
-                                        yield fit
+                                    for schedule in self.schedules(pp):
+                                        c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
+                                                      pipeline_layout=layout, pp_schedule=schedule, **opts,
+                                                      **self._base())
+                                        if self._quick_valid(c):
+                                            yield from self._fitting(c, [group] * pp)
 
     def _quick_valid(self, c: Candidate) -> bool:
         """The divisibility rules of validate(), in arithmetic (validate() itself runs on the plans kept)."""
@@ -370,6 +433,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
     return Candidate(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp, sequence_parallel=bool(p.sequence_parallel),
                      sharding=o.sharding, dp_shard=p.dp_shard, micro_batch_size=t.micro_batch_size,
                      recompute=t.recompute, cp_comm=p.cp_comm, precision=t.precision,
+                     recompute_layers=tuple(t.recompute_layers) if t.get("recompute_layers") is not None else None,
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
