@@ -20,7 +20,8 @@ Conventions (shared by every function here):
                       moe_shared_experts·f_e) and the shared-expert gate 2·h. The E - k experts a token
                       is not routed to cost it nothing: FLOPs (and MFU) follow the *active* parameters.
                       Routing is counted dropless (a capacity factor only lowers the work actually done).
-  plus the logits (output layer) 2·h·V per token, once per model. Given the tensor-parallel size, V
+  plus the logits (output layer) 2·h·V per token, once per model (once more per multi-token prediction
+  depth, which also runs its projection 2·2h·h and one transformer layer, MoE or dense by the layers' rule). Given the tensor-parallel size, V
   is the padded vocabulary that the output layer really computes (``make_vocab_size_divisible_by`` x tp);
   without it, the model's vocabulary (an unpadded model such as transformers').
 * Parameter counts are the model's real ones (unpadded vocabulary): what a checkpoint or a Hugging Face
@@ -84,6 +85,7 @@ class Shape:
     moe_freq: int = 1          # layer i is MoE when i % moe_freq == 0
     head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
     windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
+    mtp_layers: int = 0        # multi-token prediction depths (each: a 2h->h projection, one layer, the logits)
 
     @property
     def q_dim(self) -> int:
@@ -91,8 +93,9 @@ class Shape:
         return self.heads * self.head_dim
 
     def keys_seen(self, layer: int) -> int:
-        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window)."""
-        window = self.windows[layer] if self.windows else None
+        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window; a
+        multi-token prediction layer, after the last, has the last one's window)."""
+        window = self.windows[min(layer, self.layers - 1)] if self.windows else None
         return self.seq if window is None else min(self.seq, window)
 
     @property
@@ -109,6 +112,11 @@ class Shape:
     @property
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
+
+    @property
+    def mtp_layer_ids(self) -> range:
+        """The multi-token prediction layers' global indices (after the main model's)."""
+        return range(self.layers, self.layers + self.mtp_layers)
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "Shape":
@@ -152,6 +160,7 @@ class Shape:
             qkv_bias=bool(_get(model, "qkv_bias", False)),
             head_dim=resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim)),
             windows=_windows(model, int(_get(model, "num_layers"))),
+            mtp_layers=int(_get(model, "mtp_layers", 0)),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
 
@@ -275,6 +284,7 @@ class ParamCounts:
     active_non_embedding: int = 0
     per_moe_layer: int = 0         # a MoE layer, all experts
     moe_layers: int = 0
+    mtp: int = 0                   # of non_embedding: the multi-token prediction depths (all experts)
 
 
 def param_counts(model: Mapping[str, Any]) -> ParamCounts:
@@ -285,13 +295,28 @@ def param_counts(model: Mapping[str, Any]) -> ParamCounts:
     out = 0 if shape.tied else shape.vocab * shape.hidden
     final_norm = norm_params(shape)
     n_dense, n_moe = shape.dense_layers, shape.moe_layers
-    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm
-    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm
+    mtp, mtp_active = mtp_params(shape)
+    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm + mtp
+    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm + mtp_active
     return ParamCounts(total=non_embedding + word + pos + out, non_embedding=non_embedding,
                        per_layer=dense.total, word_embedding=word, position_embedding=pos,
                        output_layer=out, final_norm=final_norm,
                        active=active_non_embedding + word + pos + out, active_non_embedding=active_non_embedding,
-                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe)
+                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe, mtp=mtp)
+
+
+def mtp_depth_extra(shape: Shape) -> int:
+    """One multi-token prediction depth's parameters besides its transformer layer: the embedding and hidden
+    norms, the projection ``[h, 2h]`` and the depth's final norm."""
+    return 3 * norm_params(shape) + 2 * shape.hidden * shape.hidden
+
+
+def mtp_params(shape: Shape) -> tuple[int, int]:
+    """(all, active) parameters of the multi-token prediction depths (they share the embedding and the output
+    layer with the main model)."""
+    layers = [layer_params(shape, moe=shape.is_moe(i)) for i in shape.mtp_layer_ids]
+    extra = shape.mtp_layers * mtp_depth_extra(shape)
+    return extra + sum(p.total for p in layers), extra + sum(p.active for p in layers)
 
 
 @dataclass(frozen=True)
@@ -305,6 +330,12 @@ class ForwardFlopsPerToken:
     moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
     layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
     windowed_attention: int | None = None  # the attention cores of all layers when some have a sliding window
+    # multi-token prediction depths (all of them): their transformer layers' matmuls, the 2h->h projections,
+    # the layers' attention cores and their logits
+    mtp_layers_matmul: int = 0
+    mtp_proj: int = 0
+    mtp_attention: int = 0
+    mtp_logits: int = 0
 
     @property
     def attention(self) -> int:
@@ -317,8 +348,13 @@ class ForwardFlopsPerToken:
         return (self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
 
     @property
+    def mtp(self) -> int:
+        """Everything the multi-token prediction depths compute."""
+        return self.mtp_layers_matmul + self.mtp_proj + self.mtp_attention + self.mtp_logits
+
+    @property
     def total(self) -> int:
-        return self.layers_matmul + self.attention + self.logits
+        return self.layers_matmul + self.attention + self.logits + self.mtp
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
@@ -333,8 +369,13 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     windowed = sum(4 * s.keys_seen(i) * q for i in range(s.layers)) if s.windows else None
-    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=4 * s.seq * q, windowed_attention=windowed,
-                                logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
+    logits = 2 * h * s.padded_vocab(tp)
+    return ForwardFlopsPerToken(
+        layer_dense=dense, layer_attention=4 * s.seq * q, windowed_attention=windowed, logits=logits,
+        layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe,
+        mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
+        mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
+        mtp_attention=sum(4 * s.keys_seen(i) * q for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
@@ -345,10 +386,10 @@ def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> in
 def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None) -> int:
     """Model FLOPs plus the forward work that activation recomputation executes again."""
     fwd = forward_flops_per_token(model, tp)
-    extra = {
+    extra = {  # the multi-token prediction layers recompute as the others do (not their projections, logits)
         "none": 0,
-        "selective": fwd.attention,
-        "full": fwd.layers_matmul + fwd.attention,
+        "selective": fwd.attention + fwd.mtp_attention,
+        "full": fwd.layers_matmul + fwd.attention + fwd.mtp_layers_matmul + fwd.mtp_attention,
     }
     if recompute not in extra:
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")

@@ -176,3 +176,45 @@ def test_sliding_windows_count_the_band_each_query_sees():
     windowed = {**LLAMA, "sliding_window": 8}
     assert (flops.hardware_flops_per_token(windowed, "selective") - flops.model_flops_per_token(windowed)
             == 2 * 4 * 8 * q)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+def test_mtp_counts_match_the_model(cfg):
+    """Multi-token prediction: the depths' parameters are those megand builds, and the model FLOPs of a
+    training step with them are what FlopCounterMode measures on megand's own model (one process; the
+    logits of the main model and of each depth over the padded vocabulary)."""
+    import torch.distributed as dist
+
+    from megand.core.checkpointing.offline import single_process_topology
+    from megand.core.tensor_parallel.random import TensorParallelRNG
+    from megand.core.transformer import TransformerConfig
+    from megand.models.gpt import GPTModel
+
+    cfg = {**cfg, "mtp_layers": 2}
+    topo = single_process_topology()
+    try:
+        model = GPTModel(TransformerConfig.from_model(cfg), topo, TensorParallelRNG(1, 0, torch.device("cpu")))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        assert flops.param_counts(cfg).mtp == sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+        ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+        counter = FlopCounterMode(display=False)
+        with counter, torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            loss, mtp = model(ids[:, :-1], labels=ids[:, 1:])
+            (loss.sum() + mtp.sum()).backward()
+        predicted = flops.flops_per_iteration(cfg, global_batch_size=2, tp=1)["model_flops"]
+        assert predicted == counter.get_total_flops()
+        plain = flops.flops_per_iteration({**cfg, "mtp_layers": 0}, global_batch_size=2, tp=1)["model_flops"]
+        assert predicted > plain
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mtp_layers_take_the_last_layers_window():
+    q = LLAMA["hidden_size"]
+    windowed = flops.forward_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2})
+    assert windowed.mtp_attention == 2 * 4 * 8 * q
+    assert (flops.hardware_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2}, "selective")
+            - flops.model_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2})
+            == 4 * LLAMA["seq_length"] * q + 4 * 8 * q + 2 * 4 * 8 * q)
