@@ -119,7 +119,8 @@ def mtp_token_counts(microbatches, topo, depths: int, samples: int, seq_length: 
     this rank's micro-batches and the data- and context-parallel ranks."""
     ks = range(1, depths + 1)
     if not microbatches or microbatches[0].loss_mask is None:
-        return torch.tensor([samples * (seq_length - k) for k in ks], dtype=torch.float32, device=device)
+        # made on the device (no host-to-device copy)
+        return samples * (seq_length - torch.arange(1, depths + 1, dtype=torch.float32, device=device))
     count = torch.stack([sum(mb.loss_mask[:, k:].sum() for mb in microbatches) for k in ks]).float()
     if topo.dp_cp_size > 1:
         dist.all_reduce(count, group=topo.dp_cp_group)

@@ -228,8 +228,6 @@ class Trainer:
         self.watchdog = None  # started by run()
         self.last_spike, self.last_loss = False, None
         self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
-        # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
-        self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         layers = cfg.model.num_layers
         fp8_layers = sum(in_fp8(i, layers, cfg.train.fp8_bf16_layers) for i in range(layers)) if cfg.train.get("fp8") else 0
         self.peak_flops = device_peak_flops(
@@ -470,7 +468,8 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, len(microbatches))
-        self.mtp_loss_sum.zero_()
+        # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
+        self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
         self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
