@@ -56,8 +56,10 @@ def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, ex
 
     root = ROOT
     script = [os.path.join(root, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc, reference),
-           **(extra_env or {})}
+    # the machine's cache (the measured CPU peak FLOP/s) shared by the test runs, outside the user's home
+    cache = os.path.join(tempfile.gettempdir(), f"megand-test-cache-{os.getuid()}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": cache,
+           **ranks_env(nproc, reference), **(extra_env or {})}
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=root,

@@ -14,9 +14,11 @@
   that falls to the math kernel stores its ``s x s`` probabilities here as on the GPU, and records which
   backend each call site ran;
 - counts every host synchronisation: a value read (``.item()``, ``.tolist()``: one per call), a copy
-  from the device to the host, a blocking host-to-device copy (``non_blocking=False``, or from pageable
+  from the device to the host (but one queued without blocking into pinned memory: its wait is counted
+  where the caller synchronises), a blocking host-to-device copy (``non_blocking=False``, or from pageable
   memory: CUDA stages those through a pinned buffer and waits), with its source line. Pinned memory is
-  modelled (``pin_memory()`` marks the copy, ``is_pinned`` reads the mark).
+  modelled (``pin_memory()`` and ``torch.empty(..., pin_memory=True)`` mark the tensor, ``is_pinned`` reads
+  the mark).
 
 Fake tensors have no values: a read returns 0 for float64 tensors (the training step's agreed values:
 a finite loss, no overflow) and 1 otherwise (e.g. AdamW's step count, read on the CPU).
@@ -123,10 +125,15 @@ class DeviceRules(TorchDispatchMode):
             out = args[0].clone()
             self._pinned.add(out.untyped_storage())
             return out
+        if func is aten.empty.memory_format and kwargs.get("pin_memory"):
+            out = func(*args, **kwargs)
+            self._pinned.add(out.untyped_storage())
+            return out
         if func is aten._to_copy.default:
             self._copy(func, args[0], _device(kwargs.get("device")) or args[0].device, kwargs.get("non_blocking", False))
         elif func is aten.copy_.default:
-            self._copy(func, args[1], args[0].device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            self._copy(func, args[1], args[0].device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False),
+                       dst=args[0])
         if self.cuda:
             self._check(func, args, kwargs)
         try:
@@ -151,11 +158,14 @@ class DeviceRules(TorchDispatchMode):
             return 0.0
         return 1 if not t.is_floating_point() else 1.0
 
-    def _copy(self, func, src, dst_device, non_blocking) -> None:
+    def _copy(self, func, src, dst_device, non_blocking, dst=None) -> None:
         if not isinstance(src, torch.Tensor) or src.device.type == dst_device.type:
             return
         if src.device.type == "cuda" and dst_device.type == "cpu":
-            self.sync("device-to-host copy")
+            # into pinned memory without blocking: queued on the stream (the caller waits for it once)
+            if not (non_blocking and dst is not None and dst.untyped_storage() in self._pinned):
+                self.sync("device-to-host copy" + ("" if dst is None or dst.untyped_storage() in self._pinned
+                                                   else " (pageable memory)"))
         elif src.device.type == "cpu" and dst_device.type == "cuda":
             pinned = src.untyped_storage() in self._pinned
             if not (non_blocking and pinned):

@@ -385,6 +385,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
 
     from megand.core import sharding
     from megand.core.checkpointing import sharded
+    from megand.core.checkpointing.staging import HostStaging
     from megand.core.parallel_state import init_fake_distributed
     from megand.data.mock import MockGPTDataset
     from megand.tools.device_rules import DeviceRules
@@ -428,7 +429,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
             try:
                 trainer.train_step()  # its progress marks move the clock to forward_backward, optimizer_step
                 clock.enter("checkpoint_state_dict")
-                state = sharded.save_pieces(trainer.named_params, trainer.optimizer, copy=False)
+                state = HostStaging().stage(sharded.save_pieces(trainer.named_params, trainer.optimizer), copy=False)
                 del state
                 clock.enter(None)
             finally:

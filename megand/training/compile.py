@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from megand.core.sdpa import capability_constant_under_compile
 from megand.core.tensor_parallel.random import run_recompute_eagerly_under_compile
 from megand.core.transformer.moe import attach_losses_eagerly_under_compile
 
@@ -45,6 +46,7 @@ def compile_layers(chunks) -> CompileTimer:
     cannot trace): under full recomputation the recomputed body of the layer is what is compiled."""
     run_recompute_eagerly_under_compile()
     attach_losses_eagerly_under_compile()
+    capability_constant_under_compile()
     timer = CompileTimer()
     for chunk in chunks:
         for layer in chunk.layers.values():

@@ -6,7 +6,9 @@ tensor-core figure; fp32 uses the plain fp32 figure unless torch is allowed to u
 
 CPU: no useful datasheet number exists, so the peak is *measured*: the best FLOP/s of a large fp32
 ``torch.mm`` with the current thread count. It is measured once and cached as JSON in the run
-directory (keyed by thread count and size), so every restart of a run uses the same denominator.
+directory (keyed by CPU model, thread count and size), so every restart of a run uses the same
+denominator, and in the machine's cache directory (``$XDG_CACHE_HOME/megand``, default
+``~/.cache/megand``), so a new run on the same CPU does not spend seconds measuring it again.
 """
 
 import json
@@ -93,32 +95,70 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = t
     return 2 * n ** 3 / best
 
 
-def cpu_peak_flops(cache_dir: Optional[Union[str, Path]] = None, n: int = 2048, repeats: int = 5) -> float:
-    """Measured fp32 matmul FLOP/s of this CPU at the current thread count, cached in ``cache_dir``.
+def machine_cache_dir() -> Path:
+    """Where measurements of this machine are kept across runs: ``$XDG_CACHE_HOME/megand``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megand"
 
-    A cache entry is reused only for the same thread count and matrix size; other entries in the file
-    are kept, so runs with different thread counts can share a directory.
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _read_entries(path: Optional[Path]) -> dict:
+    try:
+        entries = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except (OSError, ValueError):
+        return {}  # unreadable: measured again and rewritten
+    return entries if isinstance(entries, dict) else {}
+
+
+def cpu_peak_flops(cache_dir: Optional[Union[str, Path]] = None, n: int = 2048, repeats: int = 5,
+                   shared_dir: Optional[Union[str, Path]] = None) -> float:
+    """Measured fp32 matmul FLOP/s of this CPU at the current thread count, cached in ``cache_dir``
+    (the run's) and ``shared_dir`` (the machine's, :func:`machine_cache_dir`): read from the first that
+    has it, written to both.
+
+    A cache entry is reused only for the same CPU model, thread count and matrix size; other entries in
+    a file are kept, so runs with different thread counts (or a home directory shared by nodes of
+    different CPUs) can share a directory.
     """
     threads = torch.get_num_threads()
-    key = f"threads={threads},n={n},dtype=float32"
-    path = Path(cache_dir) / CPU_CACHE_NAME if cache_dir is not None else None
-    entries = {}
-    if path is not None and path.exists():
-        try:
-            entries = json.loads(path.read_text())
-            return float(entries[key]["flops_per_s"])
-        except (ValueError, KeyError, TypeError):
-            pass  # missing entry or unreadable file: measure again and rewrite it
-    flops = measure_matmul_flops(n=n, repeats=repeats)
-    if path is not None:
-        if not isinstance(entries, dict):
-            entries = {}
-        entries[key] = {"flops_per_s": flops, "threads": threads, "n": n, "dtype": "float32"}
+    key = f"cpu={cpu_model()},threads={threads},n={n},dtype=float32"
+    paths = [Path(d) / CPU_CACHE_NAME for d in (cache_dir, shared_dir) if d is not None]
+    files = [(path, _read_entries(path)) for path in paths]
+    found = next((e[key] for _, e in files if isinstance(e.get(key), dict) and "flops_per_s" in e[key]), None)
+    try:
+        flops = float(found["flops_per_s"]) if found else None
+    except (TypeError, ValueError):
+        flops = None
+    if flops is None:
+        flops = measure_matmul_flops(n=n, repeats=repeats)
+    entry = {"flops_per_s": flops, "threads": threads, "n": n, "dtype": "float32", "cpu": cpu_model()}
+    for path, entries in files:
+        if entries.get(key) != entry:
+            _write_entries(path, {**entries, key: entry})
+    return flops
+
+
+def _write_entries(path: Path, entries: dict) -> None:
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # private: two writers never share it
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file, never half
-    return flops
+    except OSError as e:  # a read-only home directory costs a measurement per run, not the run
+        warnings.warn(f"could not cache the CPU peak FLOP/s in {path}: {e}")
 
 
 def mixed_peak(peak: float, fp8_peak: Optional[float], fp8_fraction: float) -> float:
@@ -130,8 +170,10 @@ def mixed_peak(peak: float, fp8_peak: Optional[float], fp8_fraction: float) -> f
 
 
 def device_peak_flops(device: Union[str, torch.device], precision: str = "bf16",
-                      cache_dir: Optional[Union[str, Path]] = None, fp8_fraction: float = 0.0) -> Optional[float]:
-    """Peak FLOP/s for MFU on ``device``: the table for CUDA GPUs, a cached measurement on CPU.
+                      cache_dir: Optional[Union[str, Path]] = None, fp8_fraction: float = 0.0,
+                      shared_dir: Optional[Union[str, Path]] = None) -> Optional[float]:
+    """Peak FLOP/s for MFU on ``device``: the table for CUDA GPUs, a cached measurement on CPU
+    (:func:`cpu_peak_flops`: ``cache_dir`` the run's, ``shared_dir`` the machine's).
     ``fp8_fraction``: the share of the model FLOPs run as FP8 GEMMs (``train.fp8``), counted at the GPU's
     FP8 peak (:func:`mixed_peak`).
 
@@ -140,7 +182,7 @@ def device_peak_flops(device: Union[str, torch.device], precision: str = "bf16",
     """
     device = torch.device(device)
     if device.type == "cpu":
-        return cpu_peak_flops(cache_dir)
+        return cpu_peak_flops(cache_dir, shared_dir=shared_dir)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         tf32 = torch.get_float32_matmul_precision() != "highest"

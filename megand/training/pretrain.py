@@ -48,7 +48,7 @@ from megand.training.config import (
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.output_dirs import check_output_dirs
-from megand.training.peak import device_peak_flops, mfu
+from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import batch_ramp
 from megand.training.wandb_logger import WandbLogger
 
@@ -231,7 +231,7 @@ class Trainer:
         layers = cfg.model.num_layers
         fp8_layers = sum(in_fp8(i, layers, cfg.train.fp8_bf16_layers) for i in range(layers)) if cfg.train.get("fp8") else 0
         self.peak_flops = device_peak_flops(
-            self.topo.device, cfg.train.precision, cfg.run_dir,
+            self.topo.device, cfg.train.precision, cfg.run_dir, shared_dir=machine_cache_dir(),
             fp8_fraction=fp8_flops_fraction(OmegaConf.to_container(cfg.model, resolve=True), fp8_layers, self.topo.tp_size),
         ) if logging_rank else None
         if logging_rank:

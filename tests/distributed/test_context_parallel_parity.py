@@ -14,8 +14,14 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("experiment", ["tiny_gpt", "tiny_llama"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+# the default run: every layout once, on one of the two models (both models run cp in it); the rest slow
+DEFAULT = {("cp2_p2p", "tiny_llama"), ("cp2_all_gather", "tiny_gpt"), ("cp4_p2p", "tiny_llama"),
+           ("cp2_tp2_sp", "tiny_llama"), ("cp2_dp2", "tiny_gpt"), ("cp2_pp2", "tiny_llama")}
+
+
+@pytest.mark.parametrize("layout, experiment", [
+    pytest.param(layout, exp, id=f"{layout}-{exp}", marks=() if (layout, exp) in DEFAULT else pytest.mark.slow)
+    for layout in LAYOUTS for exp in ("tiny_gpt", "tiny_llama")])
 def test_context_parallel_matches_one_process(reference, launch, experiment, layout):
     nproc, overrides = LAYOUTS[layout]
     assert_parity(reference(experiment), launch(experiment, nproc, *overrides))
@@ -30,7 +36,8 @@ ULYSSES = {
 }
 
 
-@pytest.mark.parametrize("layout", ULYSSES)
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n in ("cp2", "cp2_tp2_sp") else pytest.mark.slow)
+                                    for n in ULYSSES])
 def test_ulysses_matches_one_process(reference, launch, layout):
     nproc, overrides = ULYSSES[layout]
     assert_parity(reference("tiny_llama"), launch("tiny_llama", nproc, *overrides, "parallel.cp_comm=a2a"))

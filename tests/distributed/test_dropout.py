@@ -230,10 +230,11 @@ def test_same_seed_runs_are_bit_identical_with_or_without_the_peak_cache(tmp_pat
 
     run_dir = tmp_path / "run"
     overrides = ["+experiment=tiny_gpt", "parallel.tp=2", *DROPOUT]
-    run_pretrain(run_dir, overrides, nproc=2)
-    assert (run_dir / CPU_CACHE_NAME).exists()
+    machine_cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # empty: the first run measures
+    run_pretrain(run_dir, overrides, nproc=2, extra_env=machine_cache)
+    assert (run_dir / CPU_CACHE_NAME).exists() and (tmp_path / "cache" / "megand" / CPU_CACHE_NAME).exists()
     first = read_metrics(run_dir)
-    run_pretrain(run_dir, overrides, nproc=2)
+    run_pretrain(run_dir, overrides, nproc=2, extra_env=machine_cache)
     second = read_metrics(run_dir)
     assert len(first) == len(second) == 4
     for key in ("loss", "grad_norm"):

@@ -23,10 +23,9 @@ CASES = {  # name: (processes, overrides)
                                                  "train.recompute=full"]),
     "pp2_vpp2_tp2_sp": (4, PP2 + ["parallel.vpp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
-DEFAULT = {
-    ("gpt", "pp2"), ("llama", "pp2"), ("gpt", "pp4"), ("gpt", "pp2_vpp2"), ("llama", "pp2_vpp2"),
-    ("llama", "pp2_tp2_sp"), ("gpt", "pp2_dp2"), ("gpt", "pp2_uneven_3_1"), ("llama", "pp2_recompute_full"),
-    ("gpt", "pp2_recompute_selective"),
+DEFAULT = {  # pp with dp runs in the default run of test_dp_parity (pp2 x dp2, tied embeddings)
+    ("llama", "pp2"), ("gpt", "pp4"), ("llama", "pp2_vpp2"), ("llama", "pp2_tp2_sp"), ("gpt", "pp2_uneven_3_1"),
+    ("llama", "pp2_recompute_full"), ("gpt", "pp2_recompute_selective"),
 }
 PARAMS = [pytest.param(arch, name, id=f"{arch}-{name}", marks=() if (arch, name) in DEFAULT else pytest.mark.slow)
           for name in CASES for arch in ("gpt", "llama")]

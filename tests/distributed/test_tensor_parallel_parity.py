@@ -12,8 +12,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("experiment", ["tiny_gpt", "tiny_llama"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+# the default run: every layout once, on one of the two models (both models run tp in it); the rest slow
+DEFAULT = {("tp2", "tiny_gpt"), ("dp2", "tiny_gpt"), ("tp2_sp", "tiny_llama"), ("tp2_dp2_sp", "tiny_llama")}
+
+
+@pytest.mark.parametrize("layout, experiment", [
+    pytest.param(layout, exp, id=f"{layout}-{exp}", marks=() if (layout, exp) in DEFAULT else pytest.mark.slow)
+    for layout in LAYOUTS for exp in ("tiny_gpt", "tiny_llama")])
 def test_layout_matches_one_process(reference, launch, experiment, layout):
     nproc, overrides = LAYOUTS[layout]
     assert_parity(reference(experiment), launch(experiment, nproc, *overrides))

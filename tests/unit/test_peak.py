@@ -52,6 +52,22 @@ def test_cpu_peak_is_measured_once_and_reused(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / peak.CPU_CACHE_NAME).read_text())) == 2
 
 
+def test_a_new_run_reads_the_machine_cache_and_keeps_its_own_copy(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: calls.append(n) or 7.0e9)
+    machine = tmp_path / "machine"
+    assert peak.cpu_peak_flops(tmp_path / "run1", shared_dir=machine) == 7.0e9
+    assert peak.cpu_peak_flops(tmp_path / "run2", shared_dir=machine) == 7.0e9
+    assert len(calls) == 1  # the second run found the machine's figure
+    for d in ("run1", "run2", "machine"):
+        entry = next(iter(json.loads((tmp_path / d / peak.CPU_CACHE_NAME).read_text()).values()))
+        assert entry["flops_per_s"] == 7.0e9 and entry["cpu"] == peak.cpu_model()
+    # a run keeps its own figure (its restarts use one denominator) even if the machine's changes
+    (machine / peak.CPU_CACHE_NAME).write_text("{}")
+    monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 9.0e9)
+    assert peak.cpu_peak_flops(tmp_path / "run1", shared_dir=machine) == 7.0e9
+
+
 def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
     (tmp_path / peak.CPU_CACHE_NAME).write_text("{not json")
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 5.0e9)

@@ -147,6 +147,15 @@ def test_json_report_keeps_its_keys_and_names_the_device(rehearsed):
     assert report["groups_created"] > 0
 
 
+@pytest.mark.parametrize("name", ["llama8b_8gpu_rank0", "sharding_optim_grads_params"])
+def test_checkpoint_staging_waits_once(rehearsed, name):
+    """A save's host copies are queued into pinned buffers and waited for once (before: one blocking
+    device-to-host copy into pageable memory per piece: 690 on a llama8b rank)."""
+    table = _ok(rehearsed[name])["syncs"]["checkpoint"]
+    assert [(s["where"].split(":")[0], s["kind"], s["count"]) for s in table] == [
+        ("megand/core/checkpointing/staging.py", "torch.cuda.Stream.synchronize", 1)], table
+
+
 def test_a_rank_that_does_not_fit_exits_with_one_line(rehearsed):
     result = rehearsed["does_not_fit"]
     assert result["code"] == 1 and result["report"]["fit"]["fits"] is False

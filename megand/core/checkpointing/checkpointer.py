@@ -3,7 +3,8 @@
 Save (every rank, collectively):
   1. wait for the previous asynchronous save;
   2. rank 0 makes ``iter_N.tmp/``; each rank writes its RNG file, rank 0 ``common.pt`` and ``config.yaml``;
-  3. the pieces of model and optimizer state are staged on CPU (copied when asynchronous) and written
+  3. the pieces of model and optimizer state are staged on the host (device tensors into page-locked
+     buffers with one wait; host tensors copied when asynchronous: staging.py) and written
      with torch.distributed.checkpoint (in a background thread when asynchronous: training goes on);
   4. each rank checksums the files it wrote (every file is in the manifest); rank 0 writes it, renames ``iter_N.tmp`` to
      ``iter_N`` and then atomically replaces ``latest`` - only after every rank has finished writing.
@@ -41,6 +42,7 @@ from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
 from megand.core.checkpointing.files import CheckpointError
 from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
+from megand.core.checkpointing.staging import HostStaging
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
         self.pending: Future | None = None
+        self.staging = HostStaging()
         self.last_saved = None
         self.last_stall_s = 0.0
         if hasattr(signal, "SIGXFSZ"):  # over a file-size limit a write must fail (EFBIG), not kill the rank
@@ -120,8 +123,8 @@ class Checkpointer:
         self._agree(write_small_files, tmp)
         asynchronous = self.executor is not None
         self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
-        state = sharded.save_pieces(self.named_params, self.optimizer, copy=asynchronous,
-                                    named_buffers=self.named_buffers)
+        state = self.staging.stage(sharded.save_pieces(self.named_params, self.optimizer, self.named_buffers),
+                                   copy=asynchronous)
         if asynchronous:
             self.pending = self.executor.submit(self._write, state, tmp, iteration)
         else:

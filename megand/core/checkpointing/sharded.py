@@ -11,8 +11,8 @@ names, so pipeline stages and model chunks need no special handling:
                                                    MoE router's balancing bias): whole, identical on its ranks
     optim.<param name>.<exp_avg|exp_avg_sq|main>   its optimizer state (fp32; ``main`` only for non-fp32 runs)
 
-Nothing is gathered and nothing full-size is built: saving writes views of the live state (copied
-only for an asynchronous save), loading reads straight into the parameters and the optimizer's state.
+Nothing is gathered and nothing full-size is built: saving writes views of the live state (host
+copies of device tensors, and copies for an asynchronous save: staging.py), loading reads straight into the parameters and the optimizer's state.
 Under ZeRO-3 the parameters themselves are flat ranges too (the engine's packed slices), written and
 read like an optimizer shard.
 The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
@@ -122,16 +122,12 @@ def buffer_pieces(named_buffers) -> list[Piece]:
     return [Piece(model_key(n), (0,) * b.ndim, tuple(b.shape), b.detach()) for n, b in named_buffers]
 
 
-def save_pieces(named_params, optimizer, copy: bool, named_buffers=()) -> list[Piece]:
-    """This rank's pieces of the model and optimizer state, on CPU (copied if ``copy``, so training may
-    go on mutating the originals while they are written in the background; views of them otherwise).
+def save_pieces(named_params, optimizer, named_buffers=()) -> list[Piece]:
+    """This rank's pieces of the model and optimizer state: views of the live tensors, where they live
+    (``staging.HostStaging`` makes the host copies the writer needs).
 
     Under hybrid sharding the replicas of a shard group hold the same shards: only the first replica
     writes them (the weights of a level below ZeRO-3 are whole on every rank; DCP keeps one copy)."""
-
-    def staged(t):
-        return t.to("cpu", copy=copy) if t.device.type != "cpu" else (t.clone() if copy else exact_storage(t))
-
     ddp = optimizer.ddp
     writes_shards = ddp.replica_rank == 0
     pieces = []
@@ -141,8 +137,7 @@ def save_pieces(named_params, optimizer, copy: bool, named_buffers=()) -> list[P
         if shard.param.meta.copy_of is None:
             for kind, flat in shard.tensors.items():
                 pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
-    pieces += buffer_pieces(named_buffers)
-    return [Piece(p.key, p.offsets, p.full_shape, staged(p.tensor)) for p in pieces]
+    return pieces + buffer_pieces(named_buffers)
 
 
 def expected_full_shapes(named_params, optimizer, named_buffers=()) -> dict[str, tuple[int, ...]]:

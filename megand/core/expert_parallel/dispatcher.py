@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.expert_parallel.mappings import all_to_all
+from megand.core.tensor_parallel.mappings import all_gather_flat
 
 
 @dataclass
@@ -105,7 +106,7 @@ class AllToAllDispatcher:
             return (mine, [local[q * self.local_experts:(q + 1) * self.local_experts] for q in range(self.ep_size)],
                     None, received.view(self.ep_size, self.local_experts).sum(0))
         everyone = counts.new_empty(self.tp_size * self.ep_size * e)
-        dist.all_gather_into_tensor(everyone, counts, group=self.tp_ep_group)
+        all_gather_flat(everyone, counts, group=self.tp_ep_group)
         host = everyone.tolist()  # the one host read
         rows = [[host[(t + self.tp_size * q) * e:(t + self.tp_size * q + 1) * e] for t in range(self.tp_size)]
                 for q in range(self.ep_size)]  # rows[q][t]: what rank (tp t, ep q) sends to each expert
