@@ -76,6 +76,7 @@ class Shape:
         """The vocabulary rows allocated and computed at tensor-parallel size ``tp`` (None: unpadded)."""
         return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
     qkv_bias: bool = False     # biases on Q, K, V only (Qwen-style; implied by linear_bias)
+    qk_norm: bool = False      # an RMSNorm weight [head_dim] over each query and each key head (Qwen3)
     # Mixture of Experts (experts == 0: every layer dense)
     experts: int = 0           # routed experts E of a MoE layer
     top_k: int = 0             # experts per token
@@ -158,6 +159,7 @@ class Shape:
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
+            qk_norm=bool(_get(model, "qk_norm", False)),
             head_dim=resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim)),
             windows=_windows(model, int(_get(model, "num_layers"))),
             mtp_layers=int(_get(model, "mtp_layers", 0)),
@@ -250,7 +252,7 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
         qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
         proj_bias=h if bias else 0,
-        norms=2 * norm_params(shape),
+        norms=2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0),
     )
     if not moe:
         return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
