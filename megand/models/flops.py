@@ -24,7 +24,8 @@ Conventions (shared by every function here):
                       moe_shared_experts·f_e) and the shared-expert gate 2·h. The E - k experts a token
                       is not routed to cost it nothing: FLOPs (and MFU) follow the *active* parameters.
                       Routing is counted dropless (a capacity factor only lowers the work actually done).
-  plus the logits (output layer) 2·h·V per token, once per model. Given the tensor-parallel size, V
+  plus the logits (output layer) 2·h·V per token, once per model (once more per multi-token prediction
+  depth, which also runs its projection 2·2h·h and one transformer layer, MoE or dense by the layers' rule). Given the tensor-parallel size, V
   is the padded vocabulary that the output layer really computes (``make_vocab_size_divisible_by`` x tp);
   without it, the model's vocabulary (an unpadded model such as transformers').
 * Parameter counts are the model's real ones (unpadded vocabulary): what a checkpoint or a Hugging Face
@@ -79,6 +80,7 @@ class Shape:
         """The vocabulary rows allocated and computed at tensor-parallel size ``tp`` (None: unpadded)."""
         return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
     qkv_bias: bool = False     # biases on Q, K, V only (Qwen-style; implied by linear_bias)
+    qk_norm: bool = False      # an RMSNorm weight [head_dim] over each query and each key head (Qwen3)
     # Mixture of Experts (experts == 0: every layer dense)
     experts: int = 0           # routed experts E of a MoE layer
     top_k: int = 0             # experts per token
@@ -94,6 +96,7 @@ class Shape:
     v_head: int = 0            # value head width
     head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
     windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
+    mtp_layers: int = 0        # multi-token prediction depths (each: a 2h->h projection, one layer, the logits)
 
     @property
     def q_dim(self) -> int:
@@ -101,8 +104,9 @@ class Shape:
         return self.heads * self.head_dim
 
     def keys_seen(self, layer: int) -> int:
-        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window)."""
-        window = self.windows[layer] if self.windows else None
+        """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window; a
+        multi-token prediction layer, after the last, has the last one's window)."""
+        window = self.windows[min(layer, self.layers - 1)] if self.windows else None
         return self.seq if window is None else min(self.seq, window)
 
     @property
@@ -124,6 +128,11 @@ class Shape:
     @property
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
+
+    @property
+    def mtp_layer_ids(self) -> range:
+        """The multi-token prediction layers' global indices (after the main model's)."""
+        return range(self.layers, self.layers + self.mtp_layers)
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "Shape":
@@ -165,10 +174,12 @@ class Shape:
             tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
+            qk_norm=bool(_get(model, "qk_norm", False)),
             head_dim=(int(model["qk_nope_head_dim"]) + int(model["qk_rope_head_dim"]) if model.get("kv_lora_rank")
                       else resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim))),
             **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),
+            mtp_layers=int(_get(model, "mtp_layers", 0)),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
 
@@ -267,7 +278,7 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
         qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
         proj_bias=h if bias else 0,
-        norms=2 * norm_params(shape),
+        norms=2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0),
     )
     if shape.kv_lora:
         attention.update(_latent_params(shape))
@@ -313,6 +324,7 @@ class ParamCounts:
     active_non_embedding: int = 0
     per_moe_layer: int = 0         # a MoE layer, all experts
     moe_layers: int = 0
+    mtp: int = 0                   # of non_embedding: the multi-token prediction depths (all experts)
 
 
 def param_counts(model: Mapping[str, Any]) -> ParamCounts:
@@ -323,13 +335,28 @@ def param_counts(model: Mapping[str, Any]) -> ParamCounts:
     out = 0 if shape.tied else shape.vocab * shape.hidden
     final_norm = norm_params(shape)
     n_dense, n_moe = shape.dense_layers, shape.moe_layers
-    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm
-    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm
+    mtp, mtp_active = mtp_params(shape)
+    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm + mtp
+    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm + mtp_active
     return ParamCounts(total=non_embedding + word + pos + out, non_embedding=non_embedding,
                        per_layer=dense.total, word_embedding=word, position_embedding=pos,
                        output_layer=out, final_norm=final_norm,
                        active=active_non_embedding + word + pos + out, active_non_embedding=active_non_embedding,
-                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe)
+                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe, mtp=mtp)
+
+
+def mtp_depth_extra(shape: Shape) -> int:
+    """One multi-token prediction depth's parameters besides its transformer layer: the embedding and hidden
+    norms, the projection ``[h, 2h]`` and the depth's final norm."""
+    return 3 * norm_params(shape) + 2 * shape.hidden * shape.hidden
+
+
+def mtp_params(shape: Shape) -> tuple[int, int]:
+    """(all, active) parameters of the multi-token prediction depths (they share the embedding and the output
+    layer with the main model)."""
+    layers = [layer_params(shape, moe=shape.is_moe(i)) for i in shape.mtp_layer_ids]
+    extra = shape.mtp_layers * mtp_depth_extra(shape)
+    return extra + sum(p.total for p in layers), extra + sum(p.active for p in layers)
 
 
 @dataclass(frozen=True)
@@ -343,6 +370,12 @@ class ForwardFlopsPerToken:
     moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
     layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
     windowed_attention: int | None = None  # the attention cores of all layers when some have a sliding window
+    # multi-token prediction depths (all of them): their transformer layers' matmuls, the 2h->h projections,
+    # the layers' attention cores and their logits
+    mtp_layers_matmul: int = 0
+    mtp_proj: int = 0
+    mtp_attention: int = 0
+    mtp_logits: int = 0
 
     @property
     def attention(self) -> int:
@@ -355,8 +388,13 @@ class ForwardFlopsPerToken:
         return (self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
 
     @property
+    def mtp(self) -> int:
+        """Everything the multi-token prediction depths compute."""
+        return self.mtp_layers_matmul + self.mtp_proj + self.mtp_attention + self.mtp_logits
+
+    @property
     def total(self) -> int:
-        return self.layers_matmul + self.attention + self.logits
+        return self.layers_matmul + self.attention + self.logits + self.mtp
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
@@ -376,8 +414,13 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     core = 2 * (q + s.value_dim)  # per key seen: scores and context
     windowed = sum(core * s.keys_seen(i) for i in range(s.layers)) if s.windows else None
-    return ForwardFlopsPerToken(layer_dense=dense, layer_attention=core * s.seq, windowed_attention=windowed,
-                                logits=2 * h * s.padded_vocab(tp), layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe)
+    logits = 2 * h * s.padded_vocab(tp)
+    return ForwardFlopsPerToken(
+        layer_dense=dense, layer_attention=core * s.seq, windowed_attention=windowed, logits=logits,
+        layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe,
+        mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
+        mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
+        mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
@@ -394,13 +437,15 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")
     if recompute == "none":
         return 3 * fwd.total
-    if recomputed_layers is None:
-        extra = fwd.attention + (fwd.layers_matmul if recompute == "full" else 0)
+    if recomputed_layers is None:  # the multi-token prediction layers recompute as the others do
+        extra = fwd.attention + fwd.mtp_attention
+        if recompute == "full":
+            extra += fwd.layers_matmul + fwd.mtp_layers_matmul
     else:
         s = Shape.from_config(model)
         extra = 0
         for i in recomputed_layers:
-            extra += 4 * s.keys_seen(i) * s.q_dim  # the attention core (scores and context)
+            extra += 2 * (s.q_dim + s.value_dim) * s.keys_seen(i)  # the attention core (scores and context)
             if recompute == "full":
                 extra += fwd.layer_moe if s.is_moe(i) else fwd.layer_dense
     return 3 * fwd.total + extra

@@ -16,15 +16,17 @@ from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelEmbedding,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
-from megand.core.tensor_parallel.layers import column_parallel_linear
+from megand.core.tensor_parallel.layers import column_parallel_linear, vocab_parallel_lookup
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import rope_cos_sin
+from megand.models.mtp import MultiTokenPrediction, depth_losses, shift_left
 
 WORD_EMBEDDING = "embedding.word.weight"
 
@@ -95,15 +97,46 @@ class GPTModel(torch.nn.Module):
                     padded_out=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device)
                 if cfg.tie_embeddings:  # a later stage's copy of the first stage's word embedding
                     retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
-        if pre_process and cfg.tie_embeddings and not post_process:
+        # multi-token prediction (last stage): its depths look tokens up in the word embedding, a copy of it
+        # on a later stage (the tied output layer's weight, else a table of its own) kept equal as tied weights are
+        self.mtp = self.mtp_embedding = None
+        if post_process and cfg.mtp_layers:
+            self.mtp = MultiTokenPrediction(cfg, topo, rng, device)
+            if not pre_process and not cfg.tie_embeddings:
+                self.mtp_embedding = VocabParallelEmbedding(
+                    cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group, init_std=cfg.init_std,
+                    padded_size=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device)
+                retag(self.mtp_embedding.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
+        if pre_process and not post_process and (cfg.tie_embeddings or cfg.mtp_layers):
             retag(self.embedding.word.weight, embedding_group_grad=True)
         self.vocab_start = topo.tp_rank * cfg.padded_vocab_size(topo.tp_size) // topo.tp_size
 
     def borrowed_parameters(self):
         """Parameters of submodules that this module's own forward reads (the data-parallel engine
-        gathers them for it under ZeRO-3): the word embedding when the output layer is tied to it here."""
+        gathers them for it under ZeRO-3): the word embedding when the output layer is tied to it here;
+        with multi-token prediction the output layer's weight and the table its depths look tokens up in."""
+        if self.mtp is not None:
+            return list({id(w): w for w in (self.output_weight, self.mtp_table)}.values())
         tied_here = self.post_process and self.output_layer is None
         return [self.embedding.word.weight] if tied_here else []
+
+    @property
+    def output_weight(self):
+        return self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
+
+    @property
+    def mtp_table(self):
+        """The word embedding (or this stage's copy of it) that multi-token prediction looks tokens up in."""
+        if self.pre_process:
+            return self.embedding.word.weight
+        return self.output_layer.weight if self.mtp_embedding is None else self.mtp_embedding.weight
+
+    def embed_tokens(self, ids):
+        """The word embedding of ``ids [b, s]`` alone, ``[s, b, h]`` (this rank's sequence shard under sp)."""
+        partial = vocab_parallel_lookup(ids, self.mtp_table, self.topo.tp_group).transpose(0, 1).contiguous()
+        if self.cfg.sequence_parallel:
+            return reduce_scatter_to_sp(partial, self.topo.tp_group)
+        return reduce_from_tp(partial, self.topo.tp_group)
 
     def logits(self, x):
         """This rank's vocab slice of the logits ``[s, b, V_local]``."""
@@ -123,7 +156,9 @@ class GPTModel(torch.nn.Module):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
 
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
-        per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``.
+        per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``. With
+        multi-token prediction a training forward with ``labels`` returns ``(loss, mtp_loss)`` instead
+        (:meth:`loss_with_mtp`); evaluation and generation never run the depths.
         ``positions [s]`` are the global indices of the local tokens (they differ under context parallelism),
         or ``[b, s]`` per-sample positions (restarting at each document).
         ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` of the micro-batch's
@@ -143,6 +178,8 @@ class GPTModel(torch.nn.Module):
             x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents)
         if not self.post_process:
             return x
+        if self.mtp is not None and labels is not None and self.training:
+            return self.loss_with_mtp(x, labels, rope, documents)
         logits = self.logits(self.final_norm(x))
         if labels is None:  # the padding columns are cut off: generation never picks them
             full = gather_from_tp(logits, self.topo.tp_group)[..., : self.cfg.vocab_size]
@@ -150,3 +187,27 @@ class GPTModel(torch.nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
                                             self.vocab_start, self.cfg.vocab_size)
         return loss.transpose(0, 1)
+
+    def loss_with_mtp(self, x, labels, rope, documents):
+        """Training with multi-token prediction: ``(loss [b, s], mtp_loss [D, b, s])``, the main per-token loss
+        and each depth's, put at its target label's position (:func:`megand.models.mtp.depth_losses`).
+
+        The main model's and every depth's logits are one product with the output layer's weight: the weight
+        (and the word embedding the depths read) are used several times in one backward, so their gradients
+        must reach the data-parallel engine once, summed by autograd (``fuse_wgrad=False``)."""
+        cfg, tp_group = self.cfg, self.topo.tp_group
+        normed = [self.final_norm(x)] + self.mtp(x, labels, self.embed_tokens, rope, documents)
+        depths = len(normed)
+        logits = column_parallel_linear(torch.cat(normed), self.output_weight, None, tp_group, cfg.sequence_parallel,
+                                        fuse_wgrad=False)  # [(1 + D) s, b, V/tp], depth-major
+        targets = torch.stack([shift_left(labels, k) for k in range(depths)]).transpose(1, 2)  # [1 + D, s, b]
+        if cfg.sequence_parallel:  # the gathered rows are rank-major: each tp rank's shards of every depth
+            tp = self.topo.tp_size
+            targets = targets.unflatten(1, (tp, -1)).transpose(0, 1)  # [tp, 1 + D, s/tp, b]
+        loss = vocab_parallel_cross_entropy(logits, targets.reshape(-1, targets.shape[-1]), tp_group,
+                                            self.vocab_start, cfg.vocab_size)
+        loss = loss.view(targets.shape)
+        if cfg.sequence_parallel:
+            loss = loss.transpose(0, 1).flatten(1, 2)
+        loss = loss.transpose(1, 2)  # [1 + D, b, s]
+        return loss[0], torch.stack([depth_losses(loss[k], k) for k in range(1, depths)])

@@ -92,6 +92,11 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
     n_params = sum(torch.Size(stored[r.megand][0]).numel() for r in rules)
     print(f"exported {load} ({adapter.MODEL_TYPE}, {n_params:,} parameters, {writer.total_bytes / 2**30:.2f} GiB "
           f"in {len([s for s in shards if s != INDEX])} safetensors file(s)) to {out}")
+    exported = {r.megand for r in rules}
+    if any(name.startswith("mtp.") and name not in exported for name in expected):
+        print(f"not exported: the {model_cfg['mtp_layers']} multi-token prediction depth(s) (mtp.*, "
+              f"model.mtp_layers): {adapter.MODEL_TYPE} has no such module; the main model's next-token "
+              f"predictions are complete without them")
 
 
 def read_hf_config(hf_dir: str):

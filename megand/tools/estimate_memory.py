@@ -85,7 +85,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from megand.core.pipeline_parallel.actions import V_SCHEDULES, peak_live_chunks, placement_for
-from megand.models.flops import Shape, layer_params, norm_params
+from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 
@@ -362,8 +362,10 @@ def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) ->
     """Routed-expert parameters held by one rank of pipeline ``stage`` (its share over ep and etp)."""
     shape = Shape.from_config(model)
     moe = layer_params(shape, moe=True)
-    return stage_moe_layers(model, layout, stage) * (moe.experts_split / (layout.ep * layout.expert_tp)
-                                                      + moe.experts_replicated / layout.ep)
+    layers = stage_moe_layers(model, layout, stage)
+    if stage == layout.pp - 1:  # the multi-token prediction layers that are MoE
+        layers += sum(shape.is_moe(i) for i in shape.mtp_layer_ids)
+    return layers * (moe.experts_split / (layout.ep * layout.expert_tp) + moe.experts_replicated / layout.ep)
 
 
 def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
@@ -391,7 +393,20 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
         # untied: the output layer; tied with pp>1: the last stage holds a copy of the embedding
         if not shape.tied or layout.pp > 1:
             params += word
+        params += mtp_stage_params(shape, layout)
     return params
+
+
+def mtp_stage_params(shape: Shape, layout: Layout) -> float:
+    """The multi-token prediction depths' parameters on one tensor-parallel rank of the last stage: their
+    layers, projections (split over tp) and norms, and (untied, pp > 1) the word embedding's copy they read."""
+    if not shape.mtp_layers:
+        return 0.0
+    layers = sum(layer_params(shape, moe=shape.is_moe(i)).per_tp_rank(layout.tp, layout.ep, layout.expert_tp)
+                 for i in shape.mtp_layer_ids)
+    proj = 2 * shape.hidden * shape.hidden
+    copy = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp if not shape.tied and layout.pp > 1 else 0
+    return layers + shape.mtp_layers * (mtp_depth_extra(shape) - proj + proj / layout.tp) + copy
 
 
 @dataclass
@@ -439,9 +454,16 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     extra = 0.0
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
-    if stage == last_stage(layout):  # the final norm and output-layer inputs; at the loss, the logits and
-        # the one fp32 copy the vocab-parallel cross entropy turns into its softmax are alive together
-        extra += tokens * (2 * e * shape.hidden / seq_split + (4 + e) * shape.padded_vocab(layout.tp) / layout.tp)
+    if stage == last_stage(layout):
+        # the final norm and output-layer inputs, and at the loss the logits next to the one fp32 copy the
+        # vocab-parallel cross entropy turns into its softmax; with multi-token prediction each depth's too
+        # (one product with the main model's), its layer (one micro-batch: the last stage's only one in
+        # flight) and its norms' and projection's inputs
+        depths = shape.mtp_layers
+        extra += (1 + depths) * tokens * (2 * e * shape.hidden / seq_split
+                                          + (4 + e) * shape.padded_vocab(layout.tp) / layout.tp)
+        extra += sum(layer_activation_bytes(model, layout, moe=shape.is_moe(i)) for i in shape.mtp_layer_ids)
+        extra += depths * tokens * 4 * e * shape.hidden / seq_split
     return extra
 
 
@@ -563,6 +585,9 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         f"({'swiglu' if shape.swiglu else 'gelu'}), heads {shape.heads}/{shape.groups} kv, seq {shape.seq}, "
         f"vocab {shape.vocab} (padded {shape.padded_vocab(layout.tp)}), {'tied' if shape.tied else 'untied'}",
     ]
+    if shape.mtp_layers:
+        head.append(f"        multi-token prediction: {shape.mtp_layers} depths on the last stage, "
+                    f"{_count(counts.mtp)} parameters")
     if moe:
         head.append(f"        MoE: {shape.moe_layers} of {shape.layers} layers, {shape.experts} experts of ffn "
                     f"{shape.moe_ffn}, top-{shape.top_k}, {shape.shared_experts} shared")

@@ -112,6 +112,21 @@ def loss_token_count(microbatches, topo, default: int) -> torch.Tensor | int:
     return count.clamp_min(1.0)  # a batch of EOD tokens only: loss 0, not nan
 
 
+def mtp_token_counts(microbatches, topo, depths: int, samples: int, seq_length: int, device) -> torch.Tensor:
+    """Tokens whose loss counts for each multi-token prediction depth k = 1..``depths`` in the global batch
+    of ``samples``: those with a label k positions in (depth k has no target for the last k positions);
+    without a loss mask ``samples x (seq_length - k)``, else the mask's sum past position k, summed over
+    this rank's micro-batches and the data- and context-parallel ranks."""
+    ks = range(1, depths + 1)
+    if not microbatches or microbatches[0].loss_mask is None:
+        # made on the device (no host-to-device copy)
+        return samples * (seq_length - torch.arange(1, depths + 1, dtype=torch.float32, device=device))
+    count = torch.stack([sum(mb.loss_mask[:, k:].sum() for mb in microbatches) for k in ks]).float()
+    if topo.dp_cp_size > 1:
+        dist.all_reduce(count, group=topo.dp_cp_group)
+    return count.clamp_min(1.0)
+
+
 def to_device(microbatches, device: torch.device) -> list:
     """``microbatches`` moved to ``device``; from pinned host memory without blocking on CUDA (the copy
     overlaps whatever the device is still running)."""

@@ -66,6 +66,8 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # load-balancing (Switch/GShard) loss coefficient, over each micro-batch's global tokens
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
     moe_capacity_factor: Optional[float] = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
+    mtp_layers: int = 0  # multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead with one transformer layer of its own and the shared embedding and output layer, on the last pipeline stage; 0: none
+    mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp_loss
 
 
 @dataclass
@@ -402,8 +404,21 @@ def validate(cfg, world_size: int) -> None:
     if not m.norm_eps > 0:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
     validate_moe(cfg, sizes)
+    validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
+
+
+def validate_mtp(cfg) -> None:
+    """Multi-token prediction: its depth count, and the layouts it composes with."""
+    m, p = cfg.model, cfg.parallel
+    if not isinstance(m.mtp_layers, int) or m.mtp_layers < 0 or m.mtp_layers >= m.seq_length:
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} must be an int in [0, model.seq_length={m.seq_length})")
+    if m.mtp_layers and p.cp > 1:  # depth k reads the labels k positions ahead: across a cp chunk's end
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} is not supported with parallel.cp={p.cp}: each depth's "
+                          f"inputs and targets are the labels shifted along the whole sequence (use cp=1)")
+    if m.mtp_layers and not m.mtp_loss_weight >= 0:
+        raise ConfigError(f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
 
 
 def validate_moe(cfg, sizes) -> None:

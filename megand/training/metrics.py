@@ -5,9 +5,11 @@ import os
 
 
 def console_line(m: dict, iters: int) -> str:
+    """Megatron's line; a run with multi-token prediction adds ``mtp loss`` (its depths' mean) after ``lm loss``."""
+    mtp = f"mtp loss {m['mtp_loss']:.3E} | " if "mtp_loss" in m else ""
     return (f" iteration {m['iter']}/{iters} | consumed samples {m['consumed_samples']} | "
             f"elapsed time per iteration (ms): {m['iter_time_ms']:.1f} | learning rate {m['lr']:.3E} | "
-            f"global batch size {m['global_batch_size']} | lm loss {m['loss']:.3E} | loss scale {m['loss_scale']:.1f} | "
+            f"global batch size {m['global_batch_size']} | lm loss {m['loss']:.3E} | {mtp}loss scale {m['loss_scale']:.1f} | "
             f"grad norm {m['grad_norm']:.3f} | tokens/s {m['tokens_per_s']:.0f} | TFLOP/s {m['tflops_per_s']:.3g} | "
             f"skipped {m['skipped']} |")
 

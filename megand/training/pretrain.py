@@ -32,7 +32,7 @@ from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration, fp8_flops_fraction
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, rank_microbatches
+from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, mtp_token_counts, rank_microbatches
 from megand.training.compile import compile_layers
 from megand.training.config import (
     backend_timeout_s,
@@ -371,6 +371,10 @@ class Trainer:
         """``tokens``: of the whole batch (default: the training step's)."""
         if self.has_loss:
             self.loss_tokens = loss_token_count(microbatches, self.topo, tokens or self.tokens_per_batch)
+            if self.model_cfg.mtp_layers:
+                s = self.cfg.model.seq_length
+                self.mtp_tokens = mtp_token_counts(microbatches, self.topo, self.model_cfg.mtp_layers,
+                                                   (tokens or self.tokens_per_batch) // s, s, self.topo.device)
 
     def forward_step(self, model, microbatch, hidden):
         documents = (None if microbatch.document_ids is None
@@ -378,10 +382,26 @@ class Trainer:
         out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
                     labels=microbatch.labels if model.post_process else None, hidden=hidden, documents=documents)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
-            out = out.float() if microbatch.loss_mask is None else out.float() * microbatch.loss_mask
-            loss = out.sum() / self.loss_tokens
+            out, mtp = out if isinstance(out, tuple) else (out, None)
+            loss = self._token_mean(out, microbatch)
+            if mtp is not None:  # trained on, logged apart: the returned value stays the main loss
+                mtp = self._token_sums(mtp, microbatch).div(self.mtp_tokens).mean()  # each depth's mean, averaged
+                self.mtp_loss_sum += mtp.detach()
+                loss = loss + self.model_cfg.mtp_loss_weight * (mtp - mtp.detach())
             return self.optimizer.scale_loss(loss) if model.training else loss  # fp16: scaled for backward
         return out
+
+    def _token_mean(self, per_token, microbatch):
+        """This micro-batch's share of the mean over the global batch's loss tokens of ``per_token [b, s]``."""
+        return self._token_sums(per_token, microbatch) / self.loss_tokens
+
+    @staticmethod
+    def _token_sums(per_token, microbatch):
+        """The sum of ``per_token [..., b, s]`` over the loss tokens of the micro-batch (its last two dims)."""
+        per_token = per_token.float()
+        if microbatch.loss_mask is not None:
+            per_token = per_token * microbatch.loss_mask
+        return per_token.sum(dim=(-2, -1))
 
     def global_loss(self, local_loss_sum):
         """The mean loss over every token of the global batch, a device tensor (meaningful on the last
@@ -455,6 +475,8 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, len(microbatches))
+        # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
+        self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
         self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
         loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
@@ -601,6 +623,9 @@ class Trainer:
         mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy.seconds,
                              float(self.optimizer.state_bytes())], dtype=torch.float64).to(self.topo.device,
                                                                                            non_blocking=True)
+        if self.model_cfg.mtp_layers:  # the step's MTP loss: summed over one rank per data shard of the last stage
+            counted = self.has_loss and self.topo.tp_rank == 0
+            mine = torch.cat([mine, (self.mtp_loss_sum.double() if counted else mine.new_zeros(())).view(1)])
         if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
             mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
         gathered = torch.empty(self.topo.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
@@ -627,8 +652,11 @@ class Trainer:
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
             "skipped_total": self.skips.total,
         }
+        if self.model_cfg.mtp_layers:
+            record["mtp_loss"] = sum(x[3] for x in every)
         if self.model_cfg.num_experts is not None:
-            record.update(moe_record(every, self.cfg.model.moe_capacity_factor is not None))
+            record.update(moe_record([x[:3] + x[4:] for x in every] if self.model_cfg.mtp_layers else every,
+                                     self.cfg.model.moe_capacity_factor is not None))
         self.writer.write(record)
         self.wandb.log(record, step=self.iteration)
         if self.topo.is_logging_rank:

@@ -89,6 +89,13 @@ PUBLISHED = {  # the published configs' shape keys (no weights)
                                      max_position_embeddings=40960, rms_norm_eps=1e-6, vocab_size=151936,
                                      tie_word_embeddings=False,
                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3_30b_a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                             num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
+                                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                             max_position_embeddings=40960, rms_norm_eps=1e-6, vocab_size=151936,
+                                             tie_word_embeddings=False, router_aux_loss_coef=0.001,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 
 

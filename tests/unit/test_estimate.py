@@ -198,3 +198,15 @@ def test_uneven_pipeline_layout_counts_each_stages_own_layers():
     assert layer_microbatches_in_flight(24, uneven, 0) == 2 * 18  # 1F1B: pp - r = 2 micro-batches of 18 layers
     first_even, first_uneven = (estimate_memory(GPT, lay).stages[0].total_bytes for lay in (even, uneven))
     assert first_uneven > first_even
+
+
+def test_mtp_depths_on_the_last_stage_by_hand():
+    """Each depth adds a layer (15488 per tp rank), its projection 2·64·64/2 and three norms 3·64 on the last
+    stage, plus (untied, pp > 1) the word embedding's copy there; one rank holds the full count."""
+    mtp = dict(LLAMA, mtp_layers=2)
+    layout = Layout(tp=2, pp=2)
+    assert stage_params(mtp, layout, 0) == stage_params(LLAMA, layout, 0)
+    assert stage_params(mtp, layout, 1) == stage_params(LLAMA, layout, 1) + 2 * (15488 + 4096 + 192) + 256 * 64 / 2
+    assert stage_params(mtp, Layout(), 0) == param_counts(mtp).total
+    assert (estimate_memory(mtp, layout).stages[1].extra_activation_bytes
+            > estimate_memory(LLAMA, layout).stages[1].extra_activation_bytes)

@@ -9,7 +9,7 @@ from megand.tools.estimate_memory import Layout, estimate_memory
 
 PRESETS = {"gpt2_125m_1gpu": 1, "llama8b_8gpu": 8, "llama70b_64gpu": 64, "mixtral_8x7b_64gpu": 64,
            "llama3_1_8b_8gpu": 8, "llama3_1_70b_64gpu": 64, "qwen3_8b_8gpu": 8,
-           "deepseek_v3_small_16gpu": 16, "deepseek_v3_671b_1024gpu": 1024}
+           "deepseek_v3_small_16gpu": 16, "deepseek_v3_671b_1024gpu": 1024, "qwen3_30b_a3b_16gpu": 16}
 
 
 @pytest.mark.parametrize("name,world_size", PRESETS.items())

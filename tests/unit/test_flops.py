@@ -200,3 +200,76 @@ def test_latent_attention_counts_match_transformers(cfg):
     assert flops.flops_per_iteration(cfg, global_batch_size=2)["model_flops"] == counter.get_total_flops()
     # the attention core counts the value width apart: scores over d_qk = 20, context over v_head_dim = 10
     assert flops.forward_flops_per_token(cfg).layer_attention == 2 * 32 * 4 * (20 + 10)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+def test_mtp_counts_match_the_model(cfg):
+    """Multi-token prediction: the depths' parameters are those megand builds, and the model FLOPs of a
+    training step with them are what FlopCounterMode measures on megand's own model (one process; the
+    logits of the main model and of each depth over the padded vocabulary)."""
+    import torch.distributed as dist
+
+    from megand.core.checkpointing.offline import single_process_topology
+    from megand.core.tensor_parallel.random import TensorParallelRNG
+    from megand.core.transformer import TransformerConfig
+    from megand.models.gpt import GPTModel
+
+    cfg = {**cfg, "mtp_layers": 2}
+    topo = single_process_topology()
+    try:
+        model = GPTModel(TransformerConfig.from_model(cfg), topo, TensorParallelRNG(1, 0, torch.device("cpu")))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        assert flops.param_counts(cfg).mtp == sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+        ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+        counter = FlopCounterMode(display=False)
+        with counter, torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            loss, mtp = model(ids[:, :-1], labels=ids[:, 1:])
+            (loss.sum() + mtp.sum()).backward()
+        predicted = flops.flops_per_iteration(cfg, global_batch_size=2, tp=1)["model_flops"]
+        assert predicted == counter.get_total_flops()
+        plain = flops.flops_per_iteration({**cfg, "mtp_layers": 0}, global_batch_size=2, tp=1)["model_flops"]
+        assert predicted > plain
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mtp_layers_take_the_last_layers_window():
+    q = LLAMA["hidden_size"]
+    windowed = flops.forward_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2})
+    assert windowed.mtp_attention == 2 * 4 * 8 * q
+    assert (flops.hardware_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2}, "selective")
+            - flops.model_flops_per_token({**LLAMA, "sliding_window": [None, 8], "mtp_layers": 2})
+            == 4 * LLAMA["seq_length"] * q + 4 * 8 * q + 2 * 4 * 8 * q)
+
+
+# today's families through their transformers classes: Qwen3 (q/k norms, a head width apart from hidden/heads),
+# Qwen3-MoE (q/k norms, softmax top-k experts without shared ones) and Mistral (a sliding window)
+QWEN3_TINY = dict(LLAMA, qk_norm=True, head_dim=24, norm_eps=1e-6)
+QWEN3_MOE_TINY = dict(QWEN3_TINY, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=48)
+MISTRAL_TINY = dict(LLAMA, sliding_window=8)
+
+
+@pytest.mark.parametrize("cfg, model_class", [(QWEN3_TINY, "Qwen3ForCausalLM"), (QWEN3_MOE_TINY, "Qwen3MoeForCausalLM"),
+                                              (MISTRAL_TINY, "MistralForCausalLM")],
+                         ids=["qwen3", "qwen3_moe", "mistral"])
+def test_families_counts_match_flop_counter(cfg, model_class):
+    """Parameters and model FLOPs of a training step equal transformers' own model's, counted by
+    FlopCounterMode. transformers' eager attention computes the whole s x s product and masks it, where
+    megand counts the band a windowed kernel computes (4·min(s, w)·q): for Mistral the measured count is the
+    prediction plus the product outside the window, exactly."""
+    from megand.models.hf import build_hf_model
+
+    model = build_hf_model(cfg, attn_implementation="eager",
+                           experts_implementation="eager" if cfg.get("num_experts") else None)
+    assert type(model).__name__ == model_class
+    assert flops.param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"]), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    predicted = flops.flops_per_iteration(cfg, global_batch_size=2)["model_flops"]
+    s, window = cfg["seq_length"], cfg.get("sliding_window")
+    outside = 0 if window is None else 3 * 2 * s * cfg["num_layers"] * 4 * (s - window) * flops.Shape.from_config(cfg).q_dim
+    assert predicted + outside == counter.get_total_flops()

@@ -183,3 +183,16 @@ def test_import_of_a_directory_written_by_transformers(arch, topo, tmp_path, cap
     with torch.no_grad():
         expected = theirs.float()(input_ids=ids).logits
         assert (ours(input_ids=ids) - expected).abs().max().item() <= 1e-4
+
+
+def test_export_of_a_model_with_mtp_writes_the_main_model_and_says_what_it_left(tmp_path, capsys):
+    """Multi-token prediction depths have no Hugging Face module in these families: the export is the main
+    model (equal to the same model's export without them) and one line names what was left out."""
+    with_mtp = dict(LLAMA, mtp_layers=1)
+    full.save_random_model(str(tmp_path / "ckpt"), with_mtp, torch.float32)
+    capsys.readouterr()
+    assert convert_checkpoint.main(["export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert "not exported: the 1 multi-token prediction depth(s) (mtp.*, model.mtp_layers)" in capsys.readouterr().out
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == {n for r in hf.adapter_for(LLAMA).rules(LLAMA) for n in r.hf}

@@ -159,8 +159,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = _param((local_rows, hidden_size), meta, dtype, device)
 
     def forward(self, ids):
-        if dist.get_world_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return vocab_parallel_lookup(ids, self.weight, self.tp_group)
+
+
+def vocab_parallel_lookup(ids, weight, tp_group):
+    """This rank's partial lookup of ``ids`` in its rows ``weight`` of a vocab-split table (zeros for the ids
+    of other ranks' rows); the caller sums it over tp. Also for a module reading another's table (a later
+    lookup in the word embedding, under its own hooks)."""
+    tp_size = dist.get_world_size(tp_group)
+    if tp_size == 1:
+        return F.embedding(ids, weight)
+    start = dist.get_rank(tp_group) * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    local_ids = (ids - start).masked_fill(outside, 0)
+    return F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)

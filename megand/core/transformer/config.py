@@ -69,6 +69,10 @@ class TransformerConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None  # None: dropless
+    # multi-token prediction (DeepSeek-V3): depths after the last layer, each predicting one token further
+    # ahead with one transformer layer of its own and the shared embedding and output layer; 0: none
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective
     # runtime
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective (attention core) | full (whole layer)
@@ -114,6 +118,8 @@ class TransformerConfig:
                              f"them (null entries: full attention) or null")
         if self.moe_n_group is not None or self.moe_topk_group is not None:
             self._check_groups()
+        if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise ValueError(f"model.mtp_layers={self.mtp_layers!r}: expected an int >= 0 (0: no multi-token prediction)")
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -211,8 +217,8 @@ class TransformerConfig:
 
     def window(self, layer_id: int) -> int | None:
         """The attention window of layer ``layer_id`` (None: full causal attention)."""
-        if isinstance(self.sliding_window, tuple):
-            return self.sliding_window[layer_id]
+        if isinstance(self.sliding_window, tuple):  # a multi-token prediction layer (beyond the last): the last's
+            return self.sliding_window[min(layer_id, self.num_layers - 1)]
         return self.sliding_window
 
     def is_moe_layer(self, layer_id: int) -> bool:
@@ -231,7 +237,7 @@ MODEL_FIELDS = frozenset(f.name for f in fields(TransformerConfig)) - RUNTIME_FI
 # (seq_length: only within the model's positions; its learned position table has seq_length rows)
 TRAINING_FIELDS = frozenset({"seq_length", "hidden_dropout", "attention_dropout", "init_std",
                              "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                             "moe_bias_update_rate", "moe_capacity_factor"})
+                             "moe_bias_update_rate", "moe_capacity_factor", "mtp_loss_weight"})
 ARCHITECTURE_FIELDS = MODEL_FIELDS - TRAINING_FIELDS
 
 
