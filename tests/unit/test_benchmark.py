@@ -67,6 +67,7 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 def test_megand_and_baseline_in_one_run(tmp_path, monkeypatch, capsys):
     """``--mode both``: the Trainer in a one-process world, then the baseline; one JSON line, every key."""
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda n, repeats: 50e9)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # not the machine's measured peak
     for name in DIST_ENV:  # init_distributed sets these for a one-process world: restore them afterwards
         monkeypatch.delenv(name, raising=False)
     _load_tool().main(TINY + ["--mode", "both", "--steps", "2", "--warmup", "1", "--rounds", "2",

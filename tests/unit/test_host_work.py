@@ -22,6 +22,7 @@ def one_process_world(tmp_path, monkeypatch):
     for name in DIST_ENV:  # init_distributed sets these for a one-process world: restore them afterwards
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda *a, **k: 50e9)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # not the machine's measured peak
     yield tmp_path
     if dist.is_initialized():
         dist.destroy_process_group()

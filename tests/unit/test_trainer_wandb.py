@@ -19,6 +19,7 @@ def one_process_world(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
     import megand.training.peak as peak
     monkeypatch.setattr(peak, "measure_matmul_flops", lambda *a, **k: 50e9)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # not the machine's measured peak
     yield tmp_path
     if dist.is_initialized():
         dist.destroy_process_group()
