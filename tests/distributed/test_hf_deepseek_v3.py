@@ -8,15 +8,13 @@ relative) on one process, at tp=2 x pp=2 and at ep=2; exported back, every tenso
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from megand.core.checkpointing import offline
 from megand.models import full
 from megand.tools import convert_checkpoint, generate
-from tests.harness import read_metrics, run_pretrain
+from tests.hf_checks import first_step_loss_equals_transformers
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -98,19 +96,4 @@ def test_first_step_loss_equals_transformers_layouts(layout, imported, tmp_path)
 def _first_step_loss_equals_transformers(layout, imported, tmp_path):
     theirs, _, ckpt = imported
     nproc, overrides = LAYOUTS[layout]
-    run_dir = str(tmp_path / "run")
-    proc = run_pretrain(run_dir, [f"checkpoint.load={ckpt}", "train.iters=1", "train.eval_iters=0", *overrides],
-                        nproc=nproc)  # no model key: the checkpoint's model
-    assert "model from checkpoint" in proc.stdout
-    loss = read_metrics(run_dir)[0]["loss"]
-
-    from megand.training.pretrain import build_datasets
-
-    cfg = OmegaConf.load(f"{run_dir}/config.yaml")
-    train, _ = build_datasets(cfg, offline.single_process_topology())
-    tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
-    with torch.no_grad():
-        logits = theirs(input_ids=tokens[:, :-1]).logits
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
-    print(f"deepseek_v3 {layout}: first-step loss {loss:.8f}, transformers {expected:.8f}")
-    assert abs(loss - expected) / expected <= 1e-5, (loss, expected)
+    first_step_loss_equals_transformers(f"deepseek_v3 {layout}", theirs, ckpt, nproc, overrides, tmp_path)

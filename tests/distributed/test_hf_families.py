@@ -8,14 +8,11 @@ weight equals transformers' own."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from megand.core.checkpointing import offline
 from megand.tools import convert_checkpoint, generate
-from tests.harness import read_metrics, run_pretrain
+from tests.hf_checks import first_step_loss_equals_transformers
 
 COMMON = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -114,19 +111,4 @@ def test_first_step_loss_equals_transformers_matrix(family, layout, imported, tm
 def _first_step_loss_equals_transformers(family, layout, imported, tmp_path):
     theirs, _, ckpt = imported(family)
     nproc, overrides = LAYOUTS[layout]
-    run_dir = str(tmp_path / "run")
-    proc = run_pretrain(run_dir, [f"checkpoint.load={ckpt}", "train.iters=1", "train.eval_iters=0", *overrides],
-                        nproc=nproc)  # no model key: the checkpoint's model
-    assert "model from checkpoint" in proc.stdout
-    loss = read_metrics(run_dir)[0]["loss"]
-
-    from megand.training.pretrain import build_datasets
-
-    cfg = OmegaConf.load(f"{run_dir}/config.yaml")
-    train, _ = build_datasets(cfg, offline.single_process_topology())
-    tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
-    with torch.no_grad():
-        logits = theirs(input_ids=tokens[:, :-1]).logits
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
-    print(f"{family} {layout}: first-step loss {loss:.8f}, transformers {expected:.8f}")
-    assert abs(loss - expected) / expected <= 1e-5, (loss, expected)
+    first_step_loss_equals_transformers(f"{family} {layout}", theirs, ckpt, nproc, overrides, tmp_path)
