@@ -1,10 +1,10 @@
 """Today's open dense families end to end: a tiny random model written by transformers' own
 ``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
 a head width apart from hidden/heads and yarn RoPE, Mistral with a sliding window shorter than the sequence
-and NeMo-style without one) is imported; greedy generation equals transformers'; a training
+and NeMo-style without one, Qwen3-MoE) is imported; greedy generation equals transformers'; a training
 run that names no model key (the model comes from the checkpoint) has a first-step loss equal to
-transformers' loss on the same batch (1e-5 relative) on one process and at tp=2 x pp=2; exported back, every
-weight equals transformers' own."""
+transformers' loss on the same batch (1e-5 relative) on one process, at tp=2 x pp=2 and (MoE) at ep=2;
+exported back, every weight equals the files transformers wrote."""
 
 import pytest
 import torch
@@ -31,9 +31,13 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24,
                                               rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                                "original_max_position_embeddings": 8}),
+    # Qwen3-MoE: q/k norms, a head width of its own, every layer MoE (softmax top-2 of 4, renormalised)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=48, norm_topk_prob=True,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM", "mistral_swa": "MistralForCausalLM"}
+           "mistral": "MistralForCausalLM", "mistral_swa": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the family: the same maths as Llama
 
 
@@ -61,7 +65,7 @@ def imported(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_and_export_equal_transformers(family, imported, tmp_path, capsys):
-    theirs, _, ckpt = imported(family)
+    theirs, hf_dir, ckpt = imported(family)
     prompt = torch.randint(0, 251, (8,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
@@ -72,7 +76,9 @@ def test_generation_and_export_equal_transformers(family, imported, tmp_path, ca
 
     out = str(tmp_path / "back")
     assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
-    exported, original = load_file(f"{out}/model.safetensors"), theirs.state_dict()
+    # the tensors of the files transformers wrote (a MoE model's experts are fused in its state dict, one
+    # tensor per expert and projection in its files)
+    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
     config = transformers.AutoConfig.from_pretrained(out)
@@ -90,10 +96,11 @@ def test_per_layer_windows_of_qwen_are_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
-LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"])}
-CASES = [(f, l) for f in FAMILIES for l in LAYOUTS]
-# the default suite: every family on one process, the one with the most features at tp=2 x pp=2 as well
-DEFAULT = [c for c in CASES if c[1] == "one" or c[0] == "qwen3"]
+LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}
+CASES = [(f, l) for f in FAMILIES for l in LAYOUTS if l != "ep2" or f == "qwen3_moe"]  # ep: the MoE family
+# the default suite: every family on one process, the one with the most features at tp=2 x pp=2 as well,
+# and the MoE family at ep=2
+DEFAULT = [c for c in CASES if c[1] == "one" or c[0] == "qwen3" or c == ("qwen3_moe", "ep2")]
 SLOW = [c for c in CASES if c not in DEFAULT]
 
 
