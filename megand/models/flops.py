@@ -41,10 +41,10 @@ matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; f
 *active* count (``ParamCounts.active_non_embedding``), not the total.
 """
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping
 
-from megand.core.transformer.config import resolve_head_dim
+from megand.core.transformer.config import TransformerConfig, resolve_head_dim
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 
@@ -55,6 +55,7 @@ def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
 
 
 _SHAPES: dict = {}  # Shape.from_config's results by the model dict's items
+_SCHEMA_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig) if f.default is not MISSING}
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,10 @@ class Shape:
 
     @classmethod
     def _from_config(cls, model: Mapping[str, Any]) -> "Shape":
-        arch = _get(model, "arch", "gpt")
+        # a key the mapping leaves out has the model schema's default (core's TransformerConfig): the model
+        # a run builds, never a default of this module's own
+        model = {**_SCHEMA_DEFAULTS, **{k: v for k, v in model.items() if v is not None}}
+        arch = _get(model, "arch")
         heads = int(_get(model, "num_attention_heads"))
         hidden = int(_get(model, "hidden_size"))
         head_dim = model.get("head_dim")
@@ -166,12 +170,11 @@ class Shape:
             groups=int(_get(model, "num_query_groups", heads)),
             seq=int(_get(model, "seq_length")),
             vocab=int(_get(model, "vocab_size")),
-            swiglu=_get(model, "activation", "swiglu" if arch == "llama" else "gelu") == "swiglu",
-            layernorm=_get(model, "norm", "rmsnorm" if arch == "llama" else "layernorm") == "layernorm",
+            swiglu=_get(model, "activation") == "swiglu",
+            layernorm=_get(model, "norm") == "layernorm",
             linear_bias=arch == "gpt",
-            learned_positions=_get(model, "position_embedding",
-                                   "rope" if arch == "llama" else "learned") == "learned",
-            tied=bool(_get(model, "tie_embeddings", arch == "gpt")),
+            learned_positions=_get(model, "position_embedding") == "learned",
+            tied=bool(_get(model, "tie_embeddings")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
             qk_norm=bool(_get(model, "qk_norm", False)),

@@ -3,6 +3,7 @@ once (in core) and every reader (layers, FLOPs, estimator, checkpoint adapters) 
 not declare is an error naming it."""
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +101,29 @@ def test_latent_attention_and_grouped_routing_refuse_in_one_line(changes, needle
     with pytest.raises(ValueError) as e:
         TransformerConfig(**{**LATENT, **changes})
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_flops_shape_reads_every_preset_as_the_model_is_built(preset):
+    """FLOPs, the estimator and the planner read a model through ``flops.Shape``: for every preset, and for
+    the preset with every key the schema defaults left out, it says what core's config builds."""
+    from omegaconf import OmegaConf
+
+    model = OmegaConf.to_container(compose([f"model={preset}"]).model, resolve=True)
+    defaults = {f.name: f.default for f in fields(TransformerConfig)}
+    sparse = {k: v for k, v in model.items() if v != defaults.get(k)}  # only what the preset changes
+    for mapping in (model, sparse):
+        cfg, shape = TransformerConfig.from_model(mapping), flops.Shape.from_config(mapping)
+        assert (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.seq, shape.vocab) == (
+            cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads, cfg.seq_length,
+            cfg.vocab_size)
+        assert (shape.head_dim, shape.q_dim, shape.kv_dim) == (cfg.head_dim, cfg.query_width, cfg.kv_width)
+        assert shape.groups == (cfg.num_query_groups or cfg.num_attention_heads)
+        assert (shape.swiglu, shape.layernorm, shape.learned_positions, shape.tied) == (
+            cfg.activation == "swiglu", cfg.norm == "layernorm", cfg.position_embedding == "learned",
+            cfg.tie_embeddings)
+        assert (shape.qkv_bias, shape.qk_norm, shape.experts, shape.mtp_layers) == (
+            cfg.qkv_bias, cfg.qk_norm, cfg.num_experts or 0, cfg.mtp_layers)
