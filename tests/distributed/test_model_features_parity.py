@@ -1,8 +1,10 @@
 """The open-model features reproduce the one-process run (the parity tolerances of tests/harness.py):
 RoPE scaling (llama3, yarn, linear), a head width apart from hidden/heads, q/k/v biases and per-head q/k
 RMSNorm (whose replicated weights see only the rank's own heads: their gradients are summed over tp by the
-rule declared where they are made, with or without sequence parallelism). One layout per feature in the
-default suite; the matrix over tp+sp, pp, cp and ZeRO-3 is slow."""
+rule declared where they are made, with or without sequence parallelism), sliding windows, and all of them on
+a mixture of experts. One layout per feature in the default suite; the matrix over tp+sp, pp (+vpp), cp,
+ZeRO-3 and full recompute is slow, and bf16 at tp+sp follows the one-process bf16 run. The MoE at ep=2
+has a known gap (a strict xfail: it turns red when fixed)."""
 
 import pytest
 
@@ -21,6 +23,9 @@ FEATURES = {
     "window_layers": ["model.sliding_window=[8,null,4,null]"],
     # Qwen3-like: all at once (a head width of its own, q/k norms, q/k/v biases, scaled RoPE)
     "qwen3_like": ["model.head_dim=24", "model.qk_norm=true", "model.qkv_bias=true", LLAMA3_SCALING],
+    # Qwen3-MoE-like: the same on a mixture of experts, with per-layer windows
+    "qwen3_moe_like": ["model=moe_tiny", "model.head_dim=24", "model.qk_norm=true", LLAMA3_SCALING,
+                       "model.sliding_window=[8,null,4,null]"],
 }
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -30,11 +35,13 @@ LAYOUTS = {
     "dp2_zero3": (2, ["optim.sharding=optim_grads_params"]),
     "cp2_all_gather": (2, ["parallel.cp=2", "parallel.cp_comm=all_gather"]),
     "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm=a2a"]),
+    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
+    "tp2_sp_recompute_full": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=full"]),
 }
 # the default suite: each feature once, where it could go wrong
 # (head_dim and each RoPE scaling alone run in the matrix: qwen3_like holds them; the default suite's
 # budget is small)
-DEFAULT = {"qk_norm": "tp2", "qwen3_like": "cp2", "window_layers": "cp2"}
+DEFAULT = {"qk_norm": "tp2", "qwen3_like": "cp2", "window_layers": "cp2", "qwen3_moe_like": "tp2_sp"}
 
 
 def _check(reference, launch, feature, layout):
@@ -57,6 +64,33 @@ MATRIX = [(f, l) for f in FEATURES for l in LAYOUTS
 @pytest.mark.parametrize("feature, layout", MATRIX, ids=[f"{f}-{l}" for f, l in MATRIX])
 def test_feature_matrix_matches_one_process(reference, launch, feature, layout):
     _check(reference, launch, feature, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap, present before these features: the tiny MoE at ep=2 x dp=2 "
+                                       "differs from one process from step 2 (grad norm 6e-4 relative at worst, "
+                                       "the parity bound is 1e-4); with the features 1.4e-4 at step 3")
+@pytest.mark.parametrize("feature", ["none", "qwen3_moe_like"])
+def test_moe_features_at_ep2_match_one_process(reference, launch, feature):
+    overrides = FEATURES.get(feature, ["model=moe_tiny"])
+    assert_parity(reference("tiny_llama", *overrides), launch("tiny_llama", 2, *overrides, "parallel.ep=2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", ["qwen3_like", "window_layers"])
+def test_feature_in_bf16_follows_the_one_process_bf16_run(reference_dir, tmp_path, feature):
+    """bf16 at tp=2 + sp: the reduction order differs from one process, so the losses agree within 2e-2
+    relative over 3 steps (the bf16 bound of the MoE and FP8 layout tests), not bit for bit."""
+    from tests.harness import read_metrics, run_pretrain
+
+    bf16 = ["train.precision=bf16", "train.iters=3", "train.eval_iters=0"]
+    ref = read_metrics(reference_dir("tiny_llama", *FEATURES[feature], *bf16))
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", *FEATURES[feature], *bf16, "parallel.tp=2",
+                            "parallel.sequence_parallel=true"], nproc=2)
+    run = read_metrics(tmp_path)
+    assert len(run) == len(ref) == 3
+    for r, x in zip(ref, run):
+        assert abs(x["loss"] - r["loss"]) <= 2e-2 * r["loss"], (x["loss"], r["loss"])
 
 
 EOD = 7
