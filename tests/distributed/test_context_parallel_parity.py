@@ -36,7 +36,7 @@ ULYSSES = {
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n in ("cp2", "cp2_tp2_sp") else pytest.mark.slow)
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n == "cp2" else pytest.mark.slow)
                                     for n in ULYSSES])
 def test_ulysses_matches_one_process(reference, launch, layout):
     nproc, overrides = ULYSSES[layout]

@@ -3,6 +3,7 @@ overlap order, fp16 skipping, the checkpoint interface, bf16 tracking fp32."""
 
 import math
 
+import pytest
 import torch
 
 from megand.tools.spawn import run_distributed
@@ -19,6 +20,7 @@ def _memory_worker():
     return out
 
 
+@pytest.mark.slow  # per-level state bytes at dp4 run in the default suite in test_sharding_memory
 def test_distributed_optimizer_state_is_a_quarter_at_dp4():
     for rank_out in run_distributed(_memory_worker, 4):
         for precision, per_elem in (("bf16", 12),):  # fp32 main params, Adam m and v

@@ -28,12 +28,14 @@ def test_dp2_distributed_optimizer_overlap_on_and_off(tmp_path, llama_reference)
     assert [r["grad_norm"] for r in on] == [r["grad_norm"] for r in off]
 
 
+@pytest.mark.slow  # dp4 under ZeRO-1 runs in the default suite in test_sharding_parity and test_checkpoint_memory
 def test_dp4_distributed_optimizer(tmp_path, llama_reference):
     run = _run(tmp_path, "dp4", ["optim.sharding=optim", "optim.overlap_grad_reduce=true",
                                  "optim.overlap_param_gather=true", SMALL_BUCKETS], 4)
     assert_parity(llama_reference, run)
 
 
+@pytest.mark.slow  # tp2 x dp2 with sp runs in the default suite in test_tensor_parallel_parity
 def test_dp2_tp2_sequence_parallel_distributed_optimizer(tmp_path, llama_reference):
     run = _run(tmp_path, "dp2tp2", ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.sharding=optim",
                                     "optim.overlap_grad_reduce=true", SMALL_BUCKETS], 4)

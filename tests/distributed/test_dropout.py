@@ -252,6 +252,7 @@ def pp_sp_run(tmp_path_factory):
     return root, read_metrics(root / "run")
 
 
+@pytest.mark.slow  # recompute replaying the masks runs in the default suite (test_recompute_replays_the_masks)
 def test_recompute_runs_are_bit_identical_under_pipeline_and_sequence_parallelism(pp_sp_run, tmp_path):
     """Full recompute through the pipeline schedule (selective and full are compared layer by layer,
     with and without sequence parallelism, in test_recompute_replays_the_masks)."""
@@ -261,6 +262,7 @@ def test_recompute_runs_are_bit_identical_under_pipeline_and_sequence_parallelis
         assert [r[key] for r in run] == [r[key] for r in ref], key
 
 
+@pytest.mark.slow
 def test_resume_continues_with_the_same_masks(pp_sp_run, tmp_path):
     """The checkpoint holds every rank's default and tensor-parallel streams: steps 3-4 after a resume
     from step 2 equal the uninterrupted run's, bit for bit."""

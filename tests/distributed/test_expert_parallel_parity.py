@@ -123,6 +123,7 @@ def test_ep2_sigmoid_router(tmp_path, reference):
            model=["model.moe_router=sigmoid", "model.moe_bias_update_rate=0.01"])
 
 
+@pytest.mark.slow  # 21 s; a MoE checkpoint reshards in the default suite in test_moe_checkpoint
 def test_resharding_ep2_tp2_to_ep4_to_one_process(tmp_path, reference):
     """Train 4 steps at ep=2 x tp=2 + sp, resume at ep=4 for 3 steps, finish on one process: the losses
     continue as the one-process run's."""

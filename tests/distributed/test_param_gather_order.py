@@ -71,7 +71,8 @@ def _next_need(events, gathers_until):
 
 
 @pytest.mark.parametrize("experiment, layout", [("tiny_gpt", []), ("tiny_llama", []),
-                                                ("tiny_gpt", ["parallel.pp=2", "parallel.vpp=2"])],
+                                                pytest.param("tiny_gpt", ["parallel.pp=2", "parallel.vpp=2"],
+                                                             marks=pytest.mark.slow)],
                          ids=["gpt-dp2", "llama-dp2", "gpt-pp2-vpp2-dp2"])
 def test_param_gathers_are_issued_in_forward_order(experiment, layout):
     world = 2 if not layout else 4

@@ -77,7 +77,7 @@ def _overlapped(events, post, wait):
     return [n for n in posted if any(e[0] == "compute" for e in events[posted[n] + 1: waited[n]])], list(posted)
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
+@pytest.mark.parametrize("vpp", [pytest.param(1, marks=pytest.mark.slow), 2])  # interleaved: the harder case
 def test_receives_are_outstanding_while_the_stage_computes(tmp_path, vpp):
     for out in run_distributed(_record, 2, str(tmp_path), vpp):
         overlapped, received = _overlapped(out["events"], "post recv", "wait recv")
@@ -86,7 +86,7 @@ def test_receives_are_outstanding_while_the_stage_computes(tmp_path, vpp):
         assert len(overlapped) >= len(received) - 1, out["events"]
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
+@pytest.mark.parametrize("vpp", [pytest.param(1, marks=pytest.mark.slow), 2])  # interleaved: the harder case
 def test_sends_are_in_flight_while_the_stage_computes(tmp_path, vpp):
     for out in run_distributed(_record, 2, str(tmp_path), vpp):
         events = out["events"]

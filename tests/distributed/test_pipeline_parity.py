@@ -25,7 +25,7 @@ CASES = {  # name: (processes, overrides)
 }
 DEFAULT = {  # pp with dp runs in the default run of test_dp_parity (pp2 x dp2, tied embeddings)
     ("llama", "pp2"), ("gpt", "pp4"), ("llama", "pp2_vpp2"), ("llama", "pp2_tp2_sp"), ("gpt", "pp2_uneven_3_1"),
-    ("llama", "pp2_recompute_full"), ("gpt", "pp2_recompute_selective"),
+    ("llama", "pp2_recompute_full"),  # selective recompute under pp: test_document_parity's default run
 }
 PARAMS = [pytest.param(arch, name, id=f"{arch}-{name}", marks=() if (arch, name) in DEFAULT else pytest.mark.slow)
           for name in CASES for arch in ("gpt", "llama")]

@@ -71,6 +71,7 @@ def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path, uninterrupted)
     assert sorted(os.listdir(save)) == [f"iter_{ITERS - INTERVAL:07d}", f"iter_{ITERS:07d}", "latest"]
 
 
+@pytest.mark.slow  # 27 s; the watchdog runs in the default suite in test_runtime_timeouts, restarts here above
 def test_stopped_rank_trips_the_watchdog_then_the_job_resumes(tmp_path, uninterrupted):
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
     timeout = 8

@@ -126,6 +126,7 @@ def spiky_stream(directory, lanes=8, seq=32) -> None:
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
 
+@pytest.mark.slow  # rollback runs in the default suite in test_spike_rollback_resume
 def test_spike_rollback_of_a_stream_skips_exactly_the_spike_batch(tmp_path):
     corpus = tmp_path / "corpus"
     spiky_stream(corpus)

@@ -22,6 +22,8 @@ def _top_at_least_as_fast(run):
     assert row["top_plan"].world_size <= run.gpus
 
 
+@pytest.mark.slow  # 40 s of search; the planner's search runs in the default suite in test_plan_tool,
+# test_planner_recompute and test_planner_fp8
 def test_planner_top_plan_is_at_least_as_fast_as_a_published_layout():
     _top_at_least_as_fast(RUNS[2])  # GPT 529.6B on 2520 A100
 
