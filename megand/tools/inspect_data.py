@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
     from megand.training.batches import rank_microbatches
-    from megand.training.config import ConfigError, compose, document_flags, validate
+    from megand.training.config import ConfigError, compose, validate
+    from megand.training.core_configs import document_flags
 
     try:
         cfg = compose(overrides)
