@@ -17,12 +17,18 @@ from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
-from megand.core.parallel_state import ParallelSizes, Topology, choose_device_and_backend, init_distributed
+from megand.core.parallel_state import (
+    ParallelSizes,
+    Topology,
+    choose_device_and_backend,
+    device_capability,
+    init_distributed,
+)
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
+from megand.core.tensor_parallel.fp8 import Fp8Kernels, in_fp8, use_fp8
 from megand.core.tensor_parallel.mappings import all_gather_flat
 from megand.core.timing import device_timer
 from megand.core.transformer import TransformerConfig, moe
@@ -78,7 +84,8 @@ def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTMode
         chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device,
                          recompute_ids=recompute_ids)
         if cfg.train.get("fp8"):
-            use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers)
+            use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers,
+                    Fp8Kernels.for_capability(device_capability(topo.device)))
         if device is None or torch.device(device).type != "meta":
             init_parameters(chunk, cfg.train.seed)
         chunks.append(chunk)
