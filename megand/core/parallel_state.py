@@ -202,6 +202,15 @@ def choose_device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability ``(major, minor)`` of ``device`` (which kernels it has: FP8 from 8.9,
+    MX block scaling from 10.0), None for a device that is not CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
 def init_distributed(timeout_s: float | None = None) -> torch.device:
     """Join (or create) the default process group; a plain ``python`` launch is a world of one.
 

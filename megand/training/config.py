@@ -284,6 +284,22 @@ def check_fp8(t) -> None:
         raise ConfigError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} must be >= 0")
 
 
+def check_fp8_device(fp8, device) -> None:
+    """``train.fp8=mxfp8`` on a GPU without MX block-scaled tensor cores (before Blackwell) is refused: its
+    emulation there runs slower than bf16. On the CPU the emulation is the reference and runs."""
+    from megand.core.parallel_state import device_capability
+    from megand.core.tensor_parallel.fp8 import Fp8Kernels
+
+    capability = device_capability(device)
+    if fp8 != "mxfp8" or capability is None or Fp8Kernels.for_capability(capability).mx:
+        return
+    import torch
+
+    raise ConfigError(f"train.fp8=mxfp8 needs MX block-scaled tensor cores (compute capability 10.0+, Blackwell); "
+                      f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use train.fp8=rowwise "
+                      f"or tensorwise (emulating MX blocks on this GPU would run slower than bf16)")
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
@@ -300,6 +316,7 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
     check_fp8(t)
+    check_fp8_device(t.get("fp8"), choose_device_and_backend()[0])
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                 "make_vocab_size_divisible_by"):
         if m[key] < 1:

@@ -17,11 +17,17 @@ from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
-from megand.core.parallel_state import Topology, TopologyConfig, choose_device_and_backend, init_distributed
+from megand.core.parallel_state import (
+    Topology,
+    TopologyConfig,
+    choose_device_and_backend,
+    device_capability,
+    init_distributed,
+)
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.tensor_parallel.fp8 import use_fp8
+from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8
 from megand.core.tensor_parallel.mappings import all_gather_flat
 from megand.core.timing import device_timer
 from megand.core.transformer import moe
@@ -61,7 +67,8 @@ def build_model(configs: CoreConfigs, topo, device=None) -> list[GPTModel]:
         chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device,
                          recompute_ids=configs.pipeline.recompute_ids)
         if fp8 is not None:
-            use_fp8(chunk.layers, fp8.recipe, model_cfg.num_layers, fp8.bf16_layers)
+            use_fp8(chunk.layers, fp8.recipe, model_cfg.num_layers, fp8.bf16_layers,
+                    Fp8Kernels.for_capability(device_capability(topo.device)))
         if device is None or torch.device(device).type != "meta":
             init_parameters(chunk, configs.seed)
         chunks.append(chunk)
