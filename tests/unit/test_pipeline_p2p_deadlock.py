@@ -162,7 +162,7 @@ def _record(monkeypatch, pp, vpp, m, schedule, rank, forward_only=False):
         return _EXCHANGE(self, items)
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: SimpleNamespace(op=op, tensor=tensor, peer=peer,
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group, tag=0: SimpleNamespace(op=op, tensor=tensor, peer=peer,
                                                                                          group=group))
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
     monkeypatch.setattr(PipelineP2P, "exchange", exchange)

@@ -199,6 +199,7 @@ class PipelineP2P:
         still = []
         for request, tensor, release in self._in_flight:
             if request.is_completed():
+                request.wait()  # returns at once: the request's bookkeeping (and on CUDA an already-met event)
                 if release is not None:
                     release_storage(release)
             else:
