@@ -302,6 +302,25 @@ def create_groups(lists: dict[str, list[list[int]]], rank: int, timeout: timedel
     return groups
 
 
+PIPELINE_CHANNELS = 4  # pipeline p2p: activations and gradients, each toward higher and lower stage ranks
+
+
+def pipeline_channel_groups(pp_lists: list[list[int]], rank: int, pp_group, timeout: timedelta | None = None) -> tuple:
+    """The pipeline's point-to-point communicators: :data:`PIPELINE_CHANNELS` groups over this rank's
+    pipeline ranks (the pipeline group itself and three more, made as :func:`create_groups` makes every
+    group: one world-wide split each where subgroups are communicator splits, else one ``new_group`` per
+    pipeline); collective. Empty without pipelining.
+
+    Why several: NCCL ignores tags and runs a communicator's point-to-point operations in the order they
+    are queued, so one communicator would match messages of different kinds by order and hold a receive
+    behind an unmatched send (megand/core/pipeline_parallel/p2p.py gives each kind of message and
+    direction its own group, so each carries one stream of messages each way, in one order at both ends)."""
+    if len(pp_lists[0]) == 1:
+        return ()
+    extra = [create_groups({"pp": pp_lists}, rank, timeout)["pp"] for _ in range(PIPELINE_CHANNELS - 1)]
+    return (pp_group, *extra)
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     """How the ranks are laid out (the run's ``parallel`` sizes and options; built by the training package).
@@ -352,6 +371,7 @@ class Topology:
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
+        self.pp_channel_groups = pipeline_channel_groups(lists["pp"], self.rank, self.groups["pp"], timeout)
 
     @classmethod
     def from_config(cls, config: TopologyConfig, device: torch.device) -> "Topology":

@@ -302,7 +302,7 @@ def check_fp8_device(fp8, device) -> None:
 
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
-    from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
+    from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
     from megand.core.transformer.config import resolve_head_dim
 
@@ -374,12 +374,6 @@ def validate(cfg, world_size: int) -> None:
     if p.pp_schedule in ("zbv", "dualpipev") and (p.pp < 2 or p.vpp != 2):
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs two chunks per rank in a V: it needs "
                           f"parallel.pp >= 2 and parallel.vpp=2 (got pp={p.pp}, vpp={p.vpp})")
-    if p.pp_schedule in ("zbv", "dualpipev") and choose_device_and_backend()[1] == "nccl":
-        # NCCL matches a peer's messages by order, not tag: in a V, a link carries activations and
-        # gradients interleaved differently at its two ends, and the receiver that takes the sender's
-        # order has been seen to stall on CPU (untested on GPUs): refused rather than risk a hang
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} is not yet validated on NCCL (GPUs): use "
-                          f"parallel.pp_schedule=zb1p or 1f1b (with parallel.vpp for interleaving)")
     if p.pp_schedule == "dualpipev" and micro_batches < 2 * p.pp:
         raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * p.pp} micro-batches per step "
                           f"(global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}) "

@@ -32,6 +32,8 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "tp2_sp": T + ["parallel.tp=2", "parallel.sequence_parallel=true", "--world-size", "2", "--rank", "1"],
     "pp2_vpp2_first": T + ["parallel.pp=2", "parallel.vpp=2", "--world-size", "2", "--rank", "0"],
     "pp2_vpp2_last": T + ["parallel.pp=2", "parallel.vpp=2", "--world-size", "2", "--rank", "1"],
+    # the V (rank 0 holds the embedding and the loss), its p2p on NCCL's path: a group per message kind and direction
+    "pp2_zbv_first": T + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", "--world-size", "2", "--rank", "0"],
     "cp2_ring": T + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
     "cp2_all_gather": T + ["parallel.cp=2", "parallel.cp_comm=all_gather", "--world-size", "2", "--rank", "1"],
     "cp2_a2a": T + ["parallel.cp=2", "parallel.cp_comm=a2a", "--world-size", "2", "--rank", "1"],
