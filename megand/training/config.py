@@ -302,7 +302,7 @@ def check_fp8_device(fp8, device) -> None:
 
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
-    from megand.core.parallel_state import LayoutError, ParallelSizes, parse_order
+    from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
     from megand.core.transformer.config import resolve_head_dim
 
