@@ -244,3 +244,15 @@ def test_block_scaled_fp8_files_import_dequantized(imported, tmp_path):
     names = list(offline.tensor_shapes(str(tmp_path / "ckpt_bf16")))
     fp8, bf16 = (offline.load_tensors(str(tmp_path / f"ckpt_{d}"), names) for d in ("fp8", "bf16"))
     assert all(fp8[n].dtype == torch.bfloat16 and torch.equal(fp8[n], bf16[n]) for n in names)
+
+
+@pytest.mark.slow
+def test_mtp_module_first_step_at_tp2_pp2(imported_mtp, tmp_path):
+    """The imported MTP depth at tp=2 x pp=2 (on the last stage, with its copy of the word embedding): the
+    first-step loss equals transformers' and the mtp loss DeepSeek's formula."""
+    theirs, _, ckpt, mtp = imported_mtp
+    nproc, overrides = LAYOUTS["tp2_pp2"]
+    batch, record = first_step_loss_equals_transformers("deepseek_v3 mtp tp2_pp2", theirs, ckpt, nproc, overrides,
+                                                        tmp_path)
+    expected = deepseek_mtp_losses(theirs, mtp, batch).mean().item()
+    assert abs(record["mtp_loss"] - expected) <= 1e-5 * expected, (record["mtp_loss"], expected)
