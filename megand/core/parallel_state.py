@@ -293,6 +293,24 @@ def create_groups(lists: dict[str, list[list[int]]], rank: int, timeout: timedel
     return groups
 
 
+@dataclass(frozen=True)
+class TopologyConfig:
+    """How the ranks are laid out (the run's ``parallel`` sizes and options; built by the training package).
+    ``dp=None``: what the world size leaves after tp x pp x cp, known once the process group exists."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int | None = None
+    order: str = DEFAULT_ORDER
+    vpp: int | None = None  # model chunks per pipeline rank (interleaved schedules); None: one
+    dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
+    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
+    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
+    pp_schedule: str = "1f1b"
+    timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and its live process groups.
@@ -325,6 +343,13 @@ class Topology:
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
+
+    @classmethod
+    def from_config(cls, config: TopologyConfig, device: torch.device) -> "Topology":
+        """Collective: this rank's topology in the default process group, laid out as ``config`` says."""
+        sizes = ParallelSizes.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp)
+        return cls(sizes, order=config.order, vpp=config.vpp, device=device, dp_shard=config.dp_shard, ep=config.ep,
+                   etp=config.etp, timeout_s=config.timeout_s, pp_schedule=config.pp_schedule)
 
     # sizes and ranks within each dimension
     tp_size = property(lambda self: self.sizes.tp)

@@ -497,7 +497,7 @@ def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict
     the layers' matrices per step.
     """
     shape = Shape.from_config(model)
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
 
     def ns(m, n):
         m, n = min(m, n), max(m, n)

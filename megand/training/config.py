@@ -3,15 +3,14 @@ the translation into core's own typed configs.
 
 Hydra composes ``conf/`` on top of :class:`Config`; :func:`validate` then checks every value and every
 divisibility the layout needs, before any work, and names the offending values. This is the only
-module that reads the Hydra config for core: :func:`transformer_config`, :func:`optimizer_config`,
-:func:`data_parallel_config` and :func:`checkpoint_config` build core's dataclasses from it.
+package that reads the Hydra config for core: :func:`transformer_config` here (validation uses it too) and
+``megand.training.core_configs``, which turns the whole config into core's typed configs once per start-up.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from dataclasses import fields as dataclass_fields
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -289,6 +288,7 @@ def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
+    from megand.core.transformer.config import resolve_head_dim
 
     check_keys(cfg)
     if cfg.optim.get("distributed") is not None:
@@ -320,7 +320,7 @@ def validate(cfg, world_size: int) -> None:
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    head_dim = resolve_head_dim(m.hidden_size, m.num_attention_heads, m.head_dim)
     checks = [
         (latent or m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads} "
@@ -568,11 +568,6 @@ def compose(overrides=(), config_dir: str | None = None):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def _known(dataclass_type, values) -> dict:
-    names = {f.name for f in dataclass_fields(dataclass_type)}
-    return {k: v for k, v in values.items() if k in names}
-
-
 def transformer_config(cfg):
     """The model's shape from ``model``, plus the runtime choices of ``parallel`` and ``train``."""
     from megand.core.transformer import TransformerConfig
@@ -585,55 +580,6 @@ def transformer_config(cfg):
                                             precision=cfg.train.precision, expert_tensor_parallel=etp == cfg.parallel.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def recomputed_layers(cfg):
-    """The layer ids that apply ``train.recompute`` (``train.recompute_layers``' first layers of each
-    (virtual) pipeline stage), or None: every layer."""
-    from megand.core.pipeline_parallel.layout import pipeline_layout, recomputed_layer_ids
-
-    counts = cfg.train.get("recompute_layers")
-    if counts is None:
-        return None
-    p = cfg.parallel
-    return recomputed_layer_ids(pipeline_layout(cfg.model.num_layers, p.pp, p.vpp, p.pipeline_layout), list(counts))
-
-
-def document_flags(cfg):
-    """``data.reset_attention_mask`` / ``reset_position_ids`` / ``eod_mask_loss`` with the data's EOD id,
-    or None when all three are off."""
-    from megand.training.batches import DocumentFlags
-
-    d = cfg.data
-    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
-        return None
-    from megand.data.builder import eod_token_id
-
-    return DocumentFlags(eod_token_id(OmegaConf.to_container(d, resolve=True), cfg.model.vocab_size),
-                         bool(d.reset_attention_mask), bool(d.reset_position_ids), bool(d.eod_mask_loss))
-
-
-def optimizer_config(cfg):
-    from megand.core.optimizer.config import OptimizerConfig
-
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    optim["decay_iters"] = optim.get("decay_iters") or cfg.train.iters
-    return OptimizerConfig(**_known(OptimizerConfig, optim))
-
-
-def data_parallel_config(cfg):
-    from megand.core.distributed.config import DataParallelConfig
-
-    keys = _known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True))
-    # compiled layers read their weights' FP8 operands by quantising the gathered bf16 weight
-    return DataParallelConfig(**keys, fp8_param_gather=not cfg.train.get("compile", False))
-
-
-def checkpoint_config(cfg):
-    from megand.core.checkpointing.config import CheckpointConfig
-
-    keys = _known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True))
-    return CheckpointConfig(**{**keys, "timeout_s": backend_timeout_s(save_timeout_s(cfg))})
 
 
 def collective_timeout_s(cfg, device) -> float:

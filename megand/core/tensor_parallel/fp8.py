@@ -285,6 +285,19 @@ class GroupedFp8Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """FP8 GEMMs in the transformer layers: the scaling ``recipe`` (tensorwise | rowwise | mxfp8), all but
+    the first and last ``bf16_layers`` layers."""
+
+    recipe: str
+    bf16_layers: int = 1
+
+    def layer_count(self, num_layers: int) -> int:
+        """How many of ``num_layers`` transformer layers run in FP8."""
+        return sum(in_fp8(i, num_layers, self.bf16_layers) for i in range(num_layers))
+
+
 def in_fp8(layer_id: int, num_layers: int, bf16_layers: int) -> bool:
     """Whether transformer layer ``layer_id`` runs in FP8: all but the first and last ``bf16_layers``."""
     return bf16_layers <= layer_id < num_layers - bf16_layers
