@@ -9,14 +9,16 @@ from megand.core.checkpointing import offline
 from tests.harness import read_metrics, run_pretrain
 
 
-def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int, overrides, tmp_path) -> None:
+def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int, overrides, tmp_path):
     """Train one step from ``ckpt`` with no model key (the checkpoint's model) on ``nproc`` ranks; its loss
-    equals ``theirs`` (the transformers model) on the same batch within 1e-5 relative."""
+    equals ``theirs`` (the transformers model) on the same batch within 1e-5 relative. Returns the batch's
+    tokens ``[b, s + 1]`` and the step's metrics record."""
     run_dir = str(tmp_path / "run")
     proc = run_pretrain(run_dir, [f"checkpoint.load={ckpt}", "train.iters=1", "train.eval_iters=0", *overrides],
                         nproc=nproc)
     assert "model from checkpoint" in proc.stdout
-    loss = read_metrics(run_dir)[0]["loss"]
+    record = read_metrics(run_dir)[0]
+    loss = record["loss"]
 
     from megand.training.core_configs import dataset_plan
     from megand.training.pretrain import build_datasets
@@ -29,3 +31,4 @@ def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int
     expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
     print(f"{name}: first-step loss {loss:.8f}, transformers {expected:.8f}")
     assert abs(loss - expected) / expected <= 1e-5, (loss, expected)
+    return tokens, record

@@ -196,7 +196,8 @@ class GPTModel(torch.nn.Module):
         (and the word embedding the depths read) are used several times in one backward, so their gradients
         must reach the data-parallel engine once, summed by autograd (``fuse_wgrad=False``)."""
         cfg, tp_group = self.cfg, self.topo.tp_group
-        normed = [self.final_norm(x)] + self.mtp(x, labels, self.embed_tokens, rope, documents)
+        main = self.final_norm(x)
+        normed = [main] + self.mtp(main, labels, self.embed_tokens, rope, documents)
         depths = len(normed)
         logits = column_parallel_linear(torch.cat(normed), self.output_weight, None, tp_group, cfg.sequence_parallel,
                                         fuse_wgrad=False)  # [(1 + D) s, b, V/tp], depth-major

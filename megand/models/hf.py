@@ -81,13 +81,16 @@ def experts_fc2_rule(name: str, down: list[str]) -> Rule:
     return Rule(name, tuple(down), lambda t: tuple(t.unbind(0)), lambda *pieces: torch.stack(pieces))
 
 
-def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
-    """The MoE layers of a megand ``model`` config: layer i when i % moe_layer_freq == 0 and i >=
-    moe_first_k_dense_replace."""
-    if not m.get("num_experts"):
-        return []
+def is_moe_layer(m: Mapping[str, Any], i: int) -> bool:
+    """Whether layer ``i`` of a megand ``model`` config is MoE (i % moe_layer_freq == 0 and i >=
+    moe_first_k_dense_replace); multi-token prediction depth k's layer has index num_layers + k - 1."""
     freq, first = m.get("moe_layer_freq") or 1, m.get("moe_first_k_dense_replace") or 0
-    return [i for i in range(m["num_layers"]) if i % freq == 0 and i >= first]
+    return bool(m.get("num_experts")) and i % freq == 0 and i >= first
+
+
+def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
+    """The MoE layers of the main model of a megand ``model`` config."""
+    return [i for i in range(m["num_layers"]) if is_moe_layer(m, i)]
 
 
 def _adapters():

@@ -10,16 +10,19 @@ RoPE rows are reordered (even rows first, then odd): import reorders, export wri
 MoE layers: the sigmoid router (``mlp.gate``, its ``e_score_correction_bias`` is megand's ``expert_bias``),
 group-limited top-k (``n_group``/``topk_group``), ``routed_scaling_factor``, the routed experts and
 ``n_shared_experts`` ungated shared experts; the first ``first_k_dense_replace`` layers are dense MLPs of
-``intermediate_size``. A model without experts is written with every layer dense. Multi-token prediction
-layers in the files are not read by transformers' class and not by this adapter.
+``intermediate_size``. A model without experts is written with every layer dense.
+
+Multi-token prediction: ``num_nextn_predict_layers`` modules stored after the main model's layers (DeepSeek's
+``model.layers.{num_hidden_layers + k}.*``, which transformers' model class does not read) are megand's
+``model.mtp_layers`` depths, both ways (:func:`rules`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megand.models.hf import Rule, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
-from megand.models.hf_llama import embedding_rules, mlp_rules, rope_keys, rope_parameters
+from megand.models.hf import Rule, experts_fc1_rule, experts_fc2_rule, is_moe_layer, norm_eps
+from megand.models.hf_llama import mlp_rules, rope_keys, rope_parameters
 
 MODEL_TYPE = "deepseek_v3"
 MODEL_CLASS = "DeepseekV3ForCausalLM"
@@ -77,7 +80,8 @@ def hf_config(m: dict):
                             initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                             rope_parameters=rope_parameters(m), rope_interleave=True,
                             tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False,
-                            attention_dropout=m.get("attention_dropout", 0.0), num_mtp_layers=0,
+                            attention_dropout=m.get("attention_dropout", 0.0),
+                            num_nextn_predict_layers=int(m.get("mtp_layers") or 0),
                             bos_token_id=None, eos_token_id=None, pad_token_id=None, **routing)
 
 
@@ -97,7 +101,8 @@ def model_config(config) -> dict:
              v_head_dim=config.v_head_dim, seq_length=config.max_position_embeddings, vocab_size=config.vocab_size,
              norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu", position_embedding="rope",
              tie_embeddings=bool(config.tie_word_embeddings), init_std=config.initializer_range,
-             hidden_dropout=0.0, attention_dropout=0.0)
+             hidden_dropout=0.0, attention_dropout=0.0,
+             mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0))
     first_dense = config.first_k_dense_replace or 0
     if first_dense >= L:  # every layer dense
         return m
@@ -110,40 +115,82 @@ def model_config(config) -> dict:
                 moe_first_k_dense_replace=first_dense, moe_layer_freq=1, moe_aux_loss_coeff=0.0)
 
 
+def mtp_marker(m: dict) -> str:
+    """A tensor that files holding DeepSeek's multi-token prediction module have (the first depth's projection)."""
+    return f"model.layers.{m['num_layers']}.eh_proj.weight"
+
+
+def _copies_rule(megand: str, names: list[str]) -> Rule:
+    """One megand tensor written as several identical HF tensors (DeepSeek's files repeat the word embedding and
+    the output layer in every multi-token prediction module); import refuses copies that differ."""
+    def from_hf(first, *copies):
+        for name, copy in zip(names[1:], copies):
+            if not torch.equal(copy, first):
+                raise ValueError(f"{name} differs from {names[0]}: megand's multi-token prediction shares the word "
+                                 f"embedding and the output layer with the main model")
+        return first
+
+    return Rule(megand, tuple(names), lambda t: tuple(t for _ in names), from_hf)
+
+
 def rules(m: dict, rope_interleave: bool = True) -> list[Rule]:
-    """``rope_interleave``: the files' RoPE rows interleaved (DeepSeek's layout, and what export writes)."""
-    first, last = embedding_rules(m)
-    out = first
-    moe_layers = set(moe_layer_ids(m))
-    heads, nope, rope = m["num_attention_heads"], m["qk_nope_head_dim"], m["qk_rope_head_dim"]
-    r = m["kv_lora_rank"]
+    """``rope_interleave``: the files' RoPE rows interleaved (DeepSeek's layout, and what export writes).
+
+    Multi-token prediction depth k (``model.mtp_layers``) is DeepSeek's module ``model.layers.{num_layers + k}``:
+    ``enorm``, ``hnorm``, ``eh_proj`` (megand's ``proj``, the embedding half first), a transformer layer under
+    the same names as the main model's (MoE or dense by the same rule), ``shared_head.norm`` (megand's
+    ``final_norm``) and copies of the word embedding (``embed_tokens``) and of the output layer
+    (``shared_head.head``), which megand shares with the main model."""
+    L, depths = m["num_layers"], m.get("mtp_layers") or 0
+    mtp = [f"model.layers.{L + k}." for k in range(depths)]
+    embedding = ["model.embed_tokens.weight"] + [q + "embed_tokens.weight" for q in mtp]
+    heads = [q + "shared_head.head.weight" for q in mtp]
+    out = []
+    if m["tie_embeddings"]:
+        out.append(_copies_rule("embedding.word.weight", embedding + heads))
+    else:
+        out.append(_copies_rule("embedding.word.weight", embedding))
+    for i in range(L):
+        out += _layer_rules(m, f"layers.{i}.", f"model.layers.{i}.", is_moe_layer(m, i), rope_interleave)
+    out.append(Rule("final_norm.weight", ("model.norm.weight",)))
+    if not m["tie_embeddings"]:
+        out.append(_copies_rule("output_layer.weight", ["lm_head.weight"] + heads))
+    for k, q in enumerate(mtp):
+        p = f"mtp.depths.{k}."
+        out += [Rule(p + "enorm.weight", (q + "enorm.weight",)), Rule(p + "hnorm.weight", (q + "hnorm.weight",)),
+                Rule(p + "proj.weight", (q + "eh_proj.weight",)),
+                *_layer_rules(m, p + "layer.", q, is_moe_layer(m, L + k), rope_interleave),
+                Rule(p + "final_norm.weight", (q + "shared_head.norm.weight",))]
+    return out
+
+
+def _layer_rules(m: dict, p: str, q: str, moe: bool, rope_interleave: bool) -> list[Rule]:
+    """One transformer layer: megand's prefix ``p`` <-> the files' prefix ``q``."""
+    rope, r = m["qk_rope_head_dim"], m["kv_lora_rank"]
+    unit = m["qk_nope_head_dim"] + rope
 
     def rope_rows(megand, hf, unit):
         return _rope_rule(megand, hf, unit, rope) if rope_interleave else Rule(megand, (hf,))
 
-    for i in range(m["num_layers"]):
-        p, q = f"layers.{i}.attention.", f"model.layers.{i}.self_attn."
-        if m.get("q_lora_rank") is None:
-            out.append(rope_rows(p + "q_up.weight", q + "q_proj.weight", nope + rope))
-        else:
-            out += [Rule(p + "q_down", (q + "q_a_proj.weight",)),
-                    Rule(p + "q_down_norm.weight", (q + "q_a_layernorm.weight",)),
-                    rope_rows(p + "q_up.weight", q + "q_b_proj.weight", nope + rope)]
-        out += [rope_rows(p + "kv_down", q + "kv_a_proj_with_mqa.weight", r + rope),
-                Rule(p + "kv_down_norm.weight", (q + "kv_a_layernorm.weight",)),
-                Rule(p + "kv_up.weight", (q + "kv_b_proj.weight",)),
-                Rule(p + "proj.weight", (q + "o_proj.weight",))]
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        out += [Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
-                Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",))]
-        if i not in moe_layers:
-            out += mlp_rules(p + "mlp.", q + "mlp.")
-            continue
-        mlp, experts = q + "mlp.", range(m["num_experts"])
-        out += [Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
-                Rule(p + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)),
-                experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
-                                 [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
-                experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
-                *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]
-    return out + last
+    a, qa = p + "attention.", q + "self_attn."
+    if m.get("q_lora_rank") is None:
+        out = [rope_rows(a + "q_up.weight", qa + "q_proj.weight", unit)]
+    else:
+        out = [Rule(a + "q_down", (qa + "q_a_proj.weight",)),
+               Rule(a + "q_down_norm.weight", (qa + "q_a_layernorm.weight",)),
+               rope_rows(a + "q_up.weight", qa + "q_b_proj.weight", unit)]
+    out += [rope_rows(a + "kv_down", qa + "kv_a_proj_with_mqa.weight", r + rope),
+            Rule(a + "kv_down_norm.weight", (qa + "kv_a_layernorm.weight",)),
+            Rule(a + "kv_up.weight", (qa + "kv_b_proj.weight",)),
+            Rule(a + "proj.weight", (qa + "o_proj.weight",)),
+            Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
+            Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",))]
+    if not moe:
+        return out + mlp_rules(p + "mlp.", q + "mlp.")
+    mlp, experts = q + "mlp.", range(m["num_experts"])
+    return out + [Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
+                  Rule(p + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)),
+                  experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
+                                   [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
+                  experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
+                  *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]

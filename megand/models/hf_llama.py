@@ -92,15 +92,53 @@ def llama_like_config(config) -> dict:
     head_dim = None if head_dim in (None, resolve_head_dim(h, heads)) else head_dim  # megand's null: derived
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"use_sliding_window=true (sliding_window={config.sliding_window}): Qwen's per-layer "
-                         f"window layout is not mapped to model.sliding_window yet")
-    return dict(**rope_keys(config), arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
+    return dict(sliding_window=qwen_windows(config), **rope_keys(config), arch="llama", num_layers=L, hidden_size=h, ffn_hidden_size=config.intermediate_size,
                 num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
                 seq_length=config.max_position_embeddings,
                 vocab_size=config.vocab_size, norm="rmsnorm", norm_eps=float(config.rms_norm_eps), activation="swiglu",
                 position_embedding="rope", tie_embeddings=bool(config.tie_word_embeddings),
                 init_std=config.initializer_range, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def qwen_windows(config):
+    """megand's ``model.sliding_window`` of a Qwen-family config (None for the others): ``use_sliding_window``
+    turns ``sliding_window`` on for the layers ``layer_types`` marks ``sliding_attention`` (transformers derives
+    them from ``max_window_layers``: layer i has the window when i >= max_window_layers); a config without
+    ``layer_types`` (Qwen3-MoE) has it on every layer. A window no shorter than the context is full attention."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+    if not window or window >= config.max_position_embeddings:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return window
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types holds {unknown[0]!r}: megand's layers have full or sliding-window attention")
+    per_layer = [window if t == "sliding_attention" else None for t in types]
+    return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+
+def one_window_size(m) -> bool:
+    """Whether ``model.sliding_window`` is None, an int, or a list whose windows are all one size (what a
+    Qwen-family config can say: one ``sliding_window`` for the layers that have one)."""
+    w = m.get("sliding_window")
+    if w is None or (isinstance(w, int) and not isinstance(w, bool)):
+        return True
+    return isinstance(w, (list, tuple)) and len({x for x in w if x is not None}) <= 1
+
+
+def qwen_window_keys(m) -> dict:
+    """The Qwen-family config keys of ``model.sliding_window`` (:func:`one_window_size` holds): the windowed
+    layers in ``layer_types``, and ``max_window_layers`` the first of them (what transformers versions without
+    ``layer_types`` read: exact when the windowed layers are the last ones)."""
+    w, L = m.get("sliding_window"), m["num_layers"]
+    per_layer = list(w) if isinstance(w, (list, tuple)) else [w] * L
+    sizes = {x for x in per_layer if x is not None}
+    if not sizes:
+        return dict(use_sliding_window=False, layer_types=["full_attention"] * L)
+    types = ["sliding_attention" if x is not None else "full_attention" for x in per_layer]
+    return dict(use_sliding_window=True, sliding_window=sizes.pop(), max_window_layers=types.index("sliding_attention"),
+                layer_types=types)
 
 
 def model_config(config) -> dict:

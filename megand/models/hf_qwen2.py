@@ -4,7 +4,7 @@ the LLaMA layout with biases on the query, key and value projections (``model.qk
 from __future__ import annotations
 
 from megand.models.hf import dims, head_dim_derived, norm_eps
-from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
+from megand.models.hf_llama import llama_like, llama_like_config, one_window_size, qwen_window_keys, rope_parameters
 from megand.models.hf_llama import rules as llama_rules
 
 MODEL_TYPE = "qwen2"
@@ -13,7 +13,7 @@ MODEL_CLASS = "Qwen2ForCausalLM"
 
 def matches(m) -> bool:
     return (llama_like(m) and not m.get("num_experts") and bool(m.get("qkv_bias")) and not m.get("qk_norm")
-            and head_dim_derived(m) and m.get("sliding_window") is None)
+            and head_dim_derived(m) and one_window_size(m))
 
 
 def hf_config(m: dict):
@@ -25,7 +25,7 @@ def hf_config(m: dict):
                        hidden_act="silu", max_position_embeddings=m["seq_length"],
                        initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                        rope_parameters=rope_parameters(m), tie_word_embeddings=bool(m["tie_embeddings"]),
-                       use_sliding_window=False, attention_dropout=m.get("attention_dropout", 0.0),
+                       **qwen_window_keys(m), attention_dropout=m.get("attention_dropout", 0.0),
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 

@@ -71,7 +71,8 @@ def model_config(config) -> dict:
     """The megand ``model`` config of a ``Qwen2MoeConfig``; ValueError for what megand does not implement."""
     m = llama_like_config(config)
     if getattr(config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=true: megand attends over the whole sequence")
+        raise ValueError("use_sliding_window=true: the Qwen2-MoE adapter maps full attention only (its published "
+                         "checkpoints have no window)")
     f, shared = config.moe_intermediate_size, config.shared_expert_intermediate_size
     if not shared or shared % f:
         raise ValueError(f"shared_expert_intermediate_size={shared} is not a positive multiple of "

@@ -20,7 +20,7 @@ MODEL_CLASS = "Qwen3MoeForCausalLM"
 def matches(m) -> bool:
     return (llama_like(m) and bool(m.get("num_experts")) and bool(m.get("qk_norm")) and not m.get("moe_shared_experts")
             and m.get("moe_router", "softmax") == "softmax" and not m.get("qkv_bias")
-            and m.get("sliding_window") is None)
+            and not isinstance(m.get("sliding_window"), (list, tuple)))
 
 
 def hf_config(m: dict):
@@ -33,7 +33,8 @@ def hf_config(m: dict):
                           head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
                           initializer_range=m.get("init_std", 0.02), rms_norm_eps=norm_eps(m),
                           rope_parameters=rope_parameters(m), tie_word_embeddings=bool(m["tie_embeddings"]),
-                          attention_bias=False, use_sliding_window=False,
+                          attention_bias=False, use_sliding_window=m.get("sliding_window") is not None,
+                          sliding_window=m.get("sliding_window"),
                           attention_dropout=m.get("attention_dropout", 0.0), decoder_sparse_step=1,
                           mlp_only_layers=[i for i in range(m["num_layers"]) if i not in moe],
                           moe_intermediate_size=expert_width(m), num_experts=m["num_experts"],

@@ -1,11 +1,13 @@
 """Multi-token prediction (DeepSeek-V3's MTP module), on the last pipeline stage.
 
-Depth k (1-based) predicts the token k+1 ahead of each position: it normalises the previous depth's hidden
-state (the main model's last layer output for k = 1) and the embedding of the token k ahead (the word
-embedding shared with the main model: no position embedding), concatenates them ``[embedding, hidden]``,
-projects ``2h -> h`` and runs one transformer layer of its own. Its output goes, after a norm of its own,
-through the main model's output layer (shared); its loss is on the labels shifted by k (the tokens k+1
-ahead). The inputs need no token from outside the sequence: the token k ahead of position t is
+Depth k (1-based) predicts the token k+1 ahead of each position: it normalises the previous depth's output
+(for k = 1 the main model's output after its final norm, the input of the output layer) and the embedding of
+the token k ahead (the word embedding shared with the main model: no position embedding), concatenates them
+``[embedding, hidden]``, projects ``2h -> h`` and runs one transformer layer of its own, then a norm of its
+own. That normalised output goes through the main model's output layer (shared) and on to depth k + 1; its
+loss is on the labels shifted by k (the tokens k+1 ahead). (This is how DeepSeek-V3's published MTP weights
+are used by Megatron-LM's and transformers' implementations: each depth reads the normalised hidden state the
+output layer reads; its ``eh_proj`` takes the embedding half first.) The inputs need no token from outside the sequence: the token k ahead of position t is
 ``labels[t + k - 1]``, and positions within k of the end have no target (their loss is zero).
 
 Under tensor parallelism the projection is column-parallel and its output gathered over tp (Megatron's
@@ -37,14 +39,14 @@ class MTPDepth(torch.nn.Module):
         self.final_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
 
     def forward(self, hidden, embedded, rope, documents):
-        """``hidden``: the previous depth's output, ``embedded``: the tokens k ahead, both ``[s, b, h]`` (the
-        sequence shard under sp). Returns this depth's output and its normalised form (for the logits)."""
+        """``hidden``: the previous depth's normalised output, ``embedded``: the tokens k ahead, both ``[s, b, h]``
+        (the sequence shard under sp). Returns this depth's normalised output (for the logits and the next
+        depth)."""
         x = self.proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h/tp] (full s)
         x = gather_from_tp(x, self.tp_group)
         if self.cfg.sequence_parallel:
             x = scatter_to_sp(x, self.tp_group)
-        x = self.layer(x, rope, None, documents)
-        return x, self.final_norm(x)
+        return self.final_norm(self.layer(x, rope, None, documents))
 
 
 class MultiTokenPrediction(torch.nn.Module):
@@ -57,12 +59,12 @@ class MultiTokenPrediction(torch.nn.Module):
                                            for k in range(cfg.mtp_layers)])
 
     def forward(self, hidden, labels, embed, rope, documents):
-        """``hidden``: the main model's last layer output ``[s, b, h]``; ``labels [b, s]``; ``embed(ids [b, s])``
-        the shared word embedding ``-> [s, b, h]``. Returns each depth's normalised output."""
+        """``hidden``: the main model's output after its final norm ``[s, b, h]``; ``labels [b, s]``;
+        ``embed(ids [b, s])`` the shared word embedding ``-> [s, b, h]``. Returns each depth's normalised output."""
         outputs = []
         for k, depth in enumerate(self.depths, start=1):
-            hidden, normed = depth(hidden, embed(shift_left(labels, k - 1)), rope, documents)
-            outputs.append(normed)
+            hidden = depth(hidden, embed(shift_left(labels, k - 1)), rope, documents)
+            outputs.append(hidden)
         return outputs
 
 

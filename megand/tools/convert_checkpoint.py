@@ -3,10 +3,13 @@
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
         megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama, with
         its RoPE scaling and head_dim), Qwen2ForCausalLM (llama + qkv_bias), Qwen3ForCausalLM (llama +
-        qk_norm), GPT2LMHeadModel (gpt), MixtralForCausalLM or Qwen2MoeForCausalLM (MoE models): safetensors shards
+        qk_norm), MistralForCausalLM (llama + sliding_window), GPT2LMHeadModel (gpt), MixtralForCausalLM,
+        Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (MoE models) or DeepseekV3ForCausalLM (latent attention, with
+        its multi-token prediction modules in DeepSeek's layout): safetensors shards
         (+ model.safetensors.index.json when there are several) and config.json
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
-        local transformers directory (safetensors; llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe)
+        local transformers directory (safetensors; llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe,
+        qwen3_moe, deepseek_v3 with its multi-token prediction modules)
         -> megand checkpoint (model only, iteration 0), loadable at any layout with
         `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model)
     python tools/convert_checkpoint.py upgrade-rng --load ckpts/run
@@ -35,9 +38,11 @@ from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.config import DTYPES
 from megand.models import full, hf
 from megand.tools.safetensors_files import (
+    FP8,
     INDEX,
     SafetensorsReader,
     ShardWriter,
+    dequantize_blocks,
     parse_size,
 )
 
@@ -110,17 +115,39 @@ def read_hf_config(hf_dir: str):
     return AutoConfig.from_pretrained(hf_dir, local_files_only=True)
 
 
+def fp8_blocks(config) -> tuple[int, int] | None:
+    """The weight block of a config's block-scaled FP8 weights (DeepSeek-V3's published files:
+    ``quantization_config`` with ``quant_method: fp8`` and ``weight_block_size``), None without quantization;
+    ValueError for another quantization."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8" or len(q.get("weight_block_size") or ()) != 2:
+        raise ValueError(f"quantization_config quant_method={q.get('quant_method')!r} "
+                         f"weight_block_size={q.get('weight_block_size')}: only block-scaled fp8 weights "
+                         f"(DeepSeek-V3's) are read, dequantized on import")
+    return tuple(q["weight_block_size"])
+
+
 def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: bool = False) -> None:
     if _holds_checkpoints(save) and not force:
         raise ValueError(f"--save {save}: already holds checkpoints (use --force to replace `latest` with the import)")
     config = read_hf_config(hf_dir)
     adapter = hf.adapter_for_hf(config)
+    block = fp8_blocks(config)
     model_cfg = adapter.model_config(config)
     try:
         reader = SafetensorsReader(hf_dir)
     except FileNotFoundError as e:
         raise ValueError(f"--hf {hf_dir}: {e}") from None
     present = set(reader.names())
+    marker = getattr(adapter, "mtp_marker", None)
+    if model_cfg.get("mtp_layers") and marker is not None and marker(model_cfg) not in present:
+        # e.g. a model saved by transformers, whose class drops DeepSeek's MTP module but keeps the config key
+        print(f"note: config.json gives {model_cfg['mtp_layers']} multi-token prediction module(s) but the files "
+              f"hold none ({marker(model_cfg)} is absent): imported without them (model.mtp_layers=0)")
+        model_cfg = dict(model_cfg, mtp_layers=0)
 
     def source_name(name: str) -> str:  # base-model files (e.g. the original gpt2) lack the head's prefix
         if name in present:
@@ -140,8 +167,15 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
             if reader.shape(src) != shape:
                 raise CheckpointError(f"--hf {hf_dir}: tensor {src} has shape {reader.shape(src)}, "
                                       f"config.json gives {shape}")
+            if reader.dtype(src) == FP8:
+                if block is None or src + "_scale_inv" not in present:
+                    raise CheckpointError(f"--hf {hf_dir}: tensor {src} is fp8 without a block-scaled "
+                                          f"quantization_config and its {src}_scale_inv")
+                used.add(src + "_scale_inv")
         first = source_name(rule.hf[0])
-        shapes[rule.megand] = (expected[rule.megand], dtype or reader.dtype(first))
+        # dequantized FP8 weights are kept in bf16 (as DeepSeek's own conversion writes them) unless --dtype
+        shapes[rule.megand] = (expected[rule.megand], dtype or (torch.bfloat16 if reader.dtype(first) == FP8
+                                                                  else reader.dtype(first)))
     ignored = sorted(n for n in present - used
                      if not (n.endswith(IGNORABLE) or (model_cfg["tie_embeddings"] and n == "lm_head.weight")))
     if ignored:
@@ -151,9 +185,13 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
     by_megand = {rule.megand: rule for rule in rules}
     progress = tqdm(total=len(rules), desc="tensors", unit="tensor", disable=None)
 
+    def read(name: str) -> torch.Tensor:
+        tensor = reader.get(name)
+        return dequantize_blocks(tensor, reader.get(name + "_scale_inv"), block) if tensor.dtype == FP8 else tensor
+
     def produce(name: str) -> torch.Tensor:
         rule = by_megand[name]
-        tensor = rule.from_hf(*(reader.get(source_name(n)) for n in rule.hf))
+        tensor = rule.from_hf(*(read(source_name(n)) for n in rule.hf))
         progress.update()
         return _cast(tensor, shapes[name][1])
 
@@ -212,8 +250,8 @@ def main(argv=None) -> int:
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="local transformers directory (llama, qwen2, qwen3, mistral, gpt2, mixtral or "
-                                                   "qwen2_moe; safetensors)")
+    i.add_argument("--hf", required=True, help="local transformers directory (llama, qwen2, qwen3, mistral, gpt2, mixtral, "
+                                                   "qwen2_moe, qwen3_moe or deepseek_v3; safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
     i.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")

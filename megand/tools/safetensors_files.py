@@ -17,6 +17,8 @@ from safetensors import safe_open
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+FP8 = torch.float8_e4m3fn  # DeepSeek-V3's published weights: e4m3 with a float32 scale per weight block
+READ_ONLY_DTYPES = {"F8_E4M3": FP8}  # read (and dequantized on import), never written
 
 
 def parse_size(text: str | int) -> int:
@@ -66,9 +68,10 @@ class SafetensorsReader:
 
     def dtype(self, name: str) -> torch.dtype:
         code = self._meta[name][1]
-        if code not in DTYPES:
-            raise ValueError(f"tensor {name}: dtype {code} is not supported (expected one of {sorted(DTYPES)})")
-        return DTYPES[code]
+        known = {**DTYPES, **READ_ONLY_DTYPES}
+        if code not in known:
+            raise ValueError(f"tensor {name}: dtype {code} is not supported (expected one of {sorted(known)})")
+        return known[code]
 
     def get(self, name: str) -> torch.Tensor:
         with safe_open(os.path.join(self.directory, self.file_of[name]), "pt") as f:
@@ -145,3 +148,11 @@ class ShardWriter:
         with open(os.path.join(self.directory, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
         return self.names + [INDEX]
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """DeepSeek's block-scaled FP8 weight ``[rows, cols]`` in fp32: each ``block`` tile (the last ones cut at the
+    edges) times its entry of ``scale_inv [ceil(rows / block[0]), ceil(cols / block[1])]``."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale

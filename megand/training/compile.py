@@ -48,8 +48,9 @@ def compile_layers(chunks) -> CompileTimer:
     attach_losses_eagerly_under_compile()
     capability_constant_under_compile()
     timer = CompileTimer()
-    for chunk in chunks:
-        for layer in chunk.layers.values():
+    for chunk in chunks:  # the main model's layers and each multi-token prediction depth's
+        depths = chunk.mtp.depths if getattr(chunk, "mtp", None) is not None else []
+        for layer in [*chunk.layers.values(), *(depth.layer for depth in depths)]:
             name = "_forward" if layer.cfg.recompute == "full" else "forward"
             setattr(layer, name, timer.wrap(torch.compile(getattr(layer, name))))
     return timer

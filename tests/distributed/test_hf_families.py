@@ -1,7 +1,7 @@
 """Today's open dense families end to end: a tiny random model written by transformers' own
 ``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
 a head width apart from hidden/heads and yarn RoPE, Mistral with a sliding window shorter than the sequence
-and NeMo-style without one, Qwen3-MoE) is imported; greedy generation equals transformers'; a training
+and NeMo-style without one, Qwen2 with its sliding window on the upper layers, Qwen3-MoE) is imported; greedy generation equals transformers'; a training
 run that names no model key (the model comes from the checkpoint) has a first-step loss equal to
 transformers' loss on the same batch (1e-5 relative) on one process, at tp=2 x pp=2 and (MoE) at ep=2;
 exported back, every weight equals the files transformers wrote."""
@@ -22,6 +22,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 FAMILIES = {
     "llama3_1": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Qwen2 with its sliding window on: layers from max_window_layers=2 on attend over their 8 latest keys
+    "qwen2_swa": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
+                                                  max_window_layers=2,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     # Mistral NeMo-style: a head width of its own, no sliding window
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=None,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
@@ -36,7 +40,7 @@ FAMILIES = {
                                                      moe_intermediate_size=48, norm_topk_prob=True,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
-CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_swa": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "mistral_swa": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the family: the same maths as Llama
 
@@ -84,16 +88,17 @@ def test_generation_and_export_equal_transformers(family, imported, tmp_path, ca
     config = transformers.AutoConfig.from_pretrained(out)
     assert type(config) is EXPORTED_AS.get(family, type(theirs.config))
     assert config.rope_parameters == theirs.config.rope_parameters
+    for key in ("sliding_window", "layer_types", "use_sliding_window"):  # the windowed layers, where a family has them
+        if hasattr(theirs.config, key) and type(config) is type(theirs.config):
+            assert getattr(config, key) == getattr(theirs.config, key), key
 
 
-def test_per_layer_windows_of_qwen_are_refused_in_one_line(tmp_path, capsys):
-    config = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=2)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
-    capsys.readouterr()
-    assert convert_checkpoint.main(["import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "use_sliding_window=true" in err[0], err
-    assert not (tmp_path / "ckpt").exists()
+def test_qwen_windows_map_to_per_layer_windows(imported):
+    """transformers' rule: with use_sliding_window, layer i has the window when i >= max_window_layers."""
+    from megand.models import full
+
+    _, _, ckpt = imported("qwen2_swa")
+    assert full.read_config(ckpt).model.sliding_window == [None, None, 8, 8]
 
 
 LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}

@@ -51,12 +51,14 @@ def reference(model, ids, labels):
         return F.cross_entropy(F.linear(normed, out_weight)[..., :V].transpose(0, 1).flatten(0, 1),
                                targets.flatten(), reduction="none").view(targets.shape)
 
-    losses = [ce(model.final_norm(x), labels)]
+    x = model.final_norm(x)  # each depth reads the previous one's normalised output (the output layer's input)
+    losses = [ce(x, labels)]
     for k, depth in enumerate(model.mtp.depths, start=1):  # x: the previous depth's S - k + 1 positions
         embedded = F.embedding(ids[:, k:], table).transpose(0, 1)  # the tokens k ahead: ids[t + k]
         x = depth.layer(F.linear(torch.cat([depth.enorm(embedded), depth.hnorm(x[: S - k])], -1), depth.proj.weight),
                         model.rope(positions[: S - k]))
-        losses.append(ce(depth.final_norm(x), labels[:, k:]))  # targets k + 1 ahead: labels[t + k]
+        x = depth.final_norm(x)
+        losses.append(ce(x, labels[:, k:]))  # targets k + 1 ahead: labels[t + k]
     return losses
 
 
