@@ -18,6 +18,7 @@ the grad norm from the one-process FP8 run, per recipe (and of bf16 layouts from
 
     python benchmarks/bench_fp8.py --curve --iters 50
     python benchmarks/bench_fp8.py --curve --model llama_50m --seq-length 64 --layout tp2_sp dp2_zero3
+    python benchmarks/bench_fp8.py --curve --model llama_50m --seq-length 64 --global-batch-size 32 --lr 3e-4 --warmup-iters 10 --layout tp2_sp dp2_zero3
     python benchmarks/bench_fp8.py --bytes
     python benchmarks/bench_fp8.py --layouts
 """
@@ -82,8 +83,8 @@ def curve(args):
     if args.seq_length:
         model = [*model, f"model.seq_length={args.seq_length}"]
     common = [*model, "data=quickstart", f"data.cache_dir={args.cache_dir}", "train.precision=bf16",
-              f"train.iters={args.iters}", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_iters=0",
-              "optim.lr=1e-3", "optim.warmup_iters=5"]
+              f"train.iters={args.iters}", f"train.global_batch_size={args.global_batch_size}", "train.micro_batch_size=4",
+              "train.eval_iters=0", f"optim.lr={args.lr}", f"optim.warmup_iters={args.warmup_iters}"]
     out, summary = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layout:
@@ -174,6 +175,9 @@ def main():
     parser.add_argument("--model", default=None,
                         help="--curve: a conf/model name (default: the llama_50m shape scaled down, 6 x 256)")
     parser.add_argument("--seq-length", type=int, default=None, help="--curve: model.seq_length (a shorter run)")
+    parser.add_argument("--global-batch-size", type=int, default=8, help="--curve: samples per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="--curve: peak learning rate")
+    parser.add_argument("--warmup-iters", type=int, default=5, help="--curve: linear warmup steps")
     parser.add_argument("--layout", nargs="+", default=["one"], choices=list(CURVE_LAYOUTS),
                         help="--curve: the layouts to train at (one process, tp=2 + sp, dp=2 under ZeRO-3)")
     args = parser.parse_args()
