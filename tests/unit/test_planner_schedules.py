@@ -15,7 +15,7 @@ from megand.tools.plan import pinned_keys
 from megand.tools.planner.cluster import parse_cluster
 from megand.tools.planner.cost import memory_layout, predict, stage_times
 from megand.tools.planner.hetero import plan_heterogeneous
-from megand.tools.planner.search import PlanError, Planner, config_validator
+from megand.tools.planner.search import PlanError, Planner, config_validator, predict_config
 from megand.tools.planner.simulate import simulate
 from megand.tools.estimate_memory import estimate_memory, stage_layers
 from megand.training.config import compose, validate
@@ -89,6 +89,12 @@ def test_1f1b_stays_where_zero_bubbles_memory_does_not_fit():
     assert max(tight.prediction.mem_peak_gib) <= between
     assert "parallel.pp_schedule=1f1b" in tight.overrides()  # written: a preset's schedule would stay otherwise
     _trains(BIG, tight)
+
+
+def test_a_given_runs_prediction_replays_its_schedule():
+    cluster = parse_cluster({"groups": [{**GPU, "memory_gib": 1000}]})
+    one, zero = (predict_config(compose(BIG + [f"parallel.pp_schedule={s}"]), cluster, 2) for s in ("1f1b", "zb1p"))
+    assert zero.parts["pipeline_s"] < one.parts["pipeline_s"] and zero.bubble_fraction < one.bubble_fraction
 
 
 def test_validator_trial_keeps_no_schedule_of_an_earlier_candidate():

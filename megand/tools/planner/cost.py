@@ -17,8 +17,9 @@ Per virtual stage and micro-batch, a forward and a backward time:
   compute: only the excess over it shows (at least one bucket);
 - the profile's fixed overheads (per layer and micro-batch, per micro-batch).
 
-The pipeline (simulate.py) replays megand's schedule on those times with the p2p time of each stage
-boundary; then each rank's gradient reduction over dp x cp (all-reduce, or reduce-scatter plus the
+The pipeline (simulate.py) replays the candidate's schedule (``parallel.pp_schedule``, stages placed
+where that schedule puts them; a split backward's ``W`` is the layers' weight-gradient products) on
+those times with the p2p time of each stage boundary; then each rank's gradient reduction over dp x cp (all-reduce, or reduce-scatter plus the
 replica all-reduce under hybrid sharding) hides under its last backwards when
 ``optim.overlap_grad_reduce`` is on; the optimizer step is memory-bound; the parameter all-gather of
 ``optim``/``optim_grads`` hides under the next forward with ``optim.overlap_param_gather``. The step

@@ -484,7 +484,8 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)))
+                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)),
+                     pp_schedule=p.get("pp_schedule") or "1f1b")
 
 
 def predict_config(cfg, cluster, world_size: int):
