@@ -67,7 +67,8 @@ def describe(plan) -> str:
     counts = f" recompute_layers {list(c.recompute_layers)}" if c.recompute_layers is not None else ""
     return (f"{plan.prediction.tokens_per_s:,.0f} tokens/s (tp={c.tp} pp={c.pp}{schedule} dp={c.dp} "
             f"mbs={c.micro_batch_size} {c.sharding} recompute={c.recompute}{counts}{layers}, "
-            f"bubble {plan.prediction.bubble_fraction:.1%})")
+            f"bubble {plan.prediction.bubble_fraction:.1%}, peak GiB per stage "
+            f"{'/'.join(f'{m:.1f}' for m in plan.prediction.mem_peak_gib)})")
 
 
 def main(argv=None) -> int:
