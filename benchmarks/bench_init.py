@@ -35,15 +35,17 @@ def child(args) -> dict:
     rss_start = rss_bytes()
     from megand.core.parallel_state import init_fake_distributed
     from megand.training.config import compose
+    from megand.training.core_configs import core_configs
     from megand.training.pretrain import build_model_and_engine, build_topology
 
     cfg = compose([f"model={args.model}", f"parallel.tp={args.tp}", f"train.precision={args.precision}",
                    "run_dir=/tmp/bench_init"])
     device = init_fake_distributed(args.rank, args.tp)
-    topo = build_topology(cfg, device)
+    configs = core_configs(cfg, device)
+    topo = build_topology(configs.topology, device)
     rss_before = rss_bytes()
     start, cpu_start = time.perf_counter(), cpu_seconds()
-    _, chunks, ddp = build_model_and_engine(cfg, topo)
+    chunks, ddp = build_model_and_engine(configs, topo)
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     local = sum(p.numel() for c in chunks for p in c.parameters())

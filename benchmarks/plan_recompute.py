@@ -4,15 +4,12 @@ and the pipeline schedules (``parallel.pp_schedule``).
     python benchmarks/plan_recompute.py --cluster examples/cluster_two_types.yaml [overrides ...]
 
 For the model and batch of the overrides (default: Llama 70B at 8k tokens with tp=8, sequence
-parallelism, cp=1 and micro-batch 1 pinned) on a cluster of several groups, the planner is run four
+parallelism, cp=1 and micro-batch 1 pinned) on a cluster of several groups, the planner is run three
 times: ``uniform``: 1F1B only, ``train.recompute_layers=null`` pinned (every layer applies the one
 recompute choice: the search before per-stage recompute); ``per_stage``: 1F1B only, each stage's
-recomputed layers searched; ``schedules``: per-stage recompute and every schedule the cluster's backend
-runs (on GPUs, NCCL: 1f1b, interleaved with vpp, and zb1p; zbv and dualpipev are not yet validated on
-NCCL and the training config refuses them there); ``with_v``: the same with the V schedules too, as if
-the backend ran them (what they would add once validated on NCCL; not a runnable plan on GPUs today).
-The last two leave ``parallel.vpp`` to the search (a ``parallel.vpp=null`` given is dropped: it would
-rule out interleaving and the V's two chunks per rank). Each prints every
+recomputed layers searched; ``schedules``: per-stage recompute and every pipeline schedule (1f1b,
+interleaved with vpp, zb1p, zbv, dualpipev), ``parallel.vpp`` left to the search (a ``parallel.vpp=null``
+given is dropped: it would rule out interleaving and the V's two chunks per rank). Each prints every
 group's best homogeneous plan, the best heterogeneous plan and the speed-up ratio: heterogeneous
 throughput over the sum of each group's best homogeneous throughput in the same search (a group that
 cannot hold the model alone counts 0). Predictions only: no training runs.
@@ -31,12 +28,10 @@ DEFAULT = ["model=llama_70b", "model.seq_length=8192", "train.global_batch_size=
            "parallel.sequence_parallel=true", "parallel.cp=1", "parallel.vpp=null", "train.micro_batch_size=1"]
 
 
-SEARCHES = (  # label, extra overrides, schedules searched (None: all the backend runs), backend (None: the
-    # cluster's), whether vpp is searched
-    ("uniform", ["train.recompute_layers=null"], ("1f1b",), None, False),
-    ("per_stage", [], ("1f1b",), None, False),
-    ("schedules", [], None, None, True),
-    ("with_v", [], None, "gloo", True),
+SEARCHES = (  # label, extra overrides, schedules searched (None: all), whether vpp is searched
+    ("uniform", ["train.recompute_layers=null"], ("1f1b",), False),
+    ("per_stage", [], ("1f1b",), False),
+    ("schedules", [], None, True),
 )
 
 
@@ -50,11 +45,11 @@ def speedups(overrides, cluster_file) -> dict:
 
     cluster = load_cluster(cluster_file)
     out = {}
-    for label, extra, schedules, backend, search_vpp in SEARCHES:
+    for label, extra, schedules, search_vpp in SEARCHES:
         run = [o for o in overrides if not (search_vpp and o.replace(" ", "") == "parallel.vpp=null")] + extra
         cfg = compose(run)
         out[label] = speedup(Planner(cfg, pinned_keys(run), cluster, validate_fn=config_validator(cfg),
-                                     schedules=schedules, backend=backend))
+                                     schedules=schedules))
     return out
 
 

@@ -18,10 +18,11 @@ def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int
     assert "model from checkpoint" in proc.stdout
     loss = read_metrics(run_dir)[0]["loss"]
 
+    from megand.training.core_configs import dataset_plan
     from megand.training.pretrain import build_datasets
 
     cfg = OmegaConf.load(f"{run_dir}/config.yaml")
-    train, _ = build_datasets(cfg, offline.single_process_topology())
+    train, _ = build_datasets(dataset_plan(cfg), offline.single_process_topology())
     tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
     with torch.no_grad():
         logits = theirs(input_ids=tokens[:, :-1]).logits

@@ -202,6 +202,15 @@ def choose_device_and_backend() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability ``(major, minor)`` of ``device`` (which kernels it has: FP8 from 8.9,
+    MX block scaling from 10.0), None for a device that is not CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
 def init_distributed(timeout_s: float | None = None) -> torch.device:
     """Join (or create) the default process group; a plain ``python`` launch is a world of one.
 
@@ -293,6 +302,43 @@ def create_groups(lists: dict[str, list[list[int]]], rank: int, timeout: timedel
     return groups
 
 
+PIPELINE_CHANNELS = 4  # pipeline p2p: activations and gradients, each toward higher and lower stage ranks
+
+
+def pipeline_channel_groups(pp_lists: list[list[int]], rank: int, pp_group, timeout: timedelta | None = None) -> tuple:
+    """The pipeline's point-to-point communicators: :data:`PIPELINE_CHANNELS` groups over this rank's
+    pipeline ranks (the pipeline group itself and three more, made as :func:`create_groups` makes every
+    group: one world-wide split each where subgroups are communicator splits, else one ``new_group`` per
+    pipeline); collective. Empty without pipelining.
+
+    Why several: NCCL ignores tags and runs a communicator's point-to-point operations in the order they
+    are queued, so one communicator would match messages of different kinds by order and hold a receive
+    behind an unmatched send (megand/core/pipeline_parallel/p2p.py gives each kind of message and
+    direction its own group, so each carries one stream of messages each way, in one order at both ends)."""
+    if len(pp_lists[0]) == 1:
+        return ()
+    extra = [create_groups({"pp": pp_lists}, rank, timeout)["pp"] for _ in range(PIPELINE_CHANNELS - 1)]
+    return (pp_group, *extra)
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """How the ranks are laid out (the run's ``parallel`` sizes and options; built by the training package).
+    ``dp=None``: what the world size leaves after tp x pp x cp, known once the process group exists."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int | None = None
+    order: str = DEFAULT_ORDER
+    vpp: int | None = None  # model chunks per pipeline rank (interleaved schedules); None: one
+    dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
+    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
+    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
+    pp_schedule: str = "1f1b"
+    timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and its live process groups.
@@ -325,6 +371,14 @@ class Topology:
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
+        self.pp_channel_groups = pipeline_channel_groups(lists["pp"], self.rank, self.groups["pp"], timeout)
+
+    @classmethod
+    def from_config(cls, config: TopologyConfig, device: torch.device) -> "Topology":
+        """Collective: this rank's topology in the default process group, laid out as ``config`` says."""
+        sizes = ParallelSizes.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp)
+        return cls(sizes, order=config.order, vpp=config.vpp, device=device, dp_shard=config.dp_shard, ep=config.ep,
+                   etp=config.etp, timeout_s=config.timeout_s, pp_schedule=config.pp_schedule)
 
     # sizes and ranks within each dimension
     tp_size = property(lambda self: self.sizes.tp)

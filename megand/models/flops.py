@@ -44,7 +44,7 @@ matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; f
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping
 
-from megand.core.transformer.config import TransformerConfig, resolve_head_dim
+from megand.core.transformer.config import TransformerConfig
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 
@@ -95,7 +95,7 @@ class Shape:
     kv_lora: int = 0           # key/value latent width
     qk_rope: int = 0           # the rotary part of a query/key head
     v_head: int = 0            # value head width
-    head_dim: int = 0          # width of one head (the core config's derivation: hidden // heads unless set)
+    head_dim: int = 0          # width of one head (derived by the core config: hidden // heads unless set)
     windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
     mtp_layers: int = 0        # multi-token prediction depths (each: a 2h->h projection, one layer, the logits)
 
@@ -161,13 +161,14 @@ class Shape:
         head_dim = model.get("head_dim")
         if head_dim is None and hidden % heads:
             raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads} (set head_dim)")
+        attention = _attention_schema(model)  # the head widths as the model schema derives them
         return cls(
             arch=arch,
             layers=int(_get(model, "num_layers")),
             hidden=hidden,
             ffn=int(_get(model, "ffn_hidden_size", 4 * hidden)),
             heads=heads,
-            groups=int(_get(model, "num_query_groups", heads)),
+            groups=attention.query_groups,
             seq=int(_get(model, "seq_length")),
             vocab=int(_get(model, "vocab_size")),
             swiglu=_get(model, "activation") == "swiglu",
@@ -178,13 +179,23 @@ class Shape:
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
             qk_norm=bool(_get(model, "qk_norm", False)),
-            head_dim=(int(model["qk_nope_head_dim"]) + int(model["qk_rope_head_dim"]) if model.get("kv_lora_rank")
-                      else resolve_head_dim(hidden, heads, None if head_dim is None else int(head_dim))),
+            head_dim=attention.head_dim,
             **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),
             mtp_layers=int(_get(model, "mtp_layers", 0)),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
+
+
+# the model keys that shape the attention heads
+_ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "position_embedding",
+                   "qk_norm", "qkv_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                   "v_head_dim")
+
+
+def _attention_schema(model: Mapping[str, Any]) -> TransformerConfig:
+    """Core's config of ``model``'s attention keys: its derived head width and query groups."""
+    return TransformerConfig(**{k: model[k] for k in _ATTENTION_KEYS if k in model})
 
 
 def _windows(model: Mapping[str, Any], layers: int) -> tuple:

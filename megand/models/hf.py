@@ -47,17 +47,19 @@ class Rule:
 
 
 def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """(hidden, heads, query groups, head dim) of a megand ``model`` config (the head width derived as the
-    core config does)."""
-    from megand.core.transformer.config import resolve_head_dim
+    """(hidden, heads, query groups, head dim) of a megand ``model`` config, as the model schema (core's
+    TransformerConfig) derives them."""
+    from megand.core.transformer import TransformerConfig
 
-    h, heads = m["hidden_size"], m["num_attention_heads"]
-    return h, heads, m.get("num_query_groups") or heads, resolve_head_dim(h, heads, m.get("head_dim"))
+    shape = TransformerConfig.from_model(m)
+    return shape.hidden_size, shape.num_attention_heads, shape.query_groups, shape.head_dim
 
 
 def head_dim_derived(m: Mapping[str, Any]) -> bool:
-    """Whether the head width is hidden / heads (architectures without a ``head_dim`` of their own)."""
-    return m.get("head_dim") in (None, m["hidden_size"] // m["num_attention_heads"])
+    """Whether the head width is the schema's derived one (architectures without a ``head_dim`` of their own)."""
+    from megand.core.transformer.config import resolve_head_dim
+
+    return m.get("head_dim") in (None, resolve_head_dim(m["hidden_size"], m["num_attention_heads"]))
 
 
 def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:

@@ -10,6 +10,7 @@ these helpers.
 from __future__ import annotations
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
+from megand.core.transformer.config import resolve_head_dim
 from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
 from megand.core.transformer.rope import ROPE_TYPES, RopeScaling
 from megand.models.hf import Rule, dims, norm_eps
@@ -88,7 +89,7 @@ def llama_like_config(config) -> dict:
     h, heads, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     groups = config.num_key_value_heads or heads
     head_dim = getattr(config, "head_dim", None)
-    head_dim = None if head_dim in (None, h // heads) else head_dim  # megand's null: derived
+    head_dim = None if head_dim in (None, resolve_head_dim(h, heads)) else head_dim  # megand's null: derived
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     if getattr(config, "use_sliding_window", False):

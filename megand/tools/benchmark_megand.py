@@ -98,10 +98,8 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
 
     t = cfg.train
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    from megand.training.config import recomputed_layers
-
     flops = flops_per_iteration(cfg.model, t.global_batch_size, t.recompute, tp=topo.tp_size,  # padded logits
-                                recomputed_layers=recomputed_layers(cfg))
+                                recomputed_layers=trainer.configs.pipeline.recompute_ids)
     flops_per_rank = flops["model_flops"] / topo.world_size
     peak = device_peak_flops(device, t.precision, cache_dir=peak_cache_dir or cfg.run_dir)
     return {

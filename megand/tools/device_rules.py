@@ -6,8 +6,13 @@
   called it) where CUDA would: a CPU tensor meeting a CUDA tensor, GEMM operands of different dtypes,
   CUDA-only kernels called with arguments they reject (flash attention: fp16/bf16 only, head dim at most
   256 and a multiple of 8, query heads a multiple of the key/value heads; ``torch._grouped_mm``: bf16,
-  16-byte aligned strides, int32 offsets on the device; FlexAttention: a block mask made for the
-  query/key lengths and the device of the call);
+  16-byte aligned strides, int32 offsets on the device, a 2-D x 2-D product (groups along the contraction)
+  only with the first operand column-major and the second row-major, the one layout whose kernel takes
+  any group size, empty groups included (others assert on the device unless every group is a positive
+  multiple of 16 bytes: values a rehearsal does not have); ``torch._scaled_grouped_mm``: e4m3 operands,
+  the first row-major, the second column-major, their dims multiples of 16, fp32 per-row scales of the
+  kernel's shapes, a bf16 result, no 2-D x 2-D form (its groups must be positive multiples of 16); FlexAttention:
+  a block mask made for the query/key lengths and the device of the call);
 - runs ``F.scaled_dot_product_attention`` (:meth:`DeviceRules.scaled_dot_product_attention`, patched in
   by the rehearsal: a CPU build does not choose CUDA's backends) with the backend torch's CUDA dispatcher
   chooses (flash, else memory-efficient, else math; cuDNN comes after math in torch's order), so a run
@@ -193,6 +198,11 @@ class DeviceRules(TorchDispatchMode):
         elif func is aten._grouped_mm.default:
             self._check_grouped_mm(func, args, kwargs)
             self.kernels[("grouped_mm", source_line())] += 1
+        elif func is aten._scaled_grouped_mm.default:
+            self._check_scaled_grouped_mm(func, args, kwargs)
+            self.kernels[("scaled_grouped_mm", source_line())] += 1
+        elif func is aten._scaled_mm.default:
+            self.kernels[(f"scaled_mm {args[0].dtype}", source_line())] += 1
         elif func is aten.mm.dtype:
             self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1
         elif func is aten.addmm.dtype_out:  # the weight-gradient GEMM accumulating into the fp32 buffer
@@ -224,6 +234,35 @@ class DeviceRules(TorchDispatchMode):
             if bad or t.storage_offset() * t.element_size() % 16:
                 self.fail(func, f"{name} strides {tuple(t.stride())} (x {t.element_size()} bytes) are not 16-byte "
                                 f"aligned")
+        if a.dim() == 2 and b.dim() == 2 and not (a.stride(0) == 1 and b.stride(-1) == 1):
+            self.fail(func, f"a 2-D x 2-D grouped GEMM with strides {tuple(a.stride())} x {tuple(b.stride())}: only a "
+                            f"column-major first and a row-major second operand take any group size (else every "
+                            f"group must be a positive multiple of 16 bytes, asserted on the device)")
+
+    def _check_scaled_grouped_mm(self, func, args, kwargs) -> None:
+        a, b, scale_a, scale_b = args[:4]
+        offs = kwargs.get("offs", args[4] if len(args) > 4 else None)
+        out_dtype = kwargs.get("out_dtype", args[7] if len(args) > 7 else None)
+        if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+            self.fail(func, f"the FP8 grouped GEMM takes e4m3 operands, got {a.dtype} and {b.dtype}")
+        if a.dim() == 2 and b.dim() == 2:
+            self.fail(func, "the 2-D x 2-D FP8 grouped GEMM needs every group a positive multiple of 16 rows "
+                            "(asserted on the device); token counts per expert are not")
+        if a.stride(-1) != 1 or b.stride(-2) != 1:
+            self.fail(func, f"the FP8 grouped GEMM takes a row-major first and a column-major second operand, got "
+                            f"strides {tuple(a.stride())} and {tuple(b.stride())}")
+        if a.shape[-1] % 16 or b.shape[-2] % 16 or b.shape[-1] % 16:
+            self.fail(func, f"the FP8 grouped GEMM needs dims that are multiples of 16, got {tuple(a.shape)} x "
+                            f"{tuple(b.shape)}")
+        rows_a = a.shape[0] if a.dim() == 2 else None
+        if (scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32 or scale_a.dim() != 1
+                or scale_a.shape[0] != rows_a or tuple(scale_b.shape) != (b.shape[0], b.shape[-1])):
+            self.fail(func, f"the FP8 grouped GEMM takes fp32 scales [{rows_a}] and [{b.shape[0]}, {b.shape[-1]}], "
+                            f"got {scale_a.dtype} {tuple(scale_a.shape)} and {scale_b.dtype} {tuple(scale_b.shape)}")
+        if offs is None or offs.dtype != torch.int32 or offs.device.type != "cuda":
+            self.fail(func, "the FP8 grouped GEMM's offsets must be int32 on the device")
+        if out_dtype not in (None, torch.bfloat16):
+            self.fail(func, f"the FP8 grouped GEMM returns bf16 only, asked for {out_dtype}")
 
     def sdpa_backend(self, q, k, v, attn_mask=None, enable_gqa=False) -> str:
         """torch's CUDA SDPA backend choice (sm80+): flash, then memory-efficient, then math (cuDNN comes

@@ -113,6 +113,8 @@ class Layout:
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
     pp_schedule: str = "1f1b"          # parallel.pp_schedule (zb1p: W passes hold their operands longer)
+    fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
+    fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
 
     def __post_init__(self):
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -157,7 +159,9 @@ class Layout:
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
-                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b")
+                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b",
+                   fp8_gather=None if train.get("compile") else train.get("fp8"),
+                   fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
 
     @property
     def level(self) -> str:
@@ -203,8 +207,12 @@ def state_bytes_per_param(layout: Layout, shards: Optional[int] = None) -> dict:
             "optimizer": optimizer / d}
 
 
-def gathered_bytes(params: float, layout: Layout) -> float:
-    """ZeRO-2/3 working set beyond the shards: gathered parameter buckets and gradient scratch buckets."""
+def gathered_bytes(params: float, layout: Layout, fp8_params: float = 0.0) -> float:
+    """ZeRO-2/3 working set beyond the shards: gathered parameter buckets and gradient scratch buckets.
+
+    ``fp8_params``: the stage's weights that ZeRO-3 gathers in FP8 for forward and backward (``tensorwise``:
+    one byte per element; rowwise and MX gather the bf16 weight for backward, so their peak stays two). They
+    fill buckets of their own; held buckets are counted as the other parameters' first (an upper bound)."""
     level = layout.level
     if level not in ("optim_grads", "optim_grads_params") or layout.shards == 1:
         return 0.0
@@ -214,7 +222,26 @@ def gathered_bytes(params: float, layout: Layout) -> float:
         return scratch
     elem = 4 if layout.precision == "fp32" else 2
     held = params if not layout.reshard_after_forward else two_buckets
-    return scratch + held * elem
+    if layout.fp8_gather != "tensorwise" or elem != 2:
+        return scratch + held * elem
+    high = min(held, params - fp8_params)
+    return scratch + high * elem + (held - high) * 1
+
+
+def stage_fp8_gathered_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """Weights of pipeline ``stage`` (one tensor-parallel rank's share) that ZeRO-3 gathers in FP8: the dense
+    linear layers (attention's QKV and output projection, the MLP or shared experts' fc1 and fc2) of the
+    transformer layers in FP8 (all but the first and last ``fp8_bf16_layers``); routed experts, norms,
+    embedding and output layer are gathered in high precision."""
+    if not layout.fp8_gather:
+        return 0.0
+    shape = Shape.from_config(model)
+    total = 0.0
+    for i in stage_layers(shape.layers, layout, stage):
+        if layout.fp8_bf16_layers <= i < shape.layers - layout.fp8_bf16_layers:
+            lp = layer_params(shape, moe=shape.is_moe(i))
+            total += (lp.qkv_weight + lp.proj_weight + lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
+    return total
 
 
 def _activation_elem_bytes(layout: Layout) -> int:
@@ -497,7 +524,7 @@ def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict
     the layers' matrices per step.
     """
     shape = Shape.from_config(model)
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
 
     def ns(m, n):
         m, n = min(m, n), max(m, n)
@@ -554,7 +581,7 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
             activation_bytes_per_layer=per_layer, layer_microbatches_in_flight=inflight,
             layer_activation_bytes=per_layer * inflight,
             extra_activation_bytes=_extra_activation_bytes(model, layout, stage),
-            gathered_bytes=gathered_bytes(params, layout),
+            gathered_bytes=gathered_bytes(params, layout, stage_fp8_gathered_params(model, layout, stage)),
             recompute_working_bytes=working, expert_params=experts, moe_layers=n_moe,
             all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage)))
     return MemoryEstimate(stages=stages)

@@ -119,8 +119,9 @@ def main(argv=None) -> int:
     args, overrides = p.parse_known_args(argv)
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
-    from megand.training.batches import rank_microbatches
-    from megand.training.config import ConfigError, compose, document_flags, validate
+    from megand.training.batches import microbatch_rows, rank_microbatches
+    from megand.training.config import ConfigError, compose, validate
+    from megand.training.core_configs import document_flags
 
     try:
         cfg = compose(overrides)
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
     print(f"rank {args.rank} (dp {topo.dp_rank}/{topo.dp_size}, cp {topo.cp_rank}/{topo.cp_size}, "
           f"pp {topo.pp_rank}/{topo.pp_size}), iteration {args.iteration}:")
     shown = 0
+    rows = microbatch_rows(t.global_batch_size // topo.dp_size, t.micro_batch_size)  # the samples' lanes
     for k, mb in enumerate(microbatches):
         for i in range(mb.batch_size):
             if shown >= args.samples:
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
             pos = mb.positions[i] if mb.positions.dim() == 2 else mb.positions
             print(f"    positions {pos.tolist()}")
             if sources is not None:
-                print(f"    documents from {', '.join(sources[k * t.micro_batch_size + i])}")
+                print(f"    documents from {', '.join(sources[rows[k][i]])}")
             if mb.loss_mask is not None:
                 print(f"    loss on {int(mb.loss_mask[i].sum())} of {len(ids)} tokens")
             shown += 1

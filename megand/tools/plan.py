@@ -58,8 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="a device profile from tools/calibrate.py for every group (overrides device:)")
     p.add_argument("--schedules", default=None, metavar="S1,S2",
-                   help="the pipeline schedules to search, comma-separated (default: every one the cluster runs: "
-                        "1f1b, zb1p, and on CPUs (gloo) also zbv, dualpipev)")
+                   help="the pipeline schedules to search, comma-separated (default: all of 1f1b, zb1p, zbv, dualpipev)")
     p.add_argument("--verify", action="store_true",
                    help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
     return p.parse_intermixed_args(argv)
@@ -172,8 +171,6 @@ def main(argv=None) -> int:
     if cfg.train.rampup_batch_size is not None:
         print(f"plan: train.rampup_batch_size={list(cfg.train.rampup_batch_size)}: step time and memory at the final "
               f"global batch {cfg.train.global_batch_size}; every layout shown can run each batch of the ramp")
-    for note in planner.notes:
-        print(f"plan: {note}")
     print(format_table(plans))
     best = plans[0]
     print(f"\nbest: append to pretrain_gpt.py: {' '.join(best.overrides())}")

@@ -335,25 +335,25 @@ class _NoStopSignal:
         return 0
 
 
-def trainer_for_rehearsal(cfg, topo, data, clock):
+def trainer_for_rehearsal(cfg, configs, topo, data, clock):
     """A :class:`Trainer` holding what ``train_step`` reads, built without its run set-up (no data files,
     logs, checkpointer or wandb); the model, engine and optimizer are built in the ``build`` phase."""
     from megand.core.optimizer import Optimizer
     from megand.core.pipeline_parallel import get_schedule
     from megand.core.timing import device_timer
-    from megand.training.config import optimizer_config
     from megand.training.guards import SkipGuard, SpikeDetector
     from megand.training.pretrain import Trainer, build_model_and_engine
     from megand.training.rampup import batch_ramp
 
     trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.topo, trainer.train_data, trainer.valid_data = cfg, topo, data, None
+    trainer.cfg, trainer.configs, trainer.model_cfg = cfg, configs, configs.model
+    trainer.topo, trainer.train_data, trainer.valid_data = topo, data, None
     clock.enter("build")
-    trainer.model_cfg, trainer.chunks, trainer.ddp = build_model_and_engine(cfg, topo)
+    trainer.chunks, trainer.ddp = build_model_and_engine(configs, topo)
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
     trainer.params = [p for _, p in trainer.named_params]
-    trainer.optimizer = Optimizer(trainer.named_params, optimizer_config(cfg), topo, trainer.ddp)
-    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=cfg.parallel.pp_schedule)
+    trainer.optimizer = Optimizer(trainer.named_params, configs.optimizer, topo, trainer.ddp)
+    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.topology.pp_schedule)
     trainer.ramp = batch_ramp(cfg.train)
     trainer._plan_batches(cfg.train.global_batch_size)
     trainer.iteration = trainer.consumed_samples = 0
@@ -391,6 +391,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
     from megand.data.mock import MockGPTDataset
     from megand.tools.device_rules import DeviceRules
     from megand.tools.fake_nccl import NcclRules
+    from megand.training.core_configs import core_configs
     from megand.training.pretrain import build_topology
 
     from unittest import mock
@@ -421,13 +422,14 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
                                                       rules.scaled_dot_product_attention))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", rules.rms_norm))
-            topo = build_topology(cfg, device)
-            t, m = cfg.train, cfg.model
-            data = MockGPTDataset(m.seq_length, m.vocab_size, t.seed, t.global_batch_size)
+            configs = core_configs(cfg, device)  # the one reading of the run config, as a run's start-up does
+            topo = build_topology(configs.topology, device)
+            t, m = cfg.train, configs.model
+            data = MockGPTDataset(m.seq_length, m.vocab_size, configs.seed, t.global_batch_size)
             stack.enter_context(fake_mode)
             stack.enter_context(tracker)
             stack.enter_context(rules)
-            trainer = trainer_for_rehearsal(cfg, topo, data, clock)
+            trainer = trainer_for_rehearsal(cfg, configs, topo, data, clock)
             try:
                 trainer.train_step()  # its progress marks move the clock to forward_backward, optimizer_step
                 clock.enter("checkpoint_state_dict")

@@ -1,8 +1,10 @@
 """From the dataset to this rank's micro-batches.
 
 The global batch of iteration ``i`` is samples ``[i*B, (i+1)*B)`` whatever the layout; data-parallel
-rank ``r`` takes the ``r``-th contiguous slice and splits it into micro-batches in order. Tensor- and
-pipeline-parallel peers of a data-parallel rank load the same samples identically (reading a few
+rank ``r`` takes the ``r``-th contiguous slice and splits it into micro-batches by stride (micro-batch ``j``
+of ``m`` takes its rows ``j, j + m, ...``: see :func:`microbatch_rows`), so that micro-batch ``j`` of the step
+holds the same samples at every dp with the same number of micro-batches. Tensor- and pipeline-parallel
+peers of a data-parallel rank load the same samples identically (reading a few
 memory-mapped samples costs less than broadcasting them over tp), except pipeline stages that hold neither
 the embedding nor the loss: they read no tokens at all, only the positions, unless documents matter
 (``DocumentFlags``): then every stage reads the samples to find the document boundaries, which travel
@@ -90,15 +92,27 @@ def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, t
             positions = cp_positions(seq_length, topo.cp_rank, topo.cp_size, positions.device)
     device = topo.device if device is None else device
 
-    def part(t, i):
-        return None if t is None else t[i: i + micro_batch_size].to(device)
+    def part(t, rows):
+        return None if t is None else t[rows.start::rows.step].contiguous().to(device)
 
     per_sample = positions.dim() == 2
     positions = positions.to(device)
-    return [MicroBatch(part(input_ids, i), part(labels, i), part(positions, i) if per_sample else positions,
-                       micro_batch_size, part(doc_ids, i), part(loss_mask, i),
-                       None if doc_ids is None else doc_ids[i: i + micro_batch_size])
-            for i in range(0, per_dp, micro_batch_size)]
+    return [MicroBatch(part(input_ids, rows), part(labels, rows), part(positions, rows) if per_sample else positions,
+                       micro_batch_size, part(doc_ids, rows), part(loss_mask, rows),
+                       None if doc_ids is None else doc_ids[rows.start::rows.step].contiguous())
+            for rows in microbatch_rows(per_dp, micro_batch_size)]
+
+
+def microbatch_rows(rows: int, micro_batch_size: int) -> list[range]:
+    """Which of a data-parallel rank's ``rows`` samples (its slice of the global batch) make each of its
+    micro-batches: with ``m = rows / micro_batch_size`` micro-batches, micro-batch ``j`` takes rows ``j, j + m,
+    j + 2m, ...``. Strided, not consecutive, so that micro-batch ``j`` of the step (every dp rank's ``j``-th)
+    is samples ``j, j + m, j + 2m, ...`` of the global batch whatever dp is: the MoE balancing losses, computed
+    over each micro-batch's tokens on every dp rank, are then the same at dp ranks of ``micro_batch_size``
+    as on one process with micro-batches of ``dp x micro_batch_size`` (consecutive micro-batches of each
+    contiguous dp slice would group samples no one-process run groups)."""
+    m = rows // micro_batch_size
+    return [range(j, rows, m) for j in range(m)]
 
 
 def loss_token_count(microbatches, topo, default: int) -> torch.Tensor | int:

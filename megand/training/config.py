@@ -3,15 +3,14 @@ the translation into core's own typed configs.
 
 Hydra composes ``conf/`` on top of :class:`Config`; :func:`validate` then checks every value and every
 divisibility the layout needs, before any work, and names the offending values. This is the only
-module that reads the Hydra config for core: :func:`transformer_config`, :func:`optimizer_config`,
-:func:`data_parallel_config` and :func:`checkpoint_config` build core's dataclasses from it.
+package that reads the Hydra config for core: :func:`transformer_config` here (validation uses it too) and
+``megand.training.core_configs``, which turns the whole config into core's typed configs once per start-up.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from dataclasses import fields as dataclass_fields
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -285,10 +284,27 @@ def check_fp8(t) -> None:
         raise ConfigError(f"train.fp8_bf16_layers={t.fp8_bf16_layers} must be >= 0")
 
 
+def check_fp8_device(fp8, device) -> None:
+    """``train.fp8=mxfp8`` on a GPU without MX block-scaled tensor cores (before Blackwell) is refused: its
+    emulation there runs slower than bf16. On the CPU the emulation is the reference and runs."""
+    from megand.core.parallel_state import device_capability
+    from megand.core.tensor_parallel.fp8 import Fp8Kernels
+
+    capability = device_capability(device)
+    if fp8 != "mxfp8" or capability is None or Fp8Kernels.for_capability(capability).mx:
+        return
+    import torch
+
+    raise ConfigError(f"train.fp8=mxfp8 needs MX block-scaled tensor cores (compute capability 10.0+, Blackwell); "
+                      f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use train.fp8=rowwise "
+                      f"or tensorwise (emulating MX blocks on this GPU would run slower than bf16)")
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
+    from megand.core.transformer.config import resolve_head_dim
 
     check_keys(cfg)
     if cfg.optim.get("distributed") is not None:
@@ -300,6 +316,7 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
     check_fp8(t)
+    check_fp8_device(t.get("fp8"), choose_device_and_backend()[0])
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                 "make_vocab_size_divisible_by"):
         if m[key] < 1:
@@ -320,7 +337,7 @@ def validate(cfg, world_size: int) -> None:
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    head_dim = resolve_head_dim(m.hidden_size, m.num_attention_heads, m.head_dim)
     checks = [
         (latent or m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
          f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads} "
@@ -351,7 +368,6 @@ def validate(cfg, world_size: int) -> None:
         raise ConfigError(ramp_message)
     micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
     schedule_message = pipeline_schedule_error(p.pp_schedule, p.pp, p.vpp, micro_batches,
-                                               choose_device_and_backend()[1],
                                                f"global batch {t.global_batch_size} / (micro batch "
                                                f"{t.micro_batch_size} x dp {sizes.dp})")
     if schedule_message:
@@ -387,12 +403,10 @@ def validate(cfg, world_size: int) -> None:
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
 
 
-def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, backend: str,
-                            batch: str = "") -> Optional[str]:
+def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, batch: str = "") -> Optional[str]:
     """Why ``parallel.pp_schedule=schedule`` cannot run with ``pp`` stages, ``vpp`` chunks per rank and
-    ``micro_batches`` per step on the collective ``backend`` (``batch``: how the micro-batches were
-    counted, for the message), or None. validate() and the layout planner (which asks it for the
-    target cluster's backend, not this machine's) share these rules."""
+    ``micro_batches`` per step (``batch``: how the micro-batches were counted, for the message), or None.
+    validate() and the layout planner share these rules."""
     from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
 
     counted = f"{micro_batches} = {batch}" if batch else f"{micro_batches}"
@@ -401,12 +415,6 @@ def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, bac
     if schedule in V_SCHEDULES and (pp < 2 or vpp != 2):
         return (f"parallel.pp_schedule={schedule} runs two chunks per rank in a V: it needs "
                 f"parallel.pp >= 2 and parallel.vpp=2 (got pp={pp}, vpp={vpp})")
-    if schedule in V_SCHEDULES and backend == "nccl":
-        # NCCL matches a peer's messages by order, not tag: in a V, a link carries activations and
-        # gradients interleaved differently at its two ends, and the receiver that takes the sender's
-        # order has been seen to stall on CPU (untested on GPUs): refused rather than risk a hang
-        return (f"parallel.pp_schedule={schedule} is not yet validated on NCCL (GPUs): use "
-                f"parallel.pp_schedule=zb1p or 1f1b (with parallel.vpp for interleaving)")
     if schedule == "dualpipev" and micro_batches < 2 * pp:
         return (f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * pp} micro-batches per step "
                 f"({counted})")
@@ -580,11 +588,6 @@ def compose(overrides=(), config_dir: str | None = None):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def _known(dataclass_type, values) -> dict:
-    names = {f.name for f in dataclass_fields(dataclass_type)}
-    return {k: v for k, v in values.items() if k in names}
-
-
 def transformer_config(cfg):
     """The model's shape from ``model``, plus the runtime choices of ``parallel`` and ``train``."""
     from megand.core.transformer import TransformerConfig
@@ -597,55 +600,6 @@ def transformer_config(cfg):
                                             precision=cfg.train.precision, expert_tensor_parallel=etp == cfg.parallel.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def recomputed_layers(cfg):
-    """The layer ids that apply ``train.recompute`` (``train.recompute_layers``' first layers of each
-    (virtual) pipeline stage), or None: every layer."""
-    from megand.core.pipeline_parallel.layout import pipeline_layout, recomputed_layer_ids
-
-    counts = cfg.train.get("recompute_layers")
-    if counts is None:
-        return None
-    p = cfg.parallel
-    return recomputed_layer_ids(pipeline_layout(cfg.model.num_layers, p.pp, p.vpp, p.pipeline_layout), list(counts))
-
-
-def document_flags(cfg):
-    """``data.reset_attention_mask`` / ``reset_position_ids`` / ``eod_mask_loss`` with the data's EOD id,
-    or None when all three are off."""
-    from megand.training.batches import DocumentFlags
-
-    d = cfg.data
-    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
-        return None
-    from megand.data.builder import eod_token_id
-
-    return DocumentFlags(eod_token_id(OmegaConf.to_container(d, resolve=True), cfg.model.vocab_size),
-                         bool(d.reset_attention_mask), bool(d.reset_position_ids), bool(d.eod_mask_loss))
-
-
-def optimizer_config(cfg):
-    from megand.core.optimizer.config import OptimizerConfig
-
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    optim["decay_iters"] = optim.get("decay_iters") or cfg.train.iters
-    return OptimizerConfig(**_known(OptimizerConfig, optim))
-
-
-def data_parallel_config(cfg):
-    from megand.core.distributed.config import DataParallelConfig
-
-    keys = _known(DataParallelConfig, OmegaConf.to_container(cfg.optim, resolve=True))
-    # compiled layers read their weights' FP8 operands by quantising the gathered bf16 weight
-    return DataParallelConfig(**keys, fp8_param_gather=not cfg.train.get("compile", False))
-
-
-def checkpoint_config(cfg):
-    from megand.core.checkpointing.config import CheckpointConfig
-
-    keys = _known(CheckpointConfig, OmegaConf.to_container(cfg.checkpoint, resolve=True))
-    return CheckpointConfig(**{**keys, "timeout_s": backend_timeout_s(save_timeout_s(cfg))})
 
 
 def collective_timeout_s(cfg, device) -> float:

@@ -17,15 +17,20 @@ from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
-from megand.core.parallel_state import ParallelSizes, Topology, choose_device_and_backend, init_distributed
+from megand.core.parallel_state import (
+    Topology,
+    TopologyConfig,
+    choose_device_and_backend,
+    device_capability,
+    init_distributed,
+)
 from megand.core.pipeline_parallel import get_schedule
-from megand.core.pipeline_parallel.layout import chunk_specs, pipeline_layout
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.tensor_parallel.fp8 import in_fp8, use_fp8
+from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8
 from megand.core.tensor_parallel.mappings import all_gather_flat
 from megand.core.timing import device_timer
-from megand.core.transformer import TransformerConfig, moe
+from megand.core.transformer import moe
 from megand.core.sdpa import attention_summary
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
@@ -34,18 +39,8 @@ from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, mtp_token_counts, rank_microbatches
 from megand.training.compile import compile_layers
-from megand.training.config import (
-    backend_timeout_s,
-    checkpoint_config,
-    collective_timeout_s,
-    data_parallel_config,
-    document_flags,
-    optimizer_config,
-    recomputed_layers,
-    save_timeout_s,
-    transformer_config,
-    validate,
-)
+from megand.training.config import backend_timeout_s, collective_timeout_s, validate
+from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.output_dirs import check_output_dirs
@@ -54,67 +49,61 @@ from megand.training.rampup import batch_ramp
 from megand.training.wandb_logger import WandbLogger
 
 
-def build_topology(cfg, device) -> Topology:
-    p = cfg.parallel
-    sizes = ParallelSizes.infer(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Topology(sizes, order=p.order, vpp=p.vpp, device=device, dp_shard=p.dp_shard, ep=p.ep, etp=p.etp,
-                    pp_schedule=p.pp_schedule,
-                    timeout_s=backend_timeout_s(collective_timeout_s(cfg, device)))
+def build_topology(config: TopologyConfig, device) -> Topology:
+    return Topology.from_config(config, device)
 
 
-def build_model(cfg, topo, device=None) -> tuple[TransformerConfig, list[GPTModel]]:
+def build_model(configs: CoreConfigs, topo, device=None) -> list[GPTModel]:
     """This rank's model chunks (one unless interleaved), initialised independently of the layout, and
     its random streams (the default generator and the chunks' shared tensor-parallel stream) seeded.
 
     ``device``: default ``topo.device``. On ``torch.device("meta")`` nothing is allocated nor initialised:
     the data-parallel engine places the parameters in its buffers, then :func:`init_parameters` fills them
     (what :class:`Trainer` does, so no rank ever holds a second copy of its parameters)."""
-    model_cfg = transformer_config(cfg)
-    rng = seed_random_streams(cfg.train.seed, topo)
-    layers = pipeline_layout(model_cfg.num_layers, topo.pp_size, cfg.parallel.vpp, cfg.parallel.pipeline_layout)
-    recompute_ids = recomputed_layers(cfg)
+    model_cfg, fp8 = configs.model, configs.fp8
+    rng = seed_random_streams(configs.seed, topo)
     chunks = []
-    for spec in chunk_specs(layers, topo.pp_size, topo.pp_rank, topo.pp_schedule):
+    for spec in configs.pipeline.chunks(topo.pp_size, topo.pp_rank, topo.pp_schedule):
         chunk = GPTModel(model_cfg, topo, rng, spec.layer_ids, spec.pre_process, spec.post_process, device=device,
-                         recompute_ids=recompute_ids)
-        if cfg.train.get("fp8"):
-            use_fp8(chunk.layers, cfg.train.fp8, model_cfg.num_layers, cfg.train.fp8_bf16_layers)
+                         recompute_ids=configs.pipeline.recompute_ids)
+        if fp8 is not None:
+            use_fp8(chunk.layers, fp8.recipe, model_cfg.num_layers, fp8.bf16_layers,
+                    Fp8Kernels.for_capability(device_capability(topo.device)))
         if device is None or torch.device(device).type != "meta":
-            init_parameters(chunk, cfg.train.seed)
+            init_parameters(chunk, configs.seed)
         chunks.append(chunk)
-    return model_cfg, chunks
+    return chunks
 
 
-def build_model_and_engine(cfg, topo) -> tuple[TransformerConfig, list[GPTModel], DataParallel]:
+def build_model_and_engine(configs: CoreConfigs, topo) -> tuple[list[GPTModel], DataParallel]:
     """The model chunks built on the meta device, placed in the data-parallel engine's flat buffers and
     initialised there: per rank, only the local shard is ever allocated and drawn (under ZeRO-3, only
     this rank's slices of it: the full local parameters exist only while gathered for a forward)."""
-    model_cfg, chunks = build_model(cfg, topo, device=torch.device("meta"))
-    ddp = DataParallel(chunks, topo, data_parallel_config(cfg))
+    chunks = build_model(configs, topo, device=torch.device("meta"))
+    ddp = DataParallel(chunks, topo, configs.data_parallel)
     if ddp.shard_params:  # ZeRO-3: the rank holds only flat ranges of its parameters; draw just those
         name_of = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
         for p, lo, hi, data in ddp.param_shards():
-            init_flat_range(p, name_of[p], cfg.train.seed, lo, hi, data)
+            init_flat_range(p, name_of[p], configs.seed, lo, hi, data)
     else:
         for chunk in chunks:
-            init_parameters(chunk, cfg.train.seed)
-    return model_cfg, chunks, ddp
+            init_parameters(chunk, configs.seed)
+    return chunks, ddp
 
 
-def build_datasets(cfg, topo, extra_train_samples: int = 0):
+def build_datasets(plan: DatasetPlan, topo, extra_train_samples: int = 0):
     """Train and validation datasets. Index files are cached in ``data.cache_dir``: global rank 0 builds
     them first; then the first rank of every other node (which loads rank 0's files when the filesystem
     is shared, or builds its own on a node-local disk); then every other rank, which loads its node's.
     Writes are atomic (private name, then rename), so even a concurrent build cannot be read half-done.
     A bad input found in any phase stops every rank at the end of that phase, with the same message."""
-    t, m = cfg.train, cfg.model
-    num_samples = (t.iters * t.global_batch_size + extra_train_samples, t.eval_iters * t.global_batch_size, 0)
+    num_samples = (plan.train_samples + extra_train_samples, plan.valid_samples, 0)
     turn = 0 if topo.rank == 0 else 1 if topo.local_rank == 0 else 2
     for phase in range(3):
         error = None
         if phase == turn:
             try:
-                train, valid, _ = build_data_splits(cfg.data, m.seq_length, m.vocab_size, t.seed, num_samples)
+                train, valid, _ = build_data_splits(plan.data, plan.seq_length, plan.vocab_size, plan.seed, num_samples)
             except USER_ERRORS as e:
                 error = e
         raise_agreed(error)  # also the barrier between the phases
@@ -152,17 +141,21 @@ class Trainer:
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
-        self.topo = build_topology(cfg, device)
+        # the one reading of the Hydra config for core: every builder below takes its typed piece of it
+        self.configs = core_configs(cfg, device)
+        self.model_cfg = self.configs.model
+        self.topo = build_topology(self.configs.topology, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
-        self.train_data, self.valid_data = build_datasets(cfg, self.topo, self.rollback_sample_budget())
+        self.train_data, self.valid_data = build_datasets(self.configs.datasets, self.topo,
+                                                          self.rollback_sample_budget())
         # params live in the engine's buffers, allocated and initialised there (no full copy)
-        self.model_cfg, self.chunks, self.ddp = build_model_and_engine(cfg, self.topo)
+        self.chunks, self.ddp = build_model_and_engine(self.configs, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.optimizer = Optimizer(self.named_params, optimizer_config(cfg), self.topo, self.ddp)
+        self.optimizer = Optimizer(self.named_params, self.configs.optimizer, self.topo, self.ddp)
         self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
-        self.schedule = get_schedule(self.topo, schedule=cfg.parallel.pp_schedule)
+        self.schedule = get_schedule(self.topo, schedule=self.configs.topology.pp_schedule)
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes
@@ -193,7 +186,7 @@ class Trainer:
                 self.load_checkpoint(path)
         sample_offset = self.consumed_samples - self.iteration * cfg.train.global_batch_size
         if sample_offset > 0 and self.stream is None:  # a smaller global batch size resumes further into the data
-            self.train_data, self.valid_data = build_datasets(cfg, self.topo,
+            self.train_data, self.valid_data = build_datasets(self.configs.datasets, self.topo,
                                                               sample_offset + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
@@ -213,10 +206,10 @@ class Trainer:
         needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
         self.has_loss = any(chunk.post_process for chunk in self.chunks)
         self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens,
-                                documents=document_flags(cfg))
+                                documents=self.configs.documents)
         self.loss_tokens = self.tokens_per_batch  # per global batch: fewer with data.eod_mask_loss
         self.flops = flops_per_iteration(cfg.model, global_batch_size, cfg.train.recompute,
-                                         tp=self.topo.tp_size, recomputed_layers=recomputed_layers(cfg))  # the padded vocabulary's logits
+                                         tp=self.topo.tp_size, recomputed_layers=self.configs.pipeline.recompute_ids)  # the padded vocabulary's logits
 
     def _build_checkpointer(self):
         cfg = self.cfg
@@ -224,7 +217,7 @@ class Trainer:
             return None
         from megand.core.checkpointing import Checkpointer
 
-        return Checkpointer(checkpoint_config(cfg), self.topo, self.named_params, self.optimizer, self.chunks,
+        return Checkpointer(self.configs.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
                             OmegaConf.to_yaml(cfg, resolve=True), OmegaConf.to_container(cfg.model, resolve=True))
 
     def _open_logs(self):
@@ -235,8 +228,8 @@ class Trainer:
         self.watchdog = None  # started by run()
         self.last_spike, self.last_loss = False, None
         self.last_batch_checksum = None  # train.batch_checksum: a device tensor, read when logged
-        layers = cfg.model.num_layers
-        fp8_layers = sum(in_fp8(i, layers, cfg.train.fp8_bf16_layers) for i in range(layers)) if cfg.train.get("fp8") else 0
+        fp8 = self.configs.fp8
+        fp8_layers = fp8.layer_count(self.model_cfg.num_layers) if fp8 is not None else 0
         self.peak_flops = device_peak_flops(
             self.topo.device, cfg.train.precision, cfg.run_dir, shared_dir=machine_cache_dir(),
             fp8_fraction=fp8_flops_fraction(OmegaConf.to_container(cfg.model, resolve=True), fp8_layers, self.topo.tp_size),
@@ -292,7 +285,7 @@ class Trainer:
 
         t = self.cfg.train
         self.last_save_attempt = self.iteration
-        self._progress("checkpoint save", save_timeout_s(self.cfg))
+        self._progress("checkpoint save", self.configs.save_timeout_s)
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
         # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
         weights = [data for _, _, _, data in self.ddp.param_shards()]
@@ -322,7 +315,7 @@ class Trainer:
         """Wait for an asynchronous save to be complete and published (its failure handled as a save's)."""
         from megand.core.checkpointing import CheckpointWriteError
 
-        self._progress("checkpoint save (the last asynchronous write)", save_timeout_s(self.cfg))
+        self._progress("checkpoint save (the last asynchronous write)", self.configs.save_timeout_s)
         try:
             self.checkpointer.close()
         except CheckpointWriteError as e:
@@ -562,7 +555,7 @@ class Trainer:
         """Reload the checkpoint this run came from or saved last (never another run's newer one), with the
         spike window as it was there, and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
-        self._progress("spike rollback: loading the last checkpoint", save_timeout_s(self.cfg))
+        self._progress("spike rollback: loading the last checkpoint", self.configs.save_timeout_s)
         self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
         position = self.consumed_samples  # after the spike's batch
         rollbacks = self.rollbacks + 1
@@ -674,7 +667,7 @@ class Trainer:
         start, best_val = time.perf_counter(), float("inf")
         if self.topo.is_logging_rank:
             print(f" attention: {self.attention_summary()}", flush=True)
-        self.watchdog = HangWatchdog(collective_timeout_s(self.cfg, self.topo.device), self.topo.rank)
+        self.watchdog = HangWatchdog(self.configs.collective_timeout_s, self.topo.rank)
         try:
             best_val = self._loop(start, best_val)
         finally:
@@ -715,9 +708,10 @@ class Trainer:
 
     def attention_summary(self) -> str:
         """Which kernel runs the layers' attention on this run's device, precision and shapes."""
-        m, p = self.model_cfg, self.cfg.parallel
-        return attention_summary(self.topo.device, m.params_dtype, m.head_dim, m.num_attention_heads // p.tp,
-                                 max(m.query_groups // p.tp, 1), p.cp, p.cp_comm, self.cfg.data.reset_attention_mask)
+        m, tp, documents = self.model_cfg, self.topo.tp_size, self.configs.documents
+        return attention_summary(self.topo.device, m.params_dtype, m.head_dim, m.num_attention_heads // tp,
+                                 max(m.query_groups // tp, 1), self.topo.cp_size, m.cp_comm,
+                                 documents is not None and documents.reset_attention_mask)
 
     def _loop(self, start, best_val):
         t = self.cfg.train

@@ -108,10 +108,11 @@ def test_imported_model_trains_at_another_layout(trained, topo, tmp_path):
     # the same first batch through the imported weights in one process
     from omegaconf import OmegaConf
 
+    from megand.training.core_configs import dataset_plan
     from megand.training.pretrain import build_datasets
 
     cfg = OmegaConf.load(f"{root}/run/config.yaml")
-    train, _ = build_datasets(cfg, topo)
+    train, _ = build_datasets(dataset_plan(cfg), topo)
     model, _ = full.load_model(imported, topo)
     tokens = torch.stack([torch.as_tensor(train[i], dtype=torch.long) for i in range(cfg.train.global_batch_size)])
     with torch.no_grad():

@@ -21,6 +21,9 @@ class _Request:
         self.events.append((self.kind, self.index))
         return out
 
+    def is_completed(self):
+        return self.request.is_completed()
+
 
 def _record(run_dir, vpp):
     from megand.core.pipeline_parallel import get_schedule

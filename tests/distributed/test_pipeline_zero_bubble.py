@@ -34,6 +34,9 @@ CASES = {
     "zb1p_pp2_recompute_full": ("llama", 2, ZB1P + PP2 + ["train.recompute=full"], []),
     "zb1p_pp2_uneven_3_1": ("gpt", 2, ZB1P + PP2 + ["parallel.pipeline_layout=[3,1]"], []),
     "zb1p_pp2_moe": ("gpt", 2, ZB1P + PP2 + MOE, MOE),
+    # 2 micro-batches of 2 per dp rank: the balancing losses' reference has micro-batches of dp x 2
+    "zb1p_pp2_moe_ep2": ("gpt", 4, ZB1P + PP2 + MOE + ["parallel.dp=2", "parallel.ep=2"],
+                         MOE + ["train.micro_batch_size=4"]),
     "zbv_pp4": ("gpt", 4, ZBV + PP4 + V + EIGHT_LAYERS, EIGHT_LAYERS),
     "zbv_pp2_llama": ("llama", 2, ZBV + PP2 + V, []),
     "zbv_pp2_tp2_sp": ("llama", 4, ZBV + PP2 + V + TP2_SP, []),

@@ -13,12 +13,30 @@ def topo(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1):
                            device=torch.device("cpu"))
 
 
+def samples(mb):
+    return {tuple(row.tolist()) for row in mb.input_ids}
+
+
 def test_data_parallel_ranks_take_contiguous_slices_of_the_same_global_batch():
     data = MockGPTDataset(16, 100, seed=1, num_samples=64)
-    whole = rank_microbatches(data, 2, 8, 2, topo())
-    halves = [mb for r in range(2) for mb in rank_microbatches(data, 2, 8, 2, topo(r, 2))]
-    assert torch.equal(torch.cat([mb.input_ids for mb in whole]), torch.cat([mb.input_ids for mb in halves]))
-    assert torch.equal(whole[0].input_ids[0], torch.from_numpy(data[16][:-1]))  # iteration 2 starts at sample 16
+    ranks = [rank_microbatches(data, 2, 8, 2, topo(r, 2)) for r in range(2)]
+    for r, mbs in enumerate(ranks):  # iteration 2 starts at sample 16; rank r holds [16 + 4r, 20 + 4r)
+        assert set().union(*map(samples, mbs)) == {tuple(data[16 + 4 * r + i][:-1].tolist()) for i in range(4)}
+    assert torch.equal(ranks[0][0].input_ids[0], torch.from_numpy(data[16][:-1]))
+
+
+def test_each_microbatch_of_the_step_holds_the_same_samples_at_every_dp():
+    """Micro-batch j of the step (every dp rank's j-th) is micro-batch j of one process taking dp x
+    micro_batch_size samples per micro-batch: the MoE balancing losses, over each micro-batch's tokens on
+    every dp rank, then match the one-process run (consecutive micro-batches of each dp rank's contiguous
+    slice grouped samples 0,1 with 4,5 at dp=2, which no one-process micro-batch holds together)."""
+    data = MockGPTDataset(16, 100, seed=1, num_samples=64)
+    for dp, mbs in ((2, 2), (4, 1), (2, 1), (4, 2)):
+        one = rank_microbatches(data, 1, 16, dp * mbs, topo())
+        ranks = [rank_microbatches(data, 1, 16, mbs, topo(r, dp)) for r in range(dp)]
+        assert len(one) == len(ranks[0])
+        for j, mb in enumerate(one):
+            assert samples(mb) == set().union(*(samples(rank[j]) for rank in ranks)), (dp, mbs, j)
 
 
 def test_context_parallel_chunks_keep_global_positions():

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megand.tools.estimate_memory import (Layout, estimate_memory, layer_activation_bytes,
                              layer_microbatches_in_flight, stage_params, state_bytes_per_param)
@@ -210,3 +211,35 @@ def test_mtp_depths_on_the_last_stage_by_hand():
     assert stage_params(mtp, Layout(), 0) == param_counts(mtp).total
     assert (estimate_memory(mtp, layout).stages[1].extra_activation_bytes
             > estimate_memory(LLAMA, layout).stages[1].extra_activation_bytes)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "moe_tiny"])
+def test_zero3_fp8_gathered_weights_count_one_byte(model_name):
+    """train.fp8=tensorwise: ZeRO-3 gathers the FP8 layers' weights at one byte per element (the estimate
+    counted two). The estimator's FP8 weights are the engine's (the model built with FP8: its layers whose
+    weights ZeRO-3 gathers in FP8), and with every bucket kept gathered the held bytes are exact."""
+    from megand.core.checkpointing.offline import single_process_topology
+    from megand.core.distributed.data_parallel import fp8_weights
+    from megand.tools.estimate_memory import stage_fp8_gathered_params
+    from megand.training.config import compose
+    from megand.training.core_configs import core_configs
+    from megand.training.pretrain import build_model
+
+    overrides = ["+experiment=tiny_llama", "train.precision=bf16", "train.fp8=tensorwise",
+                 "optim.sharding=optim_grads_params", "optim.reshard_after_forward=false"]
+    if model_name == "moe_tiny":
+        overrides.append("model=moe_tiny")
+    cfg = compose(overrides)
+    topo = single_process_topology()
+    chunks = build_model(core_configs(cfg, topo.device), topo, device=torch.device("meta"))
+    engine_fp8 = sum(p.numel() for p in fp8_weights(chunks))
+    model = dict(cfg.model)
+    layout = Layout.from_config({**dict(cfg.parallel), "dp": 2}, dict(cfg.train), dict(cfg.optim))
+    assert engine_fp8 > 0 and stage_fp8_gathered_params(model, layout, 0) == engine_fp8
+    fp8 = estimate_memory(model, layout).peak
+    bf16 = estimate_memory(model, Layout.from_config({**dict(cfg.parallel), "dp": 2},
+                                                     {**dict(cfg.train), "fp8": None}, dict(cfg.optim))).peak
+    assert bf16.gathered_bytes - fp8.gathered_bytes == engine_fp8  # one byte less per FP8 element
+    rowwise = estimate_memory(model, Layout.from_config({**dict(cfg.parallel), "dp": 2},
+                                                        {**dict(cfg.train), "fp8": "rowwise"}, dict(cfg.optim))).peak
+    assert rowwise.gathered_bytes == bf16.gathered_bytes  # backward gathers the bf16 weight

@@ -156,3 +156,33 @@ def test_recomputed_layer_still_fuses_its_weight_gradient(kind):
     torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).backward(g)
     assert w.grad is None and len(w.handed) == 1
     torch.testing.assert_close(w.main_grad, reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_grouped_expert_gemm_defers_its_weight_gradient():
+    """The experts' fused grouped GEMM (torch._grouped_mm, the CUDA bf16 path; it also runs on CPU in fp32)
+    queues its weight gradient like the dense layers and the loop over experts (autograd used to compute
+    it during B): nothing reaches the accumulator in B, the W pass adds what autograd's gradient of the
+    same kernel is, with an expert of no rows and rows of no expert (masked: zero gradient)."""
+    from megand.core.transformer.moe import grouped_linear
+
+    g = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(3, 16, 8, generator=g), torch.randn(13, 8, generator=g)
+    counts = torch.tensor([5, 0, 6])
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    grad = torch.randn(13, 16, generator=g)
+    grad[11:] = 0.0  # the dispatcher masks the rows of no expert
+    ref_w, ref_x = weight.clone().requires_grad_(), x.clone().requires_grad_()
+    grouped_linear(ref_x, ref_w, counts, offsets, fused=True).backward(grad)  # no engine: autograd's gradient
+    w = weight.clone().requires_grad_()
+    w.main_grad, w.handed = torch.zeros_like(w), []
+    w.accumulate_grad = lambda add: (w.handed.append(1), add(w.main_grad))
+    xx = x.clone().requires_grad_()
+    with DeferredWeightGrads() as w_pass:
+        grouped_linear(xx, w, counts, offsets, fused=True).backward(grad)  # B
+    assert w.grad is None and len(w_pass) == 1 and not w.handed and not w.main_grad.any()
+    torch.testing.assert_close(xx.grad, ref_x.grad)
+    assert w_pass.run() == 1 and w.handed == [1]
+    torch.testing.assert_close(w.main_grad, ref_w.grad)
+    loop = weight.clone().requires_grad_()
+    grouped_linear(x, loop, counts, offsets, fused=False).backward(grad)
+    torch.testing.assert_close(w.main_grad, loop.grad, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megand.core.parallel_state import init_fake_distributed
 from megand.core.sharding import ParamMeta, draw_region, full_init
 from megand.training.config import compose
+from megand.training.core_configs import core_configs
 from megand.training.pretrain import build_model_and_engine, build_topology
 
 
@@ -26,8 +27,9 @@ def fake_rank(rank, world_size):
 def build_rank(overrides, rank, world_size):
     cfg = compose(["+experiment=tiny_llama", "run_dir=/tmp/unused", *overrides])
     with fake_rank(rank, world_size) as device:
-        topo = build_topology(cfg, device)
-        _, chunks, ddp = build_model_and_engine(cfg, topo)
+        configs = core_configs(cfg, device)
+        topo = build_topology(configs.topology, device)
+        chunks, ddp = build_model_and_engine(configs, topo)
     return chunks, ddp
 
 

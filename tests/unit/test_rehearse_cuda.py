@@ -32,6 +32,8 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "tp2_sp": T + ["parallel.tp=2", "parallel.sequence_parallel=true", "--world-size", "2", "--rank", "1"],
     "pp2_vpp2_first": T + ["parallel.pp=2", "parallel.vpp=2", "--world-size", "2", "--rank", "0"],
     "pp2_vpp2_last": T + ["parallel.pp=2", "parallel.vpp=2", "--world-size", "2", "--rank", "1"],
+    # the V (rank 0 holds the embedding and the loss), its p2p on NCCL's path: a group per message kind and direction
+    "pp2_zbv_first": T + ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", "--world-size", "2", "--rank", "0"],
     "cp2_ring": T + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
     "cp2_all_gather": T + ["parallel.cp=2", "parallel.cp_comm=all_gather", "--world-size", "2", "--rank", "1"],
     "cp2_a2a": T + ["parallel.cp=2", "parallel.cp_comm=a2a", "--world-size", "2", "--rank", "1"],
@@ -50,6 +52,9 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "fp8_tp2_sp": T + ["train.fp8=tensorwise", "parallel.tp=2", "parallel.sequence_parallel=true", "--world-size", "2",
                        "--rank", "1"],
     "fp8_zero3": T + ["train.fp8=tensorwise", "optim.sharding=optim_grads_params", "--world-size", "2", "--rank", "1"],
+    # the routed experts in FP8 at ep=2: torch._scaled_grouped_mm's argument rules (an SM 9.0 device)
+    "fp8_moe_ep2": T + ["model=moe_tiny", "train.fp8=rowwise", "train.fp8_bf16_layers=0", "parallel.ep=2",
+                        "--world-size", "2", "--rank", "1"],
 }
 CAUGHT = {  # layouts on which earlier code synchronised with the host where a GPU run should not (now fixed)
     "cp2_ring_documents": (T + DOCS + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
@@ -143,6 +148,13 @@ def test_tiny_layout_runs_as_on_a_gpu_node(rehearsed, name):
         assert backends == {"flash (aten op)"} and where == {"megand/core/context_parallel/block_kernels.py"}
     else:  # the layer calls the kernel it chose (megand/core/sdpa.py)
         assert backends == {"flash (aten op)"} and where == {"megand/core/sdpa.py"}, report["attention"]
+
+
+def test_fp8_experts_run_the_grouped_fp8_kernels(rehearsed):
+    kernels = {(k["kernel"], k["where"].split(":")[0]) for k in _ok(rehearsed["fp8_moe_ep2"])["kernels"]}
+    fp8_grouped = "megand/core/tensor_parallel/fp8_grouped.py"
+    assert ("scaled_grouped_mm", fp8_grouped) in kernels, kernels  # forward and input gradient
+    assert ("grouped_mm", fp8_grouped) in kernels, kernels  # the weight gradient on the FP8 values
 
 
 def test_json_report_keeps_its_keys_and_names_the_device(rehearsed):

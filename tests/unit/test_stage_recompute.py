@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from megand.models.flops import hardware_flops_per_token
 from megand.tools.estimate_memory import Layout, estimate_memory
-from megand.training.config import ConfigError, compose, recomputed_layers, validate
+from megand.training.config import ConfigError, compose, validate
+from megand.training.core_configs import pipeline_plan
 
 TINY = ["+experiment=tiny_llama"]  # 4 layers
 
@@ -34,21 +35,23 @@ def test_bad_recompute_layers_are_refused_in_one_line(overrides, world, message)
 def test_the_first_layers_of_each_virtual_stage_recompute():
     cfg = compose(TINY + ["parallel.pp=2", "parallel.vpp=2", "train.recompute=full", "train.recompute_layers=[1,0,1,0]"])
     validate(cfg, 2)
-    assert recomputed_layers(cfg) == {0, 2}
+    assert pipeline_plan(cfg).recompute_ids == {0, 2}
     cfg = compose(TINY + ["parallel.pp=2", "parallel.pipeline_layout=[3,1]", "train.recompute=full",
                           "train.recompute_layers=[2,1]"])
-    assert recomputed_layers(cfg) == {0, 1, 3}
-    assert recomputed_layers(compose(TINY + ["train.recompute=full"])) is None  # null: every layer
+    assert pipeline_plan(cfg).recompute_ids == {0, 1, 3}
+    assert pipeline_plan(compose(TINY + ["train.recompute=full"])).recompute_ids is None  # null: every layer
 
 
 def _saved_bytes(recompute_layers):
     """Bytes autograd saves in one forward of the one-process model (storages counted once)."""
     from megand.core.checkpointing.offline import single_process_topology
+    from megand.training.core_configs import core_configs
     from megand.training.pretrain import build_model
 
     cfg = compose(TINY + ["train.recompute=full", f"train.recompute_layers={recompute_layers}"])
     validate(cfg, 1)
-    _, (model,) = build_model(cfg, single_process_topology())
+    topo = single_process_topology()
+    (model,) = build_model(core_configs(cfg, topo.device), topo)
     modes = [model.layers[str(i)].cfg.recompute for i in range(4)]
     storages = {}
 

@@ -67,3 +67,16 @@ def recomputed_layer_ids(layers_per_stage: list[int], recompute_layers=None) -> 
         ids.update(range(start, start + n))
         start += have
     return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The model's split over the pipeline: the layers of each (virtual) stage, in :func:`pipeline_layout`'s
+    order, and the ids of the layers that apply the run's recomputation (None: every layer)."""
+
+    layers_per_stage: tuple
+    recompute_ids: frozenset | None = None
+
+    def chunks(self, pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
+        """The model chunks of pipeline rank ``pp_rank`` (see :func:`chunk_specs`)."""
+        return chunk_specs(list(self.layers_per_stage), pp_size, pp_rank, schedule)

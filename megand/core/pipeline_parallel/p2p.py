@@ -1,37 +1,41 @@
-"""Point-to-point communication between neighbouring pipeline stages.
+"""Point-to-point communication between pipeline stages.
 
-Activations travel to the next stage, their gradients back to the previous one. Every message between
-two stages has the same shape, known before the step starts: ``[s, b, h]`` with ``s`` the local
+Activations travel to the next virtual stage, their gradients back to the previous one. Every message
+between two stages has the same shape, known before the step starts: ``[s, b, h]`` with ``s`` the local
 sequence (divided by tp under sequence parallelism: the sequence-sharded tensor is what crosses the
-link, bsh/tp per link), so there is no shape handshake per micro-batch. All sends and receives of one
-call are posted together with ``batch_isend_irecv`` (its receives then waited on), so a stage that sends
-forward and receives backward at once (the steady state of 1F1B) cannot deadlock against its
-neighbour doing the mirror call.
+link, bsh/tp per link), so there is no shape handshake per micro-batch.
+
+How messages are matched. Each kind of message (activations, gradients) and each direction (toward a
+higher or a lower pipeline rank) has its own process group (``Topology.pp_channel_groups``), and no
+tags are used: a message is the next one its group carries from that peer, in the order sent, which the
+receiving end takes in the same order (every stage sends the activations and gradients of one kind in
+its micro-batch order, and the next stage consumes them in that order). This is how NCCL, which
+ignores tags, matches them, and gloo matches the same way, so every backend runs one path. On one group
+for everything, NCCL would match a V placement's messages wrongly (zbv, dualpipev: chunk 0's activations
+and chunk 1's gradients share a link, interleaved differently at its two ends) and, since it runs a
+communicator's operations in the order they are queued, a receive could wait behind a send its peer
+takes only later (a deadlock; interleaved 1F1B had it too once messages exceed NCCL's buffers). The
+test of this module's schedules (tests/unit/test_pipeline_p2p_deadlock.py) replays what each rank
+posts under those rules for every schedule.
 
 The pipeline wraps around (the last rank's next is the first rank): interleaved schedules pass the
 last rank's chunk ``c`` output to the first rank's chunk ``c+1``. A V placement (zbv, dualpipev) sends
-each way on both links: chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
-activations and chunk 0's gradients to the previous one (:meth:`PipelineP2P.exchange` names each
-message's peer and tag). With pp=2 both neighbours are the
-same rank, so one link carries activations and gradients in both directions; the two kinds are told
-apart by tag (gloo), and every call posts forward-direction messages before backward-direction ones,
-so the two ends of a link post them in the same order (what NCCL, which ignores tags, matches on).
+each way on both links (chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
+activations and chunk 0's gradients to the previous one).
 
-Sends overlap compute: a call waits for its receives only; its sends stay in flight while the stage
-computes, and are waited on at the start of the next call (or by :meth:`PipelineP2P.finish`). Once an
-activation's send is complete its storage is released (it is needed again only as the root of its
-backward, for which its shape suffices), so a stage does not hold the activations it sent until their
-backward.
+Sends overlap compute and never make compute wait: a call waits for its receives only; its sends stay
+in flight (their storage is released as they complete: an activation is needed again only as the root
+of its backward, for which its shape suffices) and are all waited on by :meth:`PipelineP2P.finish`. A
+send that waited for its receiver before the stage went on could deadlock two stages each sending to
+the other.
 
-Receives overlap compute too: before each forward or backward the schedule calls
-:meth:`PipelineP2P.prefetch`, which posts the receive of the next activation and of the next gradient
-this stage will need (one ahead in each direction, up to the step's totals given by
-:meth:`PipelineP2P.expect`); the call that needs the tensor then only waits for it. Each direction's
-messages arrive in the order they are sent, and receives are posted, prefetched or not, in that same
-order, so prefetching changes when a receive is posted, never which message it gets. Only where
-messages are matched per tag (gloo): NCCL runs a communicator's p2p operations in the order they are
-queued, and an early receive would hold back the sends queued behind it, so there every receive is
-posted with the call that waits for it.
+Receives overlap compute too where the backend matches per operation (gloo): before each forward or
+backward the schedule calls :meth:`PipelineP2P.prefetch`, which posts the receive of the next message of
+every channel this stage still expects (up to the step's totals given by :meth:`PipelineP2P.expect`);
+the call that needs the tensor then only waits for it. Receives are posted, prefetched or not, in each
+channel's order, so prefetching changes when a receive is posted, never which message it gets. Not on
+NCCL: an early receive would hold back the sends queued behind it on its communicator, so there every
+receive is posted with the call that waits for it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch.distributed as dist
 
 from megand.core.timing import device_timer
 
-FORWARD_TAG, BACKWARD_TAG = 0, 1
+ACTIVATION, GRADIENT = 0, 1  # the two kinds of message
 
 
 def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
@@ -55,49 +59,51 @@ def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
 
 
 class PipelineP2P:
-    """Sends and receives between this stage and its pipeline peers (global ranks, pp group).
+    """Sends and receives between this stage and its pipeline peers (global ranks).
 
-    A message travels on a channel: its peer and its tag (``FORWARD_TAG`` for activations,
-    ``BACKWARD_TAG`` for gradients). Each channel's messages arrive in the order they are sent and are
-    received in that order. Where the backend ignores tags (NCCL), a peer's messages of both kinds are
-    matched in the order that peer sends them: given that order (:meth:`expect`), a receive first takes
-    the peer's earlier messages of the other kind, kept for the call that needs them.
+    A message travels on a channel: its peer and its kind (``ACTIVATION`` or ``GRADIENT``), in the
+    group of its kind and direction; each channel's messages arrive in the order they are sent and are
+    received in that order.
 
     ``comm_seconds``: the time spent posting and waiting (the bubble tool reads it), measured by the
     device's timer (:mod:`megand.core.timing`: on CUDA, how long the compute stream waited).
     """
 
     def __init__(self, topo, shape, dtype):
-        self.group, self.prev, self.next = topo.pp_group, topo.pp_prev_rank, topo.pp_next_rank
+        self.prev, self.next = topo.pp_prev_rank, topo.pp_next_rank
+        self.channel_groups = topo.pp_channel_groups
+        self.pp_index = {rank: index for index, rank in enumerate(topo.ranks["pp"])}  # global -> pipeline rank
+        self.me = topo.ranks["pp"][topo.pp_rank]
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
         self.timer = device_timer(self.device)
-        self.tagged = dist.get_backend(self.group) != "nccl"  # NCCL does not take tags; it matches by order
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
-        self.prefetching = self.tagged
-        # per channel (peer, tag): receives posted ahead of the call that needs them, oldest first
+        # NCCL runs a communicator's operations in queue order: there an early receive would hold back sends
+        self.prefetching = dist.get_backend(topo.pp_group) != "nccl"
+        # per channel (peer, kind): receives posted ahead of the call that needs them, oldest first
         # (request, tensor); how many receives this step still has to post (absent: unknown, no prefetch)
         self._prefetched = defaultdict(deque)
         self._to_post = {}
-        self._sender_order = {}  # untagged: peer -> the tags of its messages to this rank, in its send order
-        self._early = defaultdict(deque)  # untagged: (peer, tag) -> tensors received ahead of their call
 
-    def _op(self, op, tensor, peer, tag):
-        return dist.P2POp(op, tensor, peer, self.group, tag if self.tagged else 0)
+    def group(self, sender, receiver, kind):
+        """The group of a message of ``kind`` from ``sender`` to ``receiver`` (global ranks): one per kind
+        and direction, so both ends name the same one."""
+        lower = self.pp_index[receiver] < self.pp_index[sender]
+        return self.channel_groups[2 * kind + lower]
+
+    def _op(self, op, tensor, peer, kind):
+        sender, receiver = (self.me, peer) if op is dist.isend else (peer, self.me)
+        return dist.P2POp(op, tensor, peer, self.group(sender, receiver, kind))
 
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def expect(self, from_prev: int | dict, from_next: int | None = None, sender_order: dict | None = None) -> None:
+    def expect(self, from_prev: int | dict, from_next: int | None = None) -> None:
         """The receives of this step (what :meth:`prefetch` may post ahead; it never posts more): either
-        ``from_prev`` activations and ``from_next`` gradients, or one dict ``{(peer, tag): count}``.
-        ``sender_order``: ``{peer: [tag, ...]}``, the kinds of the messages each peer sends this rank in
-        the order it sends them (needed where the backend ignores tags and a peer sends both kinds in
-        another order than this rank takes them)."""
+        ``from_prev`` activations and ``from_next`` gradients, or one dict ``{(peer, kind): count}``."""
         if isinstance(from_prev, dict):
             self._to_post = dict(from_prev)
         else:
-            self._to_post = {(self.prev, FORWARD_TAG): from_prev, (self.next, BACKWARD_TAG): from_next}
-        self._sender_order = {peer: deque(tags) for peer, tags in (sender_order or {}).items()}
+            self._to_post = {(self.prev, ACTIVATION): from_prev, (self.next, GRADIENT): from_next}
 
     def prefetch(self) -> None:
         """Post the receive of the next message of every channel this stage still expects, unless already
@@ -105,98 +111,100 @@ class PipelineP2P:
         if not self.prefetching:
             return
         self.timer.start()
-        for (peer, tag), left in self._to_post.items():
-            if not self._prefetched[(peer, tag)] and left:
+        for (peer, kind), left in self._to_post.items():
+            if not self._prefetched[(peer, kind)] and left:
                 tensor = self._empty()
-                (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, tag)])
-                self._prefetched[(peer, tag)].append((request, tensor))
-                self._to_post[(peer, tag)] -= 1
+                (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, kind)])
+                self._prefetched[(peer, kind)].append((request, tensor))
+                self._to_post[(peer, kind)] -= 1
         self.timer.stop()
 
     @property
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
-    def _post_receive(self, tag, peer, ops, releases):
-        tensor = self._empty()
-        ops.append(self._op(dist.irecv, tensor, peer, tag))
-        releases.append(None)
-        if self._to_post.get((peer, tag)) is not None:
-            self._to_post[(peer, tag)] -= 1
-        return tensor
-
-    def _receive(self, tag, peer, ops, releases, waits):
-        """The tensor of the next receive from ``peer`` on ``tag``: one received ahead, the prefetched one
-        (its request added to ``waits``), or a new one (its operation added to ``ops``, after the peer's
-        earlier messages of the other kind where the backend matches by order)."""
-        channel = (peer, tag)
-        if self._early[channel]:
-            return self._early[channel].popleft()
+    def _receive(self, kind, peer, ops, waits):
+        """The tensor of the next receive from ``peer`` of ``kind``: the prefetched one (its request added
+        to ``waits``) or a new one (its operation added to ``ops``)."""
+        channel = (peer, kind)
         if self._prefetched[channel]:
             request, tensor = self._prefetched[channel].popleft()
             waits.append(request)
             return tensor
-        order = self._sender_order.get(peer)
-        if order is not None:
-            while order and order[0] != tag:  # the peer sent these first: they are matched first
-                self._early[(peer, order[0])].append(self._post_receive(order[0], peer, ops, releases))
-                order.popleft()
-            if order:
-                order.popleft()
-        return self._post_receive(tag, peer, ops, releases)
+        tensor = self._empty()
+        ops.append((self._op(dist.irecv, tensor, peer, kind), None))
+        if self._to_post.get(channel) is not None:
+            self._to_post[channel] -= 1
+        return tensor
 
     def exchange(self, items):
-        """Post every send and receive of ``items`` at once, in their order: ``("send", tensor, peer, tag)``
-        or ``("recv", peer, tag)`` (a receive already posted by :meth:`prefetch` is taken instead); wait
-        for the receives; return the received tensors, in order. The sends complete while the caller
-        computes (waited on by the next call); an activation's storage is released once sent."""
-        ops, releases, waits, received = [], [], [], []
+        """Post every send and receive of ``items`` at once: ``("send", tensor, peer, kind)`` or
+        ``("recv", peer, kind)`` (a receive already posted by :meth:`prefetch` is taken instead), one
+        batch per group; wait for the receives; return the received tensors, in order. The sends
+        complete while the caller computes (an activation's storage is released once sent)."""
+        ops, waits, received = [], [], []  # ops: (operation, the activation to release once sent, or None)
         for item in items:
             if item[0] == "send":
-                _, tensor, peer, tag = item
-                ops.append(self._op(dist.isend, self._checked(tensor), peer, tag))
+                _, tensor, peer, kind = item
                 # an activation's memory: released once sent (``sent`` shares it when contiguous)
-                releases.append(tensor if tag == FORWARD_TAG and tensor.is_contiguous() else None)
+                release = tensor if kind == ACTIVATION and tensor.is_contiguous() else None
+                ops.append((self._op(dist.isend, self._checked(tensor), peer, kind), release))
             else:
-                _, peer, tag = item
-                received.append(self._receive(tag, peer, ops, releases, waits))
+                _, peer, kind = item
+                received.append(self._receive(kind, peer, ops, waits))
         self.timer.start()
-        self.wait_sends()  # the previous call's sends ran while this stage computed
-        if ops:
-            requests = dist.batch_isend_irecv(ops)
-            if len(requests) == len(ops):
-                for op, request, release in zip(ops, requests, releases):
+        self._release_sent()
+        batches = defaultdict(list)  # one batch per group: a batch's operations must share their group
+        for op, release in ops:
+            batches[id(op.group)].append((op, release))
+        for batch in batches.values():
+            requests = dist.batch_isend_irecv([op for op, _ in batch])
+            if len(requests) == len(batch):  # one request per operation (gloo): only receives are waited for
+                for (op, release), request in zip(batch, requests):
                     if op.op is dist.isend:
                         self._in_flight.append((request, op.tensor, release))
                     else:
-                        request.wait()
-            else:  # coalesced into one request (NCCL): wait for all of it
+                        waits.append(request)
+            else:  # coalesced into one request (NCCL): waited for only where it holds a receive
+                sends = [(op.tensor, release) for op, release in batch if op.op is dist.isend]
+                if len(sends) < len(batch):
+                    waits.extend(requests)
                 for request in requests:
-                    request.wait()
-                for release in releases:
-                    if release is not None:
-                        release_storage(release)
-        for request in waits:  # prefetched receives: waited only now, once this call's sends are posted
+                    self._in_flight.extend((request, tensor, release) for tensor, release in sends)
+        for request in waits:
             request.wait()
+        self._release_sent()
         self.timer.stop()
         return received
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Neighbour exchange: every given send and receive at once, forward direction (activations)
-        first, then backward direction (gradients); return ``(from_prev, from_next)``."""
+        """Neighbour exchange: every given send and receive at once; return ``(from_prev, from_next)``."""
         items = []
         if send_next is not None:
-            items.append(("send", send_next, self.next, FORWARD_TAG))
+            items.append(("send", send_next, self.next, ACTIVATION))
         if recv_prev:
-            items.append(("recv", self.prev, FORWARD_TAG))
+            items.append(("recv", self.prev, ACTIVATION))
         if send_prev is not None:
-            items.append(("send", send_prev, self.prev, BACKWARD_TAG))
+            items.append(("send", send_prev, self.prev, GRADIENT))
         if recv_next:
-            items.append(("recv", self.next, BACKWARD_TAG))
+            items.append(("recv", self.next, GRADIENT))
         received = iter(self.exchange(items))
         from_prev = next(received) if recv_prev else None
         from_next = next(received) if recv_next else None
         return from_prev, from_next
+
+    def _release_sent(self) -> None:
+        """Forget the sends already complete (without waiting for the others); release the storage of the
+        activations they carried."""
+        still = []
+        for request, tensor, release in self._in_flight:
+            if request.is_completed():
+                request.wait()  # returns at once: the request's bookkeeping (and on CUDA an already-met event)
+                if release is not None:
+                    release_storage(release)
+            else:
+                still.append((request, tensor, release))
+        self._in_flight = still
 
     def wait_sends(self) -> None:
         """Wait for the sends still in flight; release the storage of the activations they carried."""
@@ -211,9 +219,9 @@ class PipelineP2P:
         self.timer.start()
         self.wait_sends()
         self.timer.stop()
-        left = {channel: len(q) for channel, q in [*self._prefetched.items(), *self._early.items()] if q}
+        left = {channel: len(q) for channel, q in self._prefetched.items() if q}
         if left:  # a receive no call took would match a message of the next step
-            raise RuntimeError(f"pipeline p2p: receives never taken ((peer, tag): count): {left}")
+            raise RuntimeError(f"pipeline p2p: receives never taken ((peer, kind): count): {left}")
 
     def _checked(self, tensor):
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:

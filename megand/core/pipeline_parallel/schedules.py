@@ -38,7 +38,7 @@ import torch
 from megand.core.distributed import last_backward
 from megand.core.pipeline_parallel.actions import (BACKWARD, FORWARD, INPUT_GRAD, V_SCHEDULES, WEIGHT_GRAD,
                                                    schedule_actions)
-from megand.core.pipeline_parallel.p2p import BACKWARD_TAG, FORWARD_TAG, PipelineP2P, tensor_shape
+from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tensor_shape
 from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
 from megand.core.timing import device_timer
 
@@ -145,22 +145,20 @@ class _Steps:
         return self.timers.get(kind) or nullcontext()
 
 
-def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None,
-                peer_actions=None):
+def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
     """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``.
 
     Each action's receive is posted with the previous action's send, in one call (the first action's
     alone), so a stage that sends one way and receives the other at once cannot deadlock against its
-    neighbour doing the mirror call; :class:`PipelineP2P` prefetches receives and leaves sends in
-    flight while the next action computes. Messages in each direction arrive in the order they are
-    sent, and the action lists consume them in that order, so each receive is the input of the action
-    it is posted for. ``peer_actions``: every pipeline rank's action list (which peer sends this rank
-    what, in which order; needed where the backend matches messages by order only). Where an action's
-    next virtual stage is on this rank (a V's turn), its output is handed over without p2p.
+    neighbour doing the mirror call; :class:`PipelineP2P` prefetches receives (gloo) and leaves sends
+    in flight while the next actions compute. Each kind of message travels each way in the order it
+    is sent, and the action lists consume them in that order, so each receive is the input of the
+    action it is posted for. Where an action's next virtual stage is on this rank (a V's turn), its
+    output is handed over without p2p.
     """
     split = any(a.kind == WEIGHT_GRAD for a in actions)
     steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync, split)
-    p2p = _p2p(chunks, microbatches, topo, steps, actions, peer_actions) if topo.pp_size > 1 else None
+    p2p = _p2p(chunks, microbatches, topo, steps, actions) if topo.pp_size > 1 else None
     links = _Links(p2p, topo)
     inputs, outputs = {}, {}  # (chunk, micro-batch) -> the forward's input and output, kept for its backward
     deferred = {}  # (chunk, micro-batch) -> the weight-gradient products its I queued, for its W
@@ -188,8 +186,9 @@ def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=
     return _finish(p2p, steps, topo, stats, chunks)
 
 
-def _tag(action):
-    return FORWARD_TAG if action.kind == FORWARD else BACKWARD_TAG
+def _kind(action):
+    """The kind of message an action receives and sends: activations for a forward, gradients else."""
+    return ACTIVATION if action.kind == FORWARD else GRADIENT
 
 
 class _Links:
@@ -200,7 +199,7 @@ class _Links:
     def __init__(self, p2p, topo):
         self.p2p, self.me = p2p, topo.pp_rank
         self.peers = topo.ranks["pp"] if p2p is not None else None  # pipeline rank -> global rank
-        self.local = {}  # (tag, receiving virtual stage, micro-batch) -> the tensor handed over here
+        self.local = {}  # (kind, receiving virtual stage, micro-batch) -> the tensor handed over here
 
     def communicate(self, action, sent, following):
         """Post the send of ``action`` (its output ``sent``) with the receive of ``following``; return
@@ -211,28 +210,25 @@ class _Links:
         if action is not None and action.send_to is not None and sent is not None:
             receiver = action.stage + 1 if action.kind == FORWARD else action.stage - 1
             if action.send_to == self.me:  # the next virtual stage is this rank's other chunk
-                self.local[(_tag(action), receiver, action.microbatch)] = sent.detach()
+                self.local[(_kind(action), receiver, action.microbatch)] = sent.detach()
             else:
-                items.append(("send", sent, self.peers[action.send_to], _tag(action)))
+                items.append(("send", sent, self.peers[action.send_to], _kind(action)))
         local_input = None
         if following is not None and following.recv_from is not None:
             if following.recv_from == self.me:
-                local_input = self.local.pop((_tag(following), following.stage, following.microbatch))
+                local_input = self.local.pop((_kind(following), following.stage, following.microbatch))
             else:
-                items.append(("recv", self.peers[following.recv_from], _tag(following)))
+                items.append(("recv", self.peers[following.recv_from], _kind(following)))
         if not items:
             return local_input
-        # activations before gradients, a send before a receive: both ends of a link post in one order
-        items.sort(key=lambda item: (item[-1], item[0] != "send"))
         received = self.p2p.exchange(items)
         return received[0] if received else local_input
 
 
 def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule="1f1b"):
-    """This rank's action list, and every pipeline rank's (each rank knows in which order its peers send)."""
-    every = [schedule_actions(topo.pp_size, len(chunks), len(microbatches), rank, fill_drain=fill_drain,
-                              forward_only=forward_only, schedule=schedule) for rank in range(topo.pp_size)]
-    return every[topo.pp_rank], every
+    """This rank's action list."""
+    return schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
+                            forward_only=forward_only, schedule=schedule)
 
 
 def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
@@ -242,23 +238,18 @@ def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, for
     return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def _p2p(chunks, microbatches, topo, steps, actions, peer_actions=None):
+def _p2p(chunks, microbatches, topo, steps, actions):
     """The stage's p2p, told what it receives this step from each peer: an activation for every forward
-    that has a sender on another rank, a gradient for every backward that has one; and, from the other
-    ranks' action lists, in which order each peer sends this rank its messages."""
+    that has a sender on another rank, a gradient for every backward that has one."""
     cfg = chunks[0].cfg
     p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
     me, peers = topo.pp_rank, topo.ranks["pp"]
     counts = {}
     for a in actions:
         if a.recv_from is not None and a.recv_from != me and a.kind != WEIGHT_GRAD:
-            channel = (peers[a.recv_from], _tag(a))
+            channel = (peers[a.recv_from], _kind(a))
             counts[channel] = counts.get(channel, 0) + 1
-    order = None
-    if peer_actions is not None:
-        order = {peers[r]: [_tag(a) for a in theirs if a.send_to == me] for r, theirs in enumerate(peer_actions)
-                 if r != me}
-    p2p.expect(counts, sender_order=order)
+    p2p.expect(counts)
     steps.p2p = p2p
     return p2p
 
@@ -275,23 +266,23 @@ def forward_backward_pipelining_without_interleaving(chunks, microbatches, forwa
                                                      stats=None, grad_sync=None):
     """1F1B (one chunk per rank)."""
     (_,) = chunks
-    actions, every = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+    actions = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
     (_,) = chunks
-    actions, every = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+    actions = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
                                                   stats=None, grad_sync=None):
     """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r."""
-    actions, every = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+    actions = _actions(chunks, microbatches, topo, forward_only)
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def forward_backward_zero_bubble_h1(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
@@ -299,8 +290,8 @@ def forward_backward_zero_bubble_h1(chunks, microbatches, forward_step, topo, fo
     """ZB-H1 (one chunk per rank): 1F1B's forwards with each backward split into I and W, the W passes
     run where the rank would wait for a gradient (megand/core/pipeline_parallel/actions.py)."""
     (_,) = chunks
-    actions, every = _actions(chunks, microbatches, topo, forward_only, schedule="zb1p")
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+    actions = _actions(chunks, microbatches, topo, forward_only, schedule="zb1p")
+    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
 def v_schedule(name):
@@ -309,8 +300,8 @@ def v_schedule(name):
     I and W (megand/core/pipeline_parallel/actions.py)."""
 
     def forward_backward_v(chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
-        actions, every = _actions(chunks, microbatches, topo, forward_only, schedule=name)
-        return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, every)
+        actions = _actions(chunks, microbatches, topo, forward_only, schedule=name)
+        return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
     forward_backward_v.__name__ = f"forward_backward_{name}"
     return forward_backward_v

@@ -20,10 +20,13 @@ differ from the one-process run's, so the shards agree on it (all-reduce max of 
 group): a tensorwise scale of any split operand, a rowwise scale when the contraction axis is split. MX
 blocks never straddle ranks when each rank's share of the split axis is a multiple of 32.
 
-Products: ``torch._scaled_mm`` for tensorwise and rowwise on CUDA (where its shapes allow; rowwise with
-a bf16 result, as its kernels take it); otherwise, on CPU, and for MX, an exact emulation: the same
-quantised operands dequantised and multiplied in fp32 (the unit tests check the kernel call against it
-on CPU, where torch._scaled_mm runs as a slow reference kernel).
+Products: torch's FP8 kernels where the device has them (:class:`Fp8Kernels`, from the CUDA compute
+capability, decided once at start-up) and their shapes allow: ``torch._scaled_mm`` for tensorwise (SM 8.9+)
+and rowwise (SM 9.0+, bf16 result), and for MX with e8m0 block scales in cuBLAS's blocked layout (SM 10.0+,
+Blackwell; :func:`mx_blocked_scales`); the routed experts' ``torch._scaled_grouped_mm`` (SM 9.0 and 10.x,
+:mod:`.fp8_grouped`). Otherwise (CPU, older GPUs, other shapes) an exact emulation: the same quantised
+operands dequantised and multiplied in fp32 (the unit tests check the kernel calls against it on CPU,
+where torch._scaled_mm runs tensorwise and rowwise as a slow reference kernel).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.tensor_parallel import mappings
-from megand.core.tensor_parallel.gemm import GemmPolicy
+from megand.core.tensor_parallel.gemm import GemmPolicy, weight_grad_target
 
 RECIPES = ("tensorwise", "rowwise", "mxfp8")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -114,28 +117,72 @@ def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=N
     return Quantized(data, scale, dim, recipe)
 
 
-def scaled_mm_takes(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
-    """Whether ``torch._scaled_mm`` runs the product: on CUDA, for the shapes and scalings its kernels
-    accept (on CPU it runs too, but as a slow reference kernel: the emulation is exact and much faster)."""
-    if not a.data.is_cuda or a.recipe == "mxfp8" or a.data.shape[1] % 16 or b.data.shape[1] % 16:
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernels:
+    """Which of torch's FP8 kernels the device runs (the rest is emulated), from its CUDA compute
+    capability: ``Fp8Kernels()`` (none) on CPU."""
+
+    tensorwise: bool = False  # torch._scaled_mm with one fp32 scale per operand: SM 8.9+ (Ada, Hopper, Blackwell)
+    rowwise: bool = False  # torch._scaled_mm with per-row fp32 scales: SM 9.0+
+    grouped: bool = False  # torch._scaled_grouped_mm, per-row scales: SM 9.0 and 10.x (torch's own check)
+    mx: bool = False  # torch._scaled_mm with e8m0 scales per 32 elements: SM 10.0+ (Blackwell)
+
+    @classmethod
+    def for_capability(cls, capability: tuple[int, int] | None) -> "Fp8Kernels":
+        """The kernels of a CUDA device of ``capability`` (major, minor); None: not a CUDA device."""
+        if capability is None:
+            return cls()
+        major, minor = capability
+        return cls(tensorwise=capability >= (8, 9), rowwise=major >= 9,
+                   grouped=capability == (9, 0) or major == 10, mx=major >= 10)
+
+
+NO_KERNELS = Fp8Kernels()
+
+
+def scaled_mm_takes(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS) -> bool:
+    """Whether ``torch._scaled_mm`` runs the product: a CUDA device with the recipe's kernel
+    (``kernels``), for the shapes and scalings the kernels accept (on CPU it runs tensorwise and rowwise
+    too, but as a slow reference kernel: the emulation is exact and much faster)."""
+    if not a.data.is_cuda or a.data.shape[1] % 16 or b.data.shape[1] % 16:
         return False
-    return a.recipe == "tensorwise" or out_dtype == torch.bfloat16
+    if a.recipe == "mxfp8":  # whole blocks of 32 along k, both operands e4m3, a bf16 result
+        return (kernels.mx and a.data.shape[1] % MX_BLOCK == 0 and out_dtype == torch.bfloat16
+                and a.data.dtype == b.data.dtype == E4M3)
+    if a.recipe == "tensorwise":
+        return kernels.tensorwise
+    return kernels.rowwise and out_dtype == torch.bfloat16
+
+
+def mx_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
+    """MX block scales ``[rows, k / 32]`` (fp32 powers of two) as cuBLAS reads them: e8m0 bytes in tiles
+    of 128 rows x 4 blocks (zero-padded to whole tiles), the tiles in row-major order, 512 bytes each;
+    inside a tile, row ``r`` and block ``c`` at byte ``(r % 32) * 16 + (r // 32) * 4 + c``."""
+    rows, cols = scale.shape
+    tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(tiles_r * 128, tiles_c * 4, dtype=torch.float8_e8m0fnu, device=scale.device)
+    padded[:rows, :cols] = scale.to(torch.float8_e8m0fnu)  # exact: powers of two in [2^-127, 2^127]
+    # [tile row, r // 32, r % 32, tile column, c] -> [tile row, tile column, r % 32, r // 32, c]
+    return padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4).reshape(-1)
 
 
 def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch._scaled_mm`` of the operands: ``b`` column-major, rowwise scales ``[m, 1]`` and ``[1, n]``
-    with unit strides (as the kernels check them)."""
+    """``torch._scaled_mm`` of the operands: ``b`` column-major; rowwise scales ``[m, 1]`` and ``[1, n]``
+    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout."""
     column_major = b.data.t().contiguous().t()
     scale_a, scale_b = a.scale, b.scale
     if a.recipe == "rowwise":
         scale_a, scale_b = scale_a.reshape(-1).view(-1, 1), scale_b.reshape(-1).view(1, -1)
+    elif a.recipe == "mxfp8":  # a's blocks run along its rows, b's along its columns ([n, k / 32] once turned)
+        scale_a, scale_b = mx_blocked_scales(scale_a), mx_blocked_scales(scale_b.t())
     return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS) -> torch.Tensor:
     """``a @ b`` (``a [m, k]`` scaled along dim 1, ``b [k, n]`` along dim 0), accumulated in fp32: the
-    kernel where it takes the operands, else the emulation (dequantised operands, an fp32 product)."""
-    if scaled_mm_takes(a, b, out_dtype):
+    kernel where the device has it and it takes the operands, else the emulation (dequantised operands,
+    an fp32 product)."""
+    if scaled_mm_takes(a, b, out_dtype, kernels):
         return scaled_mm_kernel(a, b, out_dtype)
     return (a.dequantize() @ b.dequantize()).to(out_dtype)
 
@@ -143,11 +190,11 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tenso
 class Fp8Policy(GemmPolicy):
     """A layer's products in FP8 under one of :data:`RECIPES` (see the module docstring)."""
 
-    def __init__(self, group=None, split=None, recipe: str = "tensorwise"):
+    def __init__(self, group=None, split=None, recipe: str = "tensorwise", kernels: Fp8Kernels = NO_KERNELS):
         if recipe not in RECIPES:
             raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
         super().__init__(group, split)
-        self.name = recipe
+        self.name, self.kernels = recipe, kernels
         self.grad_dtype = E4M3 if recipe == "mxfp8" else E5M2
         # the logical dims tp splits: a column layer's output features n, a row layer's input features k
         self.sharded = {"column": {"n"}, "row": {"k"}}.get(split, set()) if self._split_over_tp() else set()
@@ -162,7 +209,7 @@ class Fp8Policy(GemmPolicy):
         return f"Fp8Policy({self.name!r}, split={self.split!r})"
 
     def bind(self, group, split):
-        return Fp8Policy(group, split, self.name)
+        return Fp8Policy(group, split, self.name, self.kernels)
 
     def _q(self, t, dtype, dim, dims: str, contraction: str) -> Quantized:
         """Quantise operand ``t`` whose logical dims are ``dims`` (e.g. "mk"), along ``contraction``,
@@ -214,7 +261,7 @@ class Fp8Policy(GemmPolicy):
     def forward(self, x, weight, bias=None):
         a = x if isinstance(x, Quantized) else self.input_operand(x)
         b = self._weight_q(weight, 1, "k").t()
-        out = scaled_mm(a, b, weight.dtype)
+        out = scaled_mm(a, b, weight.dtype, self.kernels)
         return out if bias is None else out + bias
 
     def forward_parts(self, x, weight, bias, parts):
@@ -222,14 +269,14 @@ class Fp8Policy(GemmPolicy):
         biases = bias.view(-1, parts) if bias is not None else None
         outs = []
         for part in range(parts):
-            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype)
+            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype, self.kernels)
             outs.append(out if biases is None else out + biases[:, part])
         return outs
 
     def input_grad(self, grad, weight):
         a = self._q(grad, self.grad_dtype, 1, "mn", "n")
         b = self._weight_q(weight, 0, "n")
-        return scaled_mm(a, b, grad.dtype)
+        return scaled_mm(a, b, grad.dtype, self.kernels)
 
     def _weight_product(self, grad, x, out_dtype):
         a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
@@ -237,7 +284,7 @@ class Fp8Policy(GemmPolicy):
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
             b = self._q(x, E4M3, 0, "mk", "m")
-        return scaled_mm(a, b, out_dtype)
+        return scaled_mm(a, b, out_dtype, self.kernels)
 
     def weight_grad(self, grad, x):
         return self._weight_product(grad, x, grad.dtype)
@@ -247,42 +294,23 @@ class Fp8Policy(GemmPolicy):
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):
-        return GroupedFp8Linear.apply(x, weight, bias, offsets, self)
+        from megand.core.tensor_parallel.fp8_grouped import GroupedFp8Linear  # it builds on this module
+
+        target = weight_grad_target(weight)
+        return GroupedFp8Linear.apply(x, weight, bias, offsets, self, None if target is True else target)
 
 
-def expert_row_splits(x: torch.Tensor, offsets, experts: int) -> list[torch.Tensor]:
-    """The rows of each expert (then the rows of no expert), split at ``offsets`` read on the host (fake
-    tensors of a rehearsal hold no counts: an even split has the same sizes)."""
-    if type(offsets) is torch.Tensor:
-        return list(torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64)))
-    rows = x.shape[0]
-    return list(torch.tensor_split(x, [rows * (e + 1) // experts for e in range(experts)]))
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """FP8 GEMMs in the transformer layers: the scaling ``recipe`` (tensorwise | rowwise | mxfp8), all but
+    the first and last ``bf16_layers`` layers."""
 
+    recipe: str
+    bf16_layers: int = 1
 
-class GroupedFp8Linear(torch.autograd.Function):
-    """The routed experts' ``x_e W_e^T (+ b_e)`` per expert in FP8 (each expert's operands scaled on
-    their own, as a grouped scaled GEMM does); rows of no expert come out as zeros."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, offsets, policy):
-        ctx.policy, ctx.has_bias = policy, bias is not None
-        ctx.save_for_backward(x, weight, offsets)
-        parts = expert_row_splits(x, offsets, weight.shape[0])
-        outs = [policy.forward(parts[e], weight[e], None if bias is None else bias[e])
-                for e in range(weight.shape[0])]
-        outs.append(x.new_zeros(parts[-1].shape[0], weight.shape[1]))
-        return torch.cat(outs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, offsets = ctx.saved_tensors
-        policy, experts = ctx.policy, weight.shape[0]
-        xs, gs = expert_row_splits(x, offsets, experts), expert_row_splits(grad, offsets, experts)
-        grad_x = torch.cat([policy.input_grad(gs[e], weight[e]) for e in range(experts)]
-                           + [x.new_zeros(xs[-1].shape)])
-        grad_weight = torch.stack([policy.weight_grad(gs[e], xs[e]) for e in range(experts)])
-        grad_bias = torch.stack([gs[e].sum(0) for e in range(experts)]) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None, None
+    def layer_count(self, num_layers: int) -> int:
+        """How many of ``num_layers`` transformer layers run in FP8."""
+        return sum(in_fp8(i, num_layers, self.bf16_layers) for i in range(num_layers))
 
 
 def in_fp8(layer_id: int, num_layers: int, bf16_layers: int) -> bool:
@@ -290,12 +318,13 @@ def in_fp8(layer_id: int, num_layers: int, bf16_layers: int) -> bool:
     return bf16_layers <= layer_id < num_layers - bf16_layers
 
 
-def use_fp8(layers, recipe: str, num_layers: int, bf16_layers: int = 1) -> list[int]:
+def use_fp8(layers, recipe: str, num_layers: int, bf16_layers: int = 1, kernels: Fp8Kernels = NO_KERNELS) -> list[int]:
     """Run the linear and expert GEMMs of the transformer layers ``layers`` (global layer id -> module,
     as keyed by str or int) under ``recipe``, except the first and last ``bf16_layers`` of the
     ``num_layers``; the router and anything outside these layers (embedding, output layer) stay as they
-    are. Returns the layer ids now in FP8."""
-    template = Fp8Policy(recipe=recipe)
+    are; ``kernels``: the device's FP8 kernels (:meth:`Fp8Kernels.for_capability`). Returns the layer ids
+    now in FP8."""
+    template = Fp8Policy(recipe=recipe, kernels=kernels)
     chosen = []
     for key, layer in layers.items():
         layer_id = int(key)

@@ -172,7 +172,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     if fused:
         tail = rows - offsets[-1]
         offs = torch.cat([offsets[:-1], offsets.new_full((1,), rows)])
-        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+        target = weight_grad_target(weight)
+        if target is not None and target is not True:
+            out = GroupedExpertGemm.apply(x, weight, offs, target)
+        else:  # autograd differentiates the kernel (no engine, or compiled)
+            out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
         if bias is not None:
             counts = torch.cat([counts[:-1], counts[-1:] + tail])
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
@@ -232,6 +236,35 @@ class ExpertLoopLinear(torch.autograd.Function):
                     add_product(main[e], g.t(), inp)
 
             hand_over(ctx.target, add)
+        return grad_x, None, None, None
+
+
+class GroupedExpertGemm(torch.autograd.Function):
+    """torch's grouped GEMM ``x_e W_e^T`` (the rows of expert e: ``offs[e-1]:offs[e]``) whose weight gradient
+    goes through the GEMM seam like a dense layer's: one grouped GEMM ``dy_e^T x_e`` for every expert, added
+    into the engine's fp32 accumulator (``target``) now or, inside a
+    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+
+    The operand layouts are the ones the kernel takes without further conditions: the input gradient
+    ``dy W_e`` reads ``W [E, out, in]`` row-major; the weight gradient reads ``dy^T`` column-major and ``x``
+    row-major, the layout in which the kernel accepts an expert with no rows and any row count (with
+    ``dy^T`` row-major it needs each expert's rows a multiple of 16 bytes). The kernel's product comes
+    out in the operands' dtype (bf16 on CUDA: its kernels return no fp32), then is added at fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, target):
+        ctx.target = target
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight, offs)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, weight, offs=offs) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            hand_over(ctx.target, lambda main: main.add_(torch._grouped_mm(grad.t(), x, offs=offs)))
         return grad_x, None, None, None
 
 

@@ -7,8 +7,7 @@ recompute that fits (and, unless ``train.recompute_layers`` is pinned, each rank
 fewest of its layers that fit its memory: ranks with fewer micro-batches in flight recompute less), the
 pipeline schedule (``SCHEDULES``: 1F1B, interleaved with vpp; zb1p with one chunk per rank; zbv and dualpipev
 with vpp=2, each replayed on its own action list and counted with its own activations in flight; the
-rules of which schedule runs with which vpp, micro-batch count and collective backend are the training
-config's own, asked for the cluster's backend); dp takes the devices left (the largest that divides the batch). Every pinned key
+rules of which schedule runs with which vpp and micro-batch count are the training config's own); dp takes the devices left (the largest that divides the batch). Every pinned key
 (a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
 do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
 timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
@@ -117,18 +116,11 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def cluster_backend(cluster) -> str:
-    """The collective backend the cluster's runs use: gloo where every group is a CPU (its profile in fp32),
-    else NCCL."""
-    return "gloo" if {g.profile.dtype for g in cluster.groups} == {"fp32"} else "nccl"
-
-
 class Planner:
     """Search layouts of ``cfg`` (the composed training config) with ``pinned`` keys fixed. ``schedules``:
-    the pipeline schedules to try (default: every one the cluster's backend runs; ``parallel.pp_schedule``
-    pinned: that one). ``backend``: the cluster's collective backend (default :func:`cluster_backend`)."""
+    the pipeline schedules to try (default: all; ``parallel.pp_schedule`` pinned: that one)."""
 
-    def __init__(self, cfg, pinned, cluster, validate_fn=None, schedules=None, backend=None):
+    def __init__(self, cfg, pinned, cluster, validate_fn=None, schedules=None):
         from omegaconf import OmegaConf
 
         self.cfg = cfg
@@ -143,30 +135,18 @@ class Planner:
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
-        self.backend = backend or cluster_backend(cluster)
         self.schedule_domain = self._schedule_domain(schedules)
 
     def _schedule_domain(self, schedules) -> tuple:
-        """The schedules searched: ``schedules`` (or all) less those the backend refuses; a pinned
-        ``parallel.pp_schedule`` alone. An unknown name, or nothing the backend runs: PlanError."""
-        from megand.training.config import pipeline_schedule_error
-
+        """The schedules searched: ``schedules`` (or all); a pinned ``parallel.pp_schedule`` alone. An
+        unknown name: PlanError."""
         pinned = self.pinned.get("parallel.pp_schedule")
         asked = (pinned,) if pinned is not None else tuple(schedules) if schedules is not None else SCHEDULES
         unknown = [s for s in asked if s not in SCHEDULES]
-        if unknown:
-            raise PlanError(f"unknown pipeline schedule(s) {', '.join(map(str, unknown))}: choose from "
-                            f"{', '.join(SCHEDULES)}")
-        refused = {}
-        for s in asked:  # the backend's rule alone (pp, vpp and micro-batches that every schedule accepts)
-            message = pipeline_schedule_error(s, 2, 2 if s in V_SCHEDULES else None, 4, self.backend)
-            if message:
-                refused[s] = message
-        runs = tuple(s for s in asked if s not in refused)
-        if not runs:
-            raise PlanError(next(iter(refused.values())))
-        self.notes = [f"not searched: {message}" for message in refused.values()] if schedules is not None else []
-        return runs
+        if unknown or not asked:
+            raise PlanError(f"unknown pipeline schedule(s) {', '.join(map(str, unknown)) or '(none given)'}: "
+                            f"choose from {', '.join(SCHEDULES)}")
+        return asked
 
     # --- domains of each key --------------------------------------------------------------------
     def _dom(self, key, values):
@@ -323,8 +303,7 @@ class Planner:
             return ["1f1b"] if self.pinned.get("parallel.pp_schedule", "1f1b") == "1f1b" else []
         from megand.training.config import pipeline_schedule_error
 
-        return [s for s in self.schedule_domain
-                if pipeline_schedule_error(s, pp, vpp, 2 * pp, self.backend) is None]
+        return [s for s in self.schedule_domain if pipeline_schedule_error(s, pp, vpp, 2 * pp) is None]
 
     # --- homogeneous ----------------------------------------------------------------------------
     def homogeneous_candidates(self, group):
@@ -367,7 +346,7 @@ class Planner:
         from megand.training.config import pipeline_schedule_error
 
         m = self.gbs // (c.micro_batch_size * c.dp)
-        return pipeline_schedule_error(c.pp_schedule, c.pp, c.vpp, m, self.backend) is None
+        return pipeline_schedule_error(c.pp_schedule, c.pp, c.vpp, m) is None
 
     def best(self, scored, top: int) -> list:
         """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
