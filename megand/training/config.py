@@ -290,8 +290,10 @@ def check_fp8_device(fp8, device) -> None:
     from megand.core.parallel_state import device_capability
     from megand.core.tensor_parallel.fp8 import Fp8Kernels
 
+    if fp8 != "mxfp8":
+        return
     capability = device_capability(device)
-    if fp8 != "mxfp8" or capability is None or Fp8Kernels.for_capability(capability).mx:
+    if capability is None or Fp8Kernels.for_capability(capability).mx:
         return
     import torch
 
