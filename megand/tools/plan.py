@@ -1,13 +1,14 @@
 """Plan the layout of a run: the fastest predicted layouts of a model on a cluster.
 
     python tools/plan.py model=llama_70b model.seq_length=8192 train.global_batch_size=512 \\
-        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--verify]
+        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--schedules 1f1b,zb1p] [--verify]
 
 The overrides are the training config's (Hydra, as for ``pretrain_gpt.py``). Every ``key=value`` given
 is fixed: the model and the batch, and any ``parallel.*``, ``optim.*`` or ``train.*`` key you pin (so
 ``parallel.tp=8 parallel.pp=8`` asks what that layout would do); the planner searches the rest: tp, pp,
 vpp, cp, dp, sequence parallelism, cp_comm, the pipeline layout, optim.sharding, dp_shard, the
-micro-batch size, recompute, the overlap flags and (unless pinned) the precision (bf16 on GPUs).
+micro-batch size, recompute (and each stage's recomputed layers), the pipeline schedule (``--schedules`` to
+restrict it), the overlap flags and (unless pinned) the precision (bf16 on GPUs).
 
 The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster
 (each pipeline stage then runs on one group, with its own number of layers):
@@ -56,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="FILE", help="write the plans, best first, as a JSON list")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="a device profile from tools/calibrate.py for every group (overrides device:)")
+    p.add_argument("--schedules", default=None, metavar="S1,S2",
+                   help="the pipeline schedules to search, comma-separated (default: all of 1f1b, zb1p, zbv, dualpipev)")
     p.add_argument("--verify", action="store_true",
                    help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
     return p.parse_intermixed_args(argv)
@@ -80,7 +83,7 @@ def pinned_keys(overrides) -> set:
 def format_table(plans) -> str:
     head = (f"{'#':>2} {'world':>6} {'tp':>3} {'pp':>3} {'vpp':>4} {'cp':>3} {'dp':>5} {'sp':>3} "
             f"{'sharding':>18} {'mbs':>4} {'recompute':>9} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} "
-            f"{'MFU':>6} {'bubble':>7} {'mem GiB (max/cap)':>18}  stages")
+            f"{'MFU':>6} {'bubble':>7} {'mem GiB (max/cap)':>18} {'schedule':>9}  stages")
     lines = [head]
     for i, p in enumerate(plans, 1):
         c, pr = p.candidate, p.prediction
@@ -96,7 +99,8 @@ def format_table(plans) -> str:
             f"{i:>2} {p.world_size:>6} {c.tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
             f"{'on' if c.sequence_parallel else 'off':>3} {sharding:>18} {c.micro_batch_size:>4} {c.recompute:>9} "
             f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
-            f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g}  {stages}")
+            f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g} "
+            f"{(c.pp_schedule if c.pp > 1 else '-'):>9}  {stages}")
         if p.hetero_ratio is not None:
             lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
                          f"throughput of each group")
@@ -139,6 +143,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.top < 1:
         return fail(f"--top {args.top} must be >= 1")
+    schedules = None
+    if args.schedules is not None:
+        from megand.core.pipeline_parallel.actions import SCHEDULES
+
+        schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+        unknown = [s for s in schedules if s not in SCHEDULES]
+        if unknown or not schedules:
+            return fail(f"--schedules {args.schedules}: unknown schedule(s) {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(SCHEDULES)}")
     try:
         profile = Profile.load(args.profile) if args.profile else None
         cluster = load_cluster(args.cluster, profile=profile)
@@ -149,8 +162,9 @@ def main(argv=None) -> int:
         check_counts(cfg)
     except (HydraException, OmegaConfBaseException, ConfigError) as e:
         return fail(e)
-    planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg))
     try:
+        planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg),
+                          schedules=schedules)
         plans = planner.plan(args.top)
     except PlanError as e:
         return fail(e)

@@ -368,29 +368,12 @@ def validate(cfg, world_size: int) -> None:
     ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
     if ramp_message:
         raise ConfigError(ramp_message)
-    from megand.core.pipeline_parallel.actions import SCHEDULES
-
-    if p.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
     micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
-    if p.pp_schedule in ("zbv", "dualpipev") and (p.pp < 2 or p.vpp != 2):
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs two chunks per rank in a V: it needs "
-                          f"parallel.pp >= 2 and parallel.vpp=2 (got pp={p.pp}, vpp={p.vpp})")
-    if p.pp_schedule == "dualpipev" and micro_batches < 2 * p.pp:
-        raise ConfigError(f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * p.pp} micro-batches per step "
-                          f"(global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}) "
-                          f"= {micro_batches})")
-    if p.pp_schedule == "zb1p" and (p.pp < 2 or (p.vpp or 1) > 1):
-        raise ConfigError(f"parallel.pp_schedule=zb1p needs parallel.pp >= 2 and one chunk per rank "
-                          f"(got pp={p.pp}, vpp={p.vpp})")
-    if p.vpp is not None and p.pp_schedule == "1f1b":
-        if p.pp < 2 or p.vpp < 1:
-            raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp}) and vpp >= 1")
-        micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
-        if micro_batches % p.pp:
-            raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({micro_batches} = "
-                              f"global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp}))"
-                              f" to be a multiple of parallel.pp={p.pp}")
+    schedule_message = pipeline_schedule_error(p.pp_schedule, p.pp, p.vpp, micro_batches,
+                                               f"global batch {t.global_batch_size} / (micro batch "
+                                               f"{t.micro_batch_size} x dp {sizes.dp})")
+    if schedule_message:
+        raise ConfigError(schedule_message)
     try:
         layers = pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
         check_recompute_layers(t, layers)
@@ -420,6 +403,32 @@ def validate(cfg, world_size: int) -> None:
     validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
+
+
+def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, batch: str = "") -> Optional[str]:
+    """Why ``parallel.pp_schedule=schedule`` cannot run with ``pp`` stages, ``vpp`` chunks per rank and
+    ``micro_batches`` per step (``batch``: how the micro-batches were counted, for the message), or None.
+    validate() and the layout planner share these rules."""
+    from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
+
+    counted = f"{micro_batches} = {batch}" if batch else f"{micro_batches}"
+    if schedule not in SCHEDULES:
+        return f"parallel.pp_schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}"
+    if schedule in V_SCHEDULES and (pp < 2 or vpp != 2):
+        return (f"parallel.pp_schedule={schedule} runs two chunks per rank in a V: it needs "
+                f"parallel.pp >= 2 and parallel.vpp=2 (got pp={pp}, vpp={vpp})")
+    if schedule == "dualpipev" and micro_batches < 2 * pp:
+        return (f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * pp} micro-batches per step "
+                f"({counted})")
+    if schedule == "zb1p" and (pp < 2 or (vpp or 1) > 1):
+        return f"parallel.pp_schedule=zb1p needs parallel.pp >= 2 and one chunk per rank (got pp={pp}, vpp={vpp})"
+    if vpp is not None and schedule == "1f1b":
+        if pp < 2 or vpp < 1:
+            return f"parallel.vpp={vpp} needs parallel.pp >= 2 (got {pp}) and vpp >= 1"
+        if micro_batches % pp:
+            return (f"interleaved pipelining needs the number of micro-batches ({counted}) "
+                    f"to be a multiple of parallel.pp={pp}")
+    return None
 
 
 def validate_mtp(cfg) -> None:

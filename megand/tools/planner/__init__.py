@@ -9,6 +9,6 @@ cost.py      the predicted step time and memory of one layout
 layout.py    a candidate layout, its config overrides, and which link each of its process groups spans
 search.py    the layouts worth running, homogeneous and heterogeneous; ``predict_config(cfg, cluster,
              world_size)`` predicts one given run (a composed training config)
-hetero.py    the heterogeneous search: stages per group, dp, the per-stage layer split
+hetero.py    the heterogeneous search: stages per group, dp, the schedule, the per-stage layer split
 published.py published large-scale runs against the cost model (the table in docs/layout.md)
 """

@@ -17,8 +17,9 @@ Per virtual stage and micro-batch, a forward and a backward time:
   compute: only the excess over it shows (at least one bucket);
 - the profile's fixed overheads (per layer and micro-batch, per micro-batch).
 
-The pipeline (simulate.py) replays megand's schedule on those times with the p2p time of each stage
-boundary; then each rank's gradient reduction over dp x cp (all-reduce, or reduce-scatter plus the
+The pipeline (simulate.py) replays the candidate's schedule (``parallel.pp_schedule``, stages placed
+where that schedule puts them; a split backward's ``W`` is the layers' weight-gradient products) on
+those times with the p2p time of each stage boundary; then each rank's gradient reduction over dp x cp (all-reduce, or reduce-scatter plus the
 replica all-reduce under hybrid sharding) hides under its last backwards when
 ``optim.overlap_grad_reduce`` is on; the optimizer step is memory-bound; the parameter all-gather of
 ``optim``/``optim_grads`` hides under the next forward with ``optim.overlap_param_gather``. The step
@@ -33,6 +34,7 @@ from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, 
 from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
+from megand.core.pipeline_parallel.actions import placement_for
 from megand.tools.planner.simulate import simulate
 from megand.training.peak import mixed_peak
 
@@ -68,7 +70,8 @@ def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   recompute_layers=c.recompute_layers,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
-                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer,
+                  pp_schedule=c.pp_schedule)
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -209,7 +212,8 @@ def _placement_and_links(c: Candidate, stage_groups: tuple):
 
 @dataclass
 class StageTimes:
-    """Per virtual stage: one micro-batch's forward and backward seconds; per boundary: p2p seconds."""
+    """Per virtual stage: one micro-batch's forward and backward seconds, and the part of the backward
+    that is weight gradients (a zero-bubble schedule's ``W``); per boundary: p2p seconds."""
 
     forward: list
     backward: list
@@ -217,12 +221,20 @@ class StageTimes:
     microbatches: int
     links: dict
     placement: object
+    weight_grad: list = None
+    rank_stages: list = None  # per pipeline rank: its virtual stages (the schedule's placement)
 
     def lower_bound(self, pp: int) -> float:
         """The busiest rank's compute: no schedule can finish the step's pipeline faster."""
         m = self.microbatches
-        return max(m * sum(self.forward[s] + self.backward[s] for s in range(r, len(self.forward), pp))
-                   for r in range(pp))
+        return max(m * sum(self.forward[s] + self.backward[s] for s in stages) for stages in self.rank_stages)
+
+
+def rank_virtual_stages(c: Candidate) -> list:
+    """Per pipeline rank, the virtual stages it holds under its schedule's placement (interleaved:
+    ``r, r + pp, ...``; a V: ``r`` and ``2·pp - 1 - r``)."""
+    placement = placement_for(c.pp, c.vpp, c.pp_schedule)
+    return [[placement.stage(r, chunk) for chunk in range(placement.vpp)] for r in range(c.pp)]
 
 
 def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
@@ -230,17 +242,18 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
     m = global_batch_size // (c.micro_batch_size * c.dp)
     stages = c.pp * (c.vpp or 1)
     placement, links = _placement_and_links(c, tuple(stage_groups))
+    where = placement_for(c.pp, c.vpp, c.pp_schedule).location  # virtual stage -> (rank, chunk)
     layers = virtual_stage_layers(shape.layers, c)
     recomputed = recomputed_per_stage(layers, c)
     elem = _elem(c.precision)
-    forward, backward, per_group, per_stage = [], [], {}, {}
+    forward, backward, weight_grad, per_group, per_stage = [], [], [], {}, {}
     for s in range(stages):
-        r = s % c.pp
+        r, chunk = where(s)
         g = stage_groups[r]
         links_r = (links["tp"][r], links["cp"][r], links["dp_shard"][r])
         # virtual stages alike in group, links, layers and position cost the same: computed once
         in_fp8 = fp8_layers_in(shape.layers, c, sum(layers[:s]), layers[s])
-        key = (g.name, links_r, layers[s], recomputed[s], s == 0, s == stages - 1, s < c.pp, in_fp8)
+        key = (g.name, links_r, layers[s], recomputed[s], s == 0, s == stages - 1, chunk == 0, in_fp8)
         if key not in per_stage:
             prof = g.profile
             for fp8 in {False, bool(in_fp8)}:
@@ -258,21 +271,31 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
             b = (layers[s] - in_fp8) * layer_backward(lt) + in_fp8 * layer_backward(lt8)
             ef, eb = _edge_times(shape, c, prof, links_r[0], s == 0, s == stages - 1)
             f, b = f + ef, b + eb
-            if s < c.pp:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
+            if chunk == 0:  # the per-micro-batch fixed cost, once per rank (on its first chunk)
                 f += prof.overhead_s.get("per_microbatch", 0.0)
-            per_stage[key] = _add_sharded_comm(shape, c, prof, links, r, layers[s], f, b, elem, in_fp8)
-        f, b = per_stage[key]
+            # the weight-gradient products (dW = dy^T x: the forward's GEMM FLOPs; the attention core has
+            # no weights), the output layer's on the last stage: what a split backward defers to W
+            w = (layers[s] - in_fp8) * lt.gemm_fwd + in_fp8 * lt8.gemm_fwd
+            if s == stages - 1:
+                w += gemm_time(prof, c.micro_batch_size * shape.seq / c.cp, shape.vocab / c.tp, shape.hidden)
+            per_stage[key] = _add_sharded_comm(shape, c, prof, links, r, layers[s], f, b, elem, in_fp8) + (w,)
+        f, b, w = per_stage[key]
         forward.append(f)
         backward.append(b)
+        weight_grad.append(min(w, b))
     p2p = []
     tokens = c.micro_batch_size * shape.seq / c.cp
     act_bytes = tokens * shape.hidden * elem / (c.tp if c.sequence_parallel and c.tp > 1 else 1)
     for s in range(stages - 1):
-        r, nxt = s % c.pp, (s + 1) % c.pp
-        link = links["pp"][r] if nxt == r + 1 else _wrap_link(links, c)
+        r, nxt = where(s)[0], where(s + 1)[0]
+        if r == nxt:  # a V's turn: both chunks on one rank, nothing sent
+            p2p.append(0.0)
+            continue
+        link = links["pp"][min(r, nxt)] if abs(nxt - r) == 1 else _wrap_link(links, c)
         p2p.append(max(collective_time(stage_groups[r].profile, "p2p", act_bytes, 2, link),
                        collective_time(stage_groups[nxt].profile, "p2p", act_bytes, 2, link)))
-    return StageTimes(forward=forward, backward=backward, p2p=p2p, microbatches=m, links=links, placement=placement)
+    return StageTimes(forward=forward, backward=backward, p2p=p2p, microbatches=m, links=links, placement=placement,
+                      weight_grad=weight_grad, rank_stages=rank_virtual_stages(c))
 
 
 def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, times: StageTimes | None = None,
@@ -280,11 +303,13 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     """The step of candidate ``c`` with pipeline stage r on cluster group ``stage_groups[r]``."""
     times = times or stage_times(model, c, global_batch_size, stage_groups)
     m, links, forward = times.microbatches, times.links, times.forward
-    timeline = simulate(c.pp, c.vpp, m, times.forward, times.backward, times.p2p)
+    timeline = simulate(c.pp, c.vpp, m, times.forward, times.backward, times.p2p, schedule=c.pp_schedule,
+                        weight_grad=times.weight_grad)
     ends, opt_times = [], []
     for r in range(c.pp):
         prof = stage_groups[r].profile
-        grad_exposed, param_exposed, opt = _data_parallel_tail(model, c, prof, links, r, timeline, forward, m)
+        first_forward = sum(forward[s] for s in times.rank_stages[r])
+        grad_exposed, param_exposed, opt = _data_parallel_tail(model, c, prof, links, r, timeline, first_forward, m)
         ends.append(timeline.finish[r] + grad_exposed)
         opt_times.append(opt + param_exposed)
     world = c.world_size
@@ -363,8 +388,9 @@ def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: f
     return f, b
 
 
-def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, forward, m: int):
-    """(exposed gradient reduction after the last backward, exposed parameter gather, optimizer seconds)."""
+def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, first_forward: float, m: int):
+    """(exposed gradient reduction after the last backward, exposed parameter gather, optimizer seconds);
+    ``first_forward``: rank ``r``'s forward of one micro-batch over all its chunks (the gather hides under it)."""
     layout = memory_layout(c, m)
     params = stage_params(model, layout, r)
     d = _dp_size(c)
@@ -394,6 +420,5 @@ def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, forw
     param_exposed = 0.0
     if level in ("optim", "optim_grads"):
         gather = collective_time(prof, "all_gather", _elem(c.precision) * params, shard, links["dp_shard"][r])
-        first_forward = sum(forward[s] for s in range(r, len(forward), c.pp))
         param_exposed = max(gather * bucket, gather - first_forward) if c.overlap_param_gather else gather
     return grad_exposed, param_exposed, opt

@@ -12,6 +12,12 @@ its activations and one short of memory recomputes the fewest layers that fit (H
 type's stages to its resources the same way), then each stage's exact fewest recomputed layers are
 found on the estimator (search.Planner.fewest_recomputed). Candidates are then timed in order of their
 lower bound, as the homogeneous ones (search.Planner.best).
+
+Every stage runs the same pipeline schedule: 1F1B or zb1p with one chunk per rank, or a V (zbv,
+dualpipev: vpp=2, chunk 0 of rank r is virtual stage r and chunk 1 is stage 2·pp - 1 - r). The layer
+split is balanced per rank (its time and memory grow with the layers it holds, whichever chunks they
+sit in); a V rank's layers are then split over its two chunks (:func:`chunk_layout`), and each rank's
+recomputed layers over the chunks it holds. Interleaved 1F1B is not searched here.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from __future__ import annotations
 import bisect
 import math
 
-from megand.tools.planner.cost import stage_memory_gib, stage_times
+from megand.core.pipeline_parallel.actions import V_SCHEDULES
+from megand.tools.planner.cost import rank_virtual_stages, stage_memory_gib, stage_times
 from megand.tools.planner.layout import Candidate
-from megand.tools.planner.search import RECOMPUTE
+from megand.tools.planner.search import RECOMPUTE, spread
 
 
 def plan_heterogeneous(planner, top: int = 5) -> list:
@@ -44,14 +51,51 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
                         continue  # one group only: the homogeneous search covers it
                     if "parallel.pp" in planner.pinned and planner.pinned["parallel.pp"] != pp:
                         continue
+                    chunked = hetero_schedules(planner, pp)
                     for mbs in planner.microbatch_domain(dp):
                         for opts in planner.options(tp, cp, dp, pp, dpn):
-                            for schedule in planner.schedules(pp):
-                                c = Candidate(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=mbs, pp_schedule=schedule,
-                                              **opts, **planner._base())
+                            for vpp, schedule in chunked:
+                                c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
+                                              pp_schedule=schedule, **opts, **planner._base())
                                 if planner._quick_valid(c):
                                     scored += _split(planner, c, stage_groups)
     return planner.best(scored, top)
+
+
+def hetero_schedules(planner, pp: int) -> list:
+    """``[(vpp, schedule), ...]`` a heterogeneous pipeline of ``pp`` stages tries: one chunk per rank
+    (1f1b, zb1p), and the V schedules with two (pruned where a rank could not hold a layer per chunk)."""
+    vpps = planner._dom("parallel.vpp", [None, 2] if 2 * pp <= planner.shape.layers else [None])
+    return [(vpp, s) for vpp in vpps for s in planner.schedules(pp, vpp)
+            if vpp is None or s in V_SCHEDULES]
+
+
+def chunk_layout(c: Candidate, per_rank) -> tuple:
+    """Layers per virtual stage from layers per rank: the same for one chunk per rank; a V rank's layers
+    split over its two chunks (the first chunk taking the odd one)."""
+    if c.pp_schedule not in V_SCHEDULES:
+        return tuple(per_rank)
+    out = [0] * (2 * c.pp)
+    for r, stages in enumerate(rank_virtual_stages(c)):
+        for s, n in zip(stages, spread(per_rank[r], [per_rank[r]] * 2)):
+            out[s] = n
+    return tuple(out)
+
+
+def chunk_recompute(c: Candidate, layout, per_rank) -> tuple:
+    """Recomputed layers per virtual stage from per-rank counts (spread over each rank's chunks)."""
+    if c.pp_schedule not in V_SCHEDULES:
+        return tuple(per_rank)
+    out = [0] * len(layout)
+    for r, stages in enumerate(rank_virtual_stages(c)):
+        for s, k in zip(stages, spread(per_rank[r], [layout[j] for j in stages])):
+            out[s] = k
+    return tuple(out)
+
+
+def rank_step(times, c: Candidate) -> list:
+    """Per rank: forward + backward seconds of one micro-batch over the chunks it holds."""
+    return [sum(times.forward[s] + times.backward[s] for s in stages) for stages in rank_virtual_stages(c)]
 
 
 def _stages_on(group, size: int) -> int:
@@ -86,14 +130,14 @@ def _split(planner, c: Candidate, stage_groups) -> list:
         base = c.with_(recompute=recompute, recompute_layers=tuple(pinned_layers) if pinned_layers is not None else None)
         if not trials:  # the least recompute that fits on every layer
             layout = tuple(pinned) if pinned else balanced_layout(planner, base, stage_groups)
-            if layout is not None and len(layout) == c.pp and planner.fits(base.with_(pipeline_layout=layout),
+            if layout is not None and len(layout) == c.pp * (c.vpp or 1) and planner.fits(base.with_(pipeline_layout=layout),
                                                                              stage_groups):
                 trials.append(base.with_(pipeline_layout=layout))
                 if recompute == "none" or not planner.per_stage_recompute:
                     break
         if recompute != "none" and planner.per_stage_recompute:
             layout = tuple(pinned) if pinned else balanced_recomputing_layout(planner, base, stage_groups)
-            if layout is not None and len(layout) == c.pp:
+            if layout is not None and len(layout) == c.pp * (c.vpp or 1):
                 full = base.with_(pipeline_layout=layout)
                 if planner.fits(full, stage_groups):
                     fewer = planner.fewest_recomputed(full, stage_groups)
@@ -106,26 +150,33 @@ def _split(planner, c: Candidate, stage_groups) -> list:
     return entries
 
 
+def _least_layers(c: Candidate) -> int:
+    """The fewest layers a rank holds: one per chunk of a V (a chunk of no layers is allowed by
+    ``parallel.pipeline_layout`` but only makes a V's turn longer), else one."""
+    return 2 if c.pp_schedule in V_SCHEDULES else 1
+
+
 def balanced_layout(planner, c: Candidate, stage_groups):
     """Layers per stage minimising the slowest stage's time (forward + backward of one micro-batch)
     subject to each stage's memory; None when the layers cannot fit."""
-    L, pp = planner.shape.layers, c.pp
-    if pp > L:
+    L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
+    if pp * least > L:
         return None
     m = planner.gbs // (c.micro_batch_size * c.dp)
-    # per-stage time and memory as a + b * layers, from the model at two layer counts
-    one = c.with_(pipeline_layout=tuple([1] * pp))
-    two = c.with_(pipeline_layout=tuple([2] * pp))
-    t1, t2 = stage_times(planner.model, one, planner.gbs, stage_groups), stage_times(planner.model, two, planner.gbs, stage_groups)
+    # per-rank time and memory as a + b * layers, from the model at two layer counts
+    one = c.with_(pipeline_layout=chunk_layout(c, [1] * pp))
+    two = c.with_(pipeline_layout=chunk_layout(c, [2] * pp))
+    t1 = rank_step(stage_times(planner.model, one, planner.gbs, stage_groups), c)
+    t2 = rank_step(stage_times(planner.model, two, planner.gbs, stage_groups), c)
     m1, m2 = stage_memory_gib(planner.model, one, m), stage_memory_gib(planner.model, two, m)
-    slope = [t2.forward[r] + t2.backward[r] - t1.forward[r] - t1.backward[r] for r in range(pp)]
-    fixed = [t1.forward[r] + t1.backward[r] - slope[r] for r in range(pp)]
+    slope = [t2[r] - t1[r] for r in range(pp)]
+    fixed = [t1[r] - slope[r] for r in range(pp)]
     caps = []
     for r, g in enumerate(stage_groups):
         per_layer = m2[r] - m1[r]
         room = g.memory_gib - (m1[r] - per_layer)
         caps.append(int(math.floor(room / per_layer + 1e-9)) if per_layer > 0 else L)
-    if sum(min(cap, L) for cap in caps) < L or min(caps) < 1:
+    if sum(min(cap, L) for cap in caps) < L or min(caps) < least:
         return None
 
     def counts(limit):
@@ -134,15 +185,15 @@ def balanced_layout(planner, c: Candidate, stage_groups):
     lo, hi = 0.0, max(fixed[r] + slope[r] * L for r in range(pp))
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(counts(mid)) >= L and min(counts(mid)) >= 1:
+        if sum(counts(mid)) >= L and min(counts(mid)) >= least:
             hi = mid
         else:
             lo = mid
     n = counts(hi)
     while sum(n) > L:  # give back layers from the stages that would be slowest
-        r = max((r for r in range(pp) if n[r] > 1), key=lambda r: fixed[r] + slope[r] * n[r])
+        r = max((r for r in range(pp) if n[r] > least), key=lambda r: fixed[r] + slope[r] * n[r])
         n[r] -= 1
-    return tuple(n) if sum(n) == L and min(n) >= 1 else None
+    return chunk_layout(c, n) if sum(n) == L and min(n) >= least else None
 
 
 def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
@@ -153,24 +204,25 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     and the estimator at a few points): t = fixed + slope·n + extra·k, memory = base + per_layer·n, less
     ``saved`` per recomputed layer plus the recomputation's working set once k > 0. Its fastest fitting
     time is then nondecreasing in n, and a bisection on the slowest stage's time gives the split."""
-    L, pp = planner.shape.layers, c.pp
-    if pp > L:
+    L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
+    if pp * least > L:
         return None
     m = planner.gbs // (c.micro_batch_size * c.dp)
     model, gbs = planner.model, planner.gbs
     stored = c.with_(recompute="none", recompute_layers=None)
-    t1 = stage_times(model, stored.with_(pipeline_layout=tuple([1] * pp)), gbs, stage_groups)
-    t2 = stage_times(model, stored.with_(pipeline_layout=tuple([2] * pp)), gbs, stage_groups)
-    tr = stage_times(model, c.with_(pipeline_layout=tuple([1] * pp), recompute_layers=None), gbs, stage_groups)
-    m1 = stage_memory_gib(model, stored.with_(pipeline_layout=tuple([1] * pp)), m)
-    m2 = stage_memory_gib(model, stored.with_(pipeline_layout=tuple([2] * pp)), m)
-    m21 = stage_memory_gib(model, c.with_(pipeline_layout=tuple([2] * pp), recompute_layers=tuple([1] * pp)), m)
-    m22 = stage_memory_gib(model, c.with_(pipeline_layout=tuple([2] * pp), recompute_layers=None), m)
+    one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
+    t1 = rank_step(stage_times(model, stored.with_(pipeline_layout=one), gbs, stage_groups), c)
+    t2 = rank_step(stage_times(model, stored.with_(pipeline_layout=two), gbs, stage_groups), c)
+    tr = rank_step(stage_times(model, c.with_(pipeline_layout=one, recompute_layers=None), gbs, stage_groups), c)
+    m1 = stage_memory_gib(model, stored.with_(pipeline_layout=one), m)
+    m2 = stage_memory_gib(model, stored.with_(pipeline_layout=two), m)
+    m21 = stage_memory_gib(model, c.with_(pipeline_layout=two, recompute_layers=chunk_recompute(c, two, [1] * pp)), m)
+    m22 = stage_memory_gib(model, c.with_(pipeline_layout=two, recompute_layers=None), m)
     table = []
     for r, g in enumerate(stage_groups):
-        slope = t2.forward[r] + t2.backward[r] - t1.forward[r] - t1.backward[r]
-        fixed = t1.forward[r] + t1.backward[r] - slope
-        extra = tr.forward[r] + tr.backward[r] - t1.forward[r] - t1.backward[r]
+        slope = t2[r] - t1[r]
+        fixed = t1[r] - slope
+        extra = tr[r] - t1[r]
         per_layer, saved = m2[r] - m1[r], m21[r] - m22[r]
         base, working = m1[r] - per_layer, m21[r] - (m2[r] - saved)
         times = []
@@ -194,20 +246,20 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     if not finite:
         return None
     lo, hi = 0.0, max(finite)
-    if sum(counts(hi)) < L or min(counts(hi)) < 1:
+    if sum(counts(hi)) < L or min(counts(hi)) < least:
         return None
     for _ in range(60):
         mid = (lo + hi) / 2
         n = counts(mid)
-        if sum(n) >= L and min(n) >= 1:
+        if sum(n) >= L and min(n) >= least:
             hi = mid
         else:
             lo = mid
     n = counts(hi)
     while sum(n) > L:  # give back layers from the stages that would be slowest
-        r = max((r for r in range(pp) if n[r] > 1), key=lambda r: table[r][n[r]])
+        r = max((r for r in range(pp) if n[r] > least), key=lambda r: table[r][n[r]])
         n[r] -= 1
-    return tuple(n) if sum(n) == L and min(n) >= 1 else None
+    return chunk_layout(c, n) if sum(n) == L and min(n) >= least else None
 
 
 def speedup(planner) -> dict:

@@ -69,8 +69,8 @@ class Candidate:
             "train.micro_batch_size": self.micro_batch_size, "train.recompute": self.recompute,
             "train.recompute_layers": list(self.recompute_layers) if self.recompute_layers is not None else None,
             "train.precision": self.precision,
-            # only a schedule other than the default is written (the key is the schedules' own)
-            **({"parallel.pp_schedule": self.pp_schedule} if self.pp_schedule != "1f1b" else {}),
+            # always written: a schedule left out would keep a preset's (or the previous trial's) choice
+            "parallel.pp_schedule": self.pp_schedule,
         }
 
 

@@ -5,7 +5,9 @@ pp (dividing what is left of the devices), vpp, the micro-batch size, the shardi
 sharding (one node's ranks per shard group), sequence parallelism (on with tp), cp_comm and the least
 recompute that fits (and, unless ``train.recompute_layers`` is pinned, each rank recomputing only the
 fewest of its layers that fit its memory: ranks with fewer micro-batches in flight recompute less), the
-pipeline schedule (``SCHEDULES``); dp takes the devices left (the largest that divides the batch). Every pinned key
+pipeline schedule (``SCHEDULES``: 1F1B, interleaved with vpp; zb1p with one chunk per rank; zbv and dualpipev
+with vpp=2, each replayed on its own action list and counted with its own activations in flight; the
+rules of which schedule runs with which vpp and micro-batch count are the training config's own); dp takes the devices left (the largest that divides the batch). Every pinned key
 (a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
 do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
 timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
@@ -21,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
 from megand.models.flops import Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
-from megand.tools.planner.cost import GIB, Prediction, memory_layout, predict, stage_memory_gib, stage_times
+from megand.tools.planner.cost import (GIB, Prediction, memory_layout, predict, rank_virtual_stages,
+                                       stage_memory_gib, stage_times)
 from megand.tools.planner.layout import Candidate, override_value, place
 
 SHARDING = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -32,8 +36,8 @@ CP_COMM = ("p2p", "all_gather", "a2a")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VPP = (2, 3, 4, 6, 8)
 CP = (1, 2, 4, 8, 16, 32)
-# the pipeline schedules searched with pp > 1 (parallel.pp_schedule; 1f1b runs interleaved with vpp)
-SCHEDULES = ("1f1b",)
+# the pipeline schedules searched with pp > 1 (parallel.pp_schedule; 1f1b runs interleaved with vpp):
+# actions.SCHEDULES, every schedule megand runs
 
 # the config keys the planner chooses (a pinned one keeps the user's value)
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
@@ -113,9 +117,10 @@ def _divisors(n: int) -> list:
 
 
 class Planner:
-    """Search layouts of ``cfg`` (the composed training config) with ``pinned`` keys fixed."""
+    """Search layouts of ``cfg`` (the composed training config) with ``pinned`` keys fixed. ``schedules``:
+    the pipeline schedules to try (default: all; ``parallel.pp_schedule`` pinned: that one)."""
 
-    def __init__(self, cfg, pinned, cluster, validate_fn=None):
+    def __init__(self, cfg, pinned, cluster, validate_fn=None, schedules=None):
         from omegaconf import OmegaConf
 
         self.cfg = cfg
@@ -130,6 +135,18 @@ class Planner:
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
+        self.schedule_domain = self._schedule_domain(schedules)
+
+    def _schedule_domain(self, schedules) -> tuple:
+        """The schedules searched: ``schedules`` (or all); a pinned ``parallel.pp_schedule`` alone. An
+        unknown name: PlanError."""
+        pinned = self.pinned.get("parallel.pp_schedule")
+        asked = (pinned,) if pinned is not None else tuple(schedules) if schedules is not None else SCHEDULES
+        unknown = [s for s in asked if s not in SCHEDULES]
+        if unknown or not asked:
+            raise PlanError(f"unknown pipeline schedule(s) {', '.join(map(str, unknown)) or '(none given)'}: "
+                            f"choose from {', '.join(SCHEDULES)}")
+        return asked
 
     # --- domains of each key --------------------------------------------------------------------
     def _dom(self, key, values):
@@ -220,7 +237,8 @@ class Planner:
         """Every stage within its device memory. On one group with an even split only the first and last
         stages need checking: the others hold fewer micro-batches than the first and no embedding or
         output layer."""
-        if len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None and c.recompute_layers is None:
+        if (len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None and c.recompute_layers is None
+                and c.pp_schedule not in V_SCHEDULES):
             stages = sorted({0, c.pp - 1})
             return all(x <= stage_groups[0].memory_gib for x in self.memory(c, stages))
         return all(x <= g.memory_gib for x, g in zip(self.memory(c), stage_groups))
@@ -257,8 +275,7 @@ class Planner:
         m = self.gbs // (c.micro_batch_size * c.dp)
         sizes = [int(n) for n in virtual_stage_sizes(self.shape.layers, memory_layout(c, m))]
         counts = list(sizes)
-        for r in range(c.pp):
-            slots = list(range(r, len(sizes), c.pp))  # this rank's virtual stages
+        for r, slots in enumerate(rank_virtual_stages(c)):  # this rank's virtual stages
             mine = [sizes[j] for j in slots]
 
             def with_count(k, base):
@@ -278,9 +295,15 @@ class Planner:
             counts = with_count(lo, counts)
         return c if counts == sizes else c.with_(recompute_layers=tuple(counts))
 
-    def schedules(self, pp: int) -> list:
-        """The pipeline schedules to try for ``pp`` stages (the pinned one, or ``SCHEDULES``)."""
-        return self._dom("parallel.pp_schedule", SCHEDULES) if pp > 1 else ["1f1b"]
+    def schedules(self, pp: int, vpp) -> list:
+        """The pipeline schedules to try for ``pp`` stages of ``vpp`` chunks per rank (of
+        :attr:`schedule_domain`, those that take this vpp: 1f1b any, zb1p none, the V ones 2; the
+        micro-batch rules are checked per candidate)."""
+        if pp == 1:  # no pipeline: any schedule restriction allows it, a pinned schedule does not
+            return ["1f1b"] if self.pinned.get("parallel.pp_schedule", "1f1b") == "1f1b" else []
+        from megand.training.config import pipeline_schedule_error
+
+        return [s for s in self.schedule_domain if pipeline_schedule_error(s, pp, vpp, 2 * pp) is None]
 
     # --- homogeneous ----------------------------------------------------------------------------
     def homogeneous_candidates(self, group):
@@ -298,13 +321,11 @@ class Planner:
                         continue
                     vpps = [None] + [v for v in VPP if pp > 1 and pp * v <= L]
                     for vpp in self._dom("parallel.vpp", vpps if pp > 1 else [None]):
-                        for layout in self.layouts(pp, vpp):
+                        schedules = self.schedules(pp, vpp)
+                        for layout in (self.layouts(pp, vpp) if schedules else []):
                             for mbs in self.microbatch_domain(dp):
-                                m = self.gbs // (mbs * dp)
-                                if vpp and m % pp:
-                                    continue
                                 for opts in self.options(tp, cp, dp, pp, group.devices_per_node):
-                                    for schedule in self.schedules(pp):
+                                    for schedule in schedules:
                                         c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
                                                       pipeline_layout=layout, pp_schedule=schedule, **opts,
                                                       **self._base())
@@ -320,7 +341,12 @@ class Planner:
             return False
         if c.dp_shard is not None and c.sharding == "none" and c.dp_shard != c.dp * c.cp:
             return False
-        return self.gbs % (c.micro_batch_size * c.dp) == 0
+        if self.gbs % (c.micro_batch_size * c.dp):
+            return False
+        from megand.training.config import pipeline_schedule_error
+
+        m = self.gbs // (c.micro_batch_size * c.dp)
+        return pipeline_schedule_error(c.pp_schedule, c.pp, c.vpp, m) is None
 
     def best(self, scored, top: int) -> list:
         """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
@@ -437,7 +463,8 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)))
+                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)),
+                     pp_schedule=p.get("pp_schedule") or "1f1b")
 
 
 def predict_config(cfg, cluster, world_size: int):

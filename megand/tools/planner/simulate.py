@@ -4,7 +4,8 @@ Each pipeline rank runs its forwards and backwards in the order of its action li
 executor runs (megand/core/pipeline_parallel/actions.py: 1F1B's ``pp - r - 1`` warm-up forwards, then
 one forward and one backward, then the remaining backwards; interleaved: Megatron's chunk order over
 groups of pp micro-batches; zero bubble ``zb1p``: each backward split into its input-gradient pass ``I``
-and a weight-gradient pass ``W`` placed where the rank would wait). An operation starts when its rank is free and its input has arrived: the previous
+and a weight-gradient pass ``W`` placed where the rank would wait; ``zbv`` and ``dualpipev``: the same
+on a V of two chunks per rank, whose turn at the last rank sends nothing). An operation starts when its rank is free and its input has arrived: the previous
 virtual stage's forward of the same micro-batch (plus the p2p time of that boundary), or the next
 virtual stage's backward (``I`` of a split one); a ``W`` follows its own ``I``. The step's pipeline time, each rank's busy time and the bubble come out of
 the replay, so uneven stages, interleaving and slow links are accounted as they happen, not by the
