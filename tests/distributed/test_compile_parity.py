@@ -11,6 +11,9 @@ CASES = {  # name: (experiment, processes, overrides)
     "gpt-tp2-sp": ("tiny_gpt", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "gpt-pp2": ("tiny_gpt", 2, ["parallel.pp=2"]),
     "llama-pp2": ("tiny_llama", 2, ["parallel.pp=2"]),
+    # zero-bubble: the weight-gradient GEMMs deferred out of the compiled layers' backward into W
+    "llama-pp2-zb1p": ("tiny_llama", 2, ["parallel.pp=2", "parallel.pp_schedule=zb1p"]),
+    "llama-pp2-zbv": ("tiny_llama", 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"]),
     "llama-cp2": ("tiny_llama", 2, ["parallel.cp=2"]),
     "llama-recompute-full": ("tiny_llama", 1, ["train.recompute=full"]),
     "gpt-recompute-selective-tp2": ("tiny_gpt", 2, ["parallel.tp=2", "train.recompute=selective"]),

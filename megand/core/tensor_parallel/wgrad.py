@@ -105,6 +105,8 @@ def weight_grad_op(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, po
     """Run time of a compiled backward's W pass: ``weight.accumulate_grad`` gets ``main += grad^T x`` (the
     policy's product), exactly as in eager mode. Only called where the layer decided to fuse."""
     gemm = _policies[policy]
+    if _deferral:  # queued past this call: the compiled graph may reuse its buffers once the op returns
+        grad, x = grad.clone(), x.clone()
     hand_over(weight.accumulate_grad, lambda main: gemm.add_weight_grad(main, grad, x))
 
 
