@@ -1,6 +1,7 @@
 """``train.compile=true`` (each transformer layer compiled) reproduces the one-process eager run within the
 parity tolerances, composed with the parallel layouts and recomputation, and reports its compile time.
-Compiling on CPU takes a minute or more per process: one default case, the rest marked slow."""
+Compiling on CPU takes a minute or more per process: two default cases (tp with sp, and a zero-bubble
+schedule whose deferred weight-gradient passes leave the compiled backward), the rest marked slow."""
 
 import pytest
 
@@ -19,7 +20,7 @@ CASES = {  # name: (experiment, processes, overrides)
     "gpt-recompute-selective-tp2": ("tiny_gpt", 2, ["parallel.tp=2", "train.recompute=selective"]),
     "llama-dp2-distributed-optimizer": ("tiny_llama", 2, ["optim.sharding=optim"]),
 }
-DEFAULT = {"llama-tp2-sp"}
+DEFAULT = {"llama-tp2-sp", "llama-pp2-zb1p"}
 PARAMS = [pytest.param(name, id=name, marks=() if name in DEFAULT else pytest.mark.slow) for name in CASES]
 
 
