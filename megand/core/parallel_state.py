@@ -356,7 +356,7 @@ class Topology:
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
-    pp_schedule: str = "1f1b"  # the pipeline schedule; a V (zbv, dualpipev) puts the last stage on pp rank 0
+    pp_schedule: str = "1f1b"  # the pipeline schedule (its record places the stages: last_stage_rank)
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -431,23 +431,29 @@ class Topology:
         return self.pp_rank == 0
 
     @property
-    def v_shaped(self) -> bool:
-        """The pipeline runs down the ranks and back up (zbv, dualpipev): rank 0 holds the first and the
-        last virtual stage."""
-        from megand.core.pipeline_parallel.actions import V_SCHEDULES
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (the loss), from the schedule's placement:
+        the last rank, or rank 0 of a V."""
+        from megand.core.pipeline_parallel.registry import schedule_record
 
-        return self.pp_size > 1 and self.pp_schedule in V_SCHEDULES
+        return schedule_record(self.pp_schedule).placement(self.pp_size, self.vpp).last_rank
+
+    @property
+    def tied_copies_on_one_rank(self) -> bool:
+        """The first and the last virtual stage live on one pipeline rank (a V): both copies of a tied
+        word embedding are there, summed locally."""
+        return self.pp_size > 1 and self.last_stage_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
         """Holds the last virtual stage (the loss): the last pp rank, or rank 0 of a V."""
-        return self.pp_rank == (0 if self.v_shaped else self.pp_size - 1)
+        return self.pp_rank == self.last_stage_rank
 
     @property
     def in_embedding_group(self) -> bool:
         """Holds one of the two copies of a tied word embedding that the embedding group sums (a V
         holds both on rank 0, summed there: no group)."""
-        return not self.v_shaped and (self.is_first_stage or self.is_last_stage)
+        return not self.tied_copies_on_one_rank and (self.is_first_stage or self.is_last_stage)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -84,7 +84,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from megand.core.pipeline_parallel.actions import V_SCHEDULES, peak_live_chunks, placement_for
+from megand.core.pipeline_parallel.actions import peak_live_chunks, placement_for
+from megand.core.pipeline_parallel.registry import schedule_record
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
@@ -314,7 +315,7 @@ def _virtual_stages(layout: Layout, stage: int) -> list:
 
 def last_stage(layout: Layout) -> int:
     """The pipeline rank holding the output layer and the loss: the last, or rank 0 of a V schedule."""
-    return 0 if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES else layout.pp - 1
+    return placement_for(layout.pp, layout.vpp if layout.interleaved else 1, layout.pp_schedule).last_rank
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
@@ -328,8 +329,8 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     v = layout.vpp if layout.interleaved else 1
     if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
         m = 2 * pp if v > 1 else pp
-    elif v > 1 and m % pp:  # the executor refuses it; count the next multiple of pp
-        m += pp - m % pp
+    # a count the schedule's rule refuses (the executor would): the next it runs
+    m = schedule_record(layout.pp_schedule).microbatch_rule(pp, v if v > 1 else None).smallest_at_least(m)
     return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 

@@ -363,15 +363,23 @@ def validate(cfg, world_size: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from megand.core.pipeline_parallel.registry import schedule_record
     from megand.training.rampup import ramp_error
 
-    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
+    try:
+        schedule = schedule_record(p.pp_schedule)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    layout_message = schedule.layout_error(p.pp, p.vpp)
+    if layout_message:
+        raise ConfigError(layout_message)
+    rule = schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
+    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
     if ramp_message:
         raise ConfigError(ramp_message)
-    micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
-    schedule_message = pipeline_schedule_error(p.pp_schedule, p.pp, p.vpp, micro_batches,
-                                               f"global batch {t.global_batch_size} / (micro batch "
-                                               f"{t.micro_batch_size} x dp {sizes.dp})")
+    schedule_message = rule.error(t.global_batch_size // (t.micro_batch_size * sizes.dp),
+                                  f"{t.global_batch_size // (t.micro_batch_size * sizes.dp)} = global batch "
+                                  f"{t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
     if schedule_message:
         raise ConfigError(schedule_message)
     try:
@@ -403,32 +411,6 @@ def validate(cfg, world_size: int) -> None:
     validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
-
-
-def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, batch: str = "") -> Optional[str]:
-    """Why ``parallel.pp_schedule=schedule`` cannot run with ``pp`` stages, ``vpp`` chunks per rank and
-    ``micro_batches`` per step (``batch``: how the micro-batches were counted, for the message), or None.
-    validate() and the layout planner share these rules."""
-    from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
-
-    counted = f"{micro_batches} = {batch}" if batch else f"{micro_batches}"
-    if schedule not in SCHEDULES:
-        return f"parallel.pp_schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}"
-    if schedule in V_SCHEDULES and (pp < 2 or vpp != 2):
-        return (f"parallel.pp_schedule={schedule} runs two chunks per rank in a V: it needs "
-                f"parallel.pp >= 2 and parallel.vpp=2 (got pp={pp}, vpp={vpp})")
-    if schedule == "dualpipev" and micro_batches < 2 * pp:
-        return (f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * pp} micro-batches per step "
-                f"({counted})")
-    if schedule == "zb1p" and (pp < 2 or (vpp or 1) > 1):
-        return f"parallel.pp_schedule=zb1p needs parallel.pp >= 2 and one chunk per rank (got pp={pp}, vpp={vpp})"
-    if vpp is not None and schedule == "1f1b":
-        if pp < 2 or vpp < 1:
-            return f"parallel.vpp={vpp} needs parallel.pp >= 2 (got {pp}) and vpp >= 1"
-        if micro_batches % pp:
-            return (f"interleaved pipelining needs the number of micro-batches ({counted}) "
-                    f"to be a multiple of parallel.pp={pp}")
-    return None
 
 
 def validate_mtp(cfg) -> None:

@@ -36,8 +36,8 @@ class ChunkSpec:
 def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
     """The model chunks of pipeline rank ``pp_rank``. With v = len(layers_per_stage) / pp virtual stages
     per rank, chunk ``c`` of rank ``r`` is the virtual stage the schedule's placement gives it: ``c*pp + r``
-    (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V schedule
-    (``zbv``, ``dualpipev``) stage r for chunk 0 and ``2·pp - 1 - r`` for chunk 1."""
+    (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V stage r for
+    chunk 0 and ``2·pp - 1 - r`` for chunk 1."""
     num_stages = len(layers_per_stage)
     placement = placement_for(pp_size, num_stages // pp_size, schedule)
     starts = [sum(layers_per_stage[:i]) for i in range(num_stages)]

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megand.core.distributed import last_backward
-from megand.core.pipeline_parallel.actions import (BACKWARD, FORWARD, INPUT_GRAD, V_SCHEDULES, WEIGHT_GRAD,
-                                                   schedule_actions)
+from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, schedule_actions
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
 from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tensor_shape
 from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
 from megand.core.timing import device_timer
@@ -225,7 +225,7 @@ class _Links:
         return received[0] if received else local_input
 
 
-def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule="1f1b"):
+def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule=DEFAULT_SCHEDULE):
     """This rank's action list."""
     return schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
                             forward_only=forward_only, schedule=schedule)
@@ -262,14 +262,6 @@ def _finish(p2p, steps, topo, stats, chunks):
     return total if any(chunk.post_process for chunk in chunks) else None
 
 
-def forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
-                                                     stats=None, grad_sync=None):
-    """1F1B (one chunk per rank)."""
-    (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
-
-
 def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
@@ -278,53 +270,36 @@ def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forwar
     return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
-                                                  stats=None, grad_sync=None):
-    """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r."""
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+_RUNNERS = {}
 
 
-def forward_backward_zero_bubble_h1(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
-                                    grad_sync=None):
-    """ZB-H1 (one chunk per rank): 1F1B's forwards with each backward split into I and W, the W passes
-    run where the rank would wait for a gradient (megand/core/pipeline_parallel/actions.py)."""
-    (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only, schedule="zb1p")
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+def pipelined(schedule=DEFAULT_SCHEDULE):
+    """The runner of ``parallel.pp_schedule=schedule`` (one per schedule): this rank's action list from
+    the schedule's record (actions.py), run by :func:`run_actions`."""
+    if schedule not in _RUNNERS:
+        def forward_backward(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
+                             grad_sync=None):
+            actions = _actions(chunks, microbatches, topo, forward_only, schedule=schedule)
+            return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+
+        forward_backward.__name__ = f"forward_backward_{schedule}"
+        _RUNNERS[schedule] = forward_backward
+    return _RUNNERS[schedule]
 
 
-def v_schedule(name):
-    """ZB-V (``zbv``) or DualPipeV (``dualpipev``): two chunks per rank on the V placement (chunk 0 of
-    rank r is virtual stage r, chunk 1 stage 2·pp-1-r; the loss on pipeline rank 0), backwards split into
-    I and W (megand/core/pipeline_parallel/actions.py)."""
-
-    def forward_backward_v(chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
-        actions = _actions(chunks, microbatches, topo, forward_only, schedule=name)
-        return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
-
-    forward_backward_v.__name__ = f"forward_backward_{name}"
-    return forward_backward_v
+# 1F1B, interleaved over the chunks when a rank holds more than one: one runner under both names
+forward_backward_pipelining_without_interleaving = forward_backward_pipelining_with_interleaving = pipelined()
 
 
-def get_schedule(topo, fill_drain=False, schedule="1f1b"):
-    """The schedule for this layout: no pipelining (pp=1), 1F1B, interleaved 1F1B (vpp > 1), or the one
-    ``schedule`` (``parallel.pp_schedule``) names."""
+def get_schedule(topo, fill_drain=False, schedule=DEFAULT_SCHEDULE):
+    """The runner for this layout: no pipelining (pp=1), fill-drain (``fill_drain``), or the one
+    ``schedule`` (``parallel.pp_schedule``) names, whose record refuses a layout it cannot run."""
     if topo.pp_size == 1:
         return forward_backward_no_pipelining
-    if schedule == "zb1p":
-        if fill_drain or (topo.vpp or 1) > 1:
-            raise ValueError(f"pipeline schedule zb1p runs one chunk per rank (got vpp={topo.vpp})")
-        return forward_backward_zero_bubble_h1
-    if schedule in V_SCHEDULES:
-        if topo.vpp != 2 or fill_drain:
-            raise ValueError(f"pipeline schedule {schedule} runs two chunks per rank in a V (got vpp={topo.vpp})")
-        return v_schedule(schedule)
-    if schedule != "1f1b":
-        schedule_actions(topo.pp_size, topo.vpp, topo.pp_size, 0, schedule=schedule)  # its one-line refusal
     if fill_drain:
         return forward_backward_fill_drain
-    if topo.vpp is not None and topo.vpp > 1:
-        return forward_backward_pipelining_with_interleaving
-    return forward_backward_pipelining_without_interleaving
-
+    vpp = topo.vpp if (topo.vpp or 1) > 1 else None
+    error = schedule_record(schedule).layout_error(topo.pp_size, vpp)
+    if error:
+        raise ValueError(error)
+    return pipelined(schedule)
