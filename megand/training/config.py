@@ -304,7 +304,8 @@ def check_fp8_device(fp8, device) -> None:
 
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
-    from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
+    from megand.core.parallel_layout import LayoutError, ParallelLayout
+    from megand.core.parallel_state import choose_device_and_backend
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
     from megand.core.transformer.config import resolve_head_dim
 
@@ -325,17 +326,13 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
     check_counts(cfg)
     try:
-        parse_order(p.order)
-        sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+        layout = ParallelLayout.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, vpp=p.vpp, order=p.order,
+                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if p.dp_shard is not None:
-        dp_cp = sizes.dp * sizes.cp
-        if not isinstance(p.dp_shard, int) or p.dp_shard < 1 or dp_cp % p.dp_shard:
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp}"
-                              f" = {dp_cp}")
-        if cfg.optim.sharding == "none" and p.dp_shard != dp_cp:
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
+    sizes = layout.sizes
+    if cfg.optim.sharding == "none" and layout.shard_size != layout.dp_cp:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
@@ -363,17 +360,9 @@ def validate(cfg, world_size: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    from megand.core.pipeline_parallel.registry import schedule_record
     from megand.training.rampup import ramp_error
 
-    try:
-        schedule = schedule_record(p.pp_schedule)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    layout_message = schedule.layout_error(p.pp, p.vpp)
-    if layout_message:
-        raise ConfigError(layout_message)
-    rule = schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
+    rule = layout.schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
     ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
     if ramp_message:
         raise ConfigError(ramp_message)
@@ -407,7 +396,7 @@ def validate(cfg, world_size: int) -> None:
                           f"{m.attention_dropout}: set it to 0")
     if not m.norm_eps > 0:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
-    validate_moe(cfg, sizes)
+    validate_moe(cfg, layout)
     validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
@@ -425,13 +414,9 @@ def validate_mtp(cfg) -> None:
         raise ConfigError(f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
 
 
-def validate_moe(cfg, sizes) -> None:
-    """The Mixture-of-Experts keys and their layout (``sizes``: the inferred parallel sizes)."""
+def validate_moe(cfg, layout) -> None:
+    """The Mixture-of-Experts keys and their layout (``layout``: the run's ParallelLayout, checked)."""
     m, p = cfg.model, cfg.parallel
-    if not isinstance(p.ep, int) or p.ep < 1:
-        raise ConfigError(f"parallel.ep={p.ep} must be a positive integer")
-    if p.etp is not None and p.etp not in (1, p.tp):
-        raise ConfigError(f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp} (or null: tp)")
     if m.num_experts is None:
         if p.ep != 1:
             raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
@@ -457,7 +442,7 @@ def validate_moe(cfg, sizes) -> None:
         if not ok:
             raise ConfigError(message)
     width = m.moe_ffn_hidden_size or m.ffn_hidden_size
-    etp = p.tp if p.etp is None else p.etp
+    etp = layout.expert_tp
     if etp > 1 and width % etp:
         raise ConfigError(f"the routed experts' width {width} (model.moe_ffn_hidden_size, null: ffn_hidden_size) is "
                           f"not divisible by the expert tensor-parallel size parallel.etp={etp}")

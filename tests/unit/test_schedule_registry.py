@@ -57,14 +57,12 @@ def test_the_planner_searches_a_registered_schedule(toy):
     assert "toy_gpipe" in planner.schedules(2, None) and "toy_gpipe" not in planner.schedules(2, 2)
 
 
-def test_topology_reads_the_last_stage_from_the_placement():
-    from types import SimpleNamespace
-
-    from megand.core.parallel_state import Topology
+def test_the_layout_reads_the_last_stage_from_the_placement():
+    from megand.core.parallel_layout import ParallelLayout
 
     for schedule, vpp, last in (("1f1b", None, 3), ("1f1b", 2, 3), ("zb1p", None, 3), ("zbv", 2, 0), ("dualpipev", 2, 0)):
-        topo = SimpleNamespace(pp_schedule=schedule, pp_size=4, vpp=vpp)
-        assert Topology.last_stage_rank.fget(topo) == last == placement_for(4, vpp, schedule).last_rank
+        layout = ParallelLayout(pp=4, vpp=vpp, pp_schedule=schedule)
+        assert layout.last_stage_rank == last == placement_for(4, vpp, schedule).last_rank
 
 
 def test_unknown_and_duplicate_names_are_refused():
