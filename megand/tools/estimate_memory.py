@@ -168,8 +168,8 @@ class Layout:
     @property
     def parallel(self) -> ParallelLayout:
         """The parallel sizes as megand's one layout value (validated and derived there)."""
-        return _parallel_layout(self.tp, self.pp, self.cp, self.dp, self.vpp, self.dp_shard, self.ep, self.etp,
-                                self.pp_schedule)
+        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, dp_shard=self.dp_shard,
+                               ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
 
     @property
     def shards(self) -> int:
@@ -201,8 +201,10 @@ class Layout:
 
 
 @lru_cache(maxsize=4096)
-def _parallel_layout(tp, pp, cp, dp, vpp, dp_shard, ep, etp, pp_schedule) -> ParallelLayout:
-    return ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, dp_shard=dp_shard, ep=ep, etp=etp, pp_schedule=pp_schedule)
+def parallel_layout(**sizes) -> ParallelLayout:
+    """The :class:`ParallelLayout` of ``sizes``, made (and checked) once per distinct layout: the estimator
+    and the planner ask for the same few layouts many times."""
+    return ParallelLayout(**sizes)
 
 
 def state_bytes_per_param(layout: Layout, shards: Optional[int] = None) -> dict:

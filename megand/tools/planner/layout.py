@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.parallel_state import DEFAULT_ORDER, ParallelSizes, rank_coords, rank_groups
+from megand.tools.estimate_memory import parallel_layout
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class Candidate:
     @property
     def fused(self) -> bool:
         return self.precision != "fp32" if self.fused_attention is None else self.fused_attention
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        """The candidate's parallel sizes as megand's one layout value (a LayoutError if they break its rules)."""
+        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, order=self.order,
+                               dp_shard=self.dp_shard, pp_schedule=self.pp_schedule)
 
     @property
     def world_size(self) -> int:

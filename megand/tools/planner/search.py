@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megand.core.pipeline_parallel.actions import placement_for
+from megand.core.parallel_layout import LayoutError
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_names
 from megand.models.flops import Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
@@ -238,7 +238,7 @@ class Planner:
         the last rank only the first and last stages need checking: the others hold fewer micro-batches
         than the first and no embedding or output layer."""
         if (len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None and c.recompute_layers is None
-                and placement_for(c.pp, c.vpp, c.pp_schedule).last_rank == c.pp - 1):
+                and c.parallel.last_stage_rank == c.pp - 1):
             stages = sorted({0, c.pp - 1})
             return all(x <= stage_groups[0].memory_gib for x in self.memory(c, stages))
         return all(x <= g.memory_gib for x, g in zip(self.memory(c), stage_groups))
@@ -332,18 +332,23 @@ class Planner:
                                             yield from self._fitting(c, [group] * pp)
 
     def _quick_valid(self, c: Candidate) -> bool:
-        """The divisibility rules of validate(), in arithmetic (validate() itself runs on the plans kept)."""
+        """The rules of validate(): the parallel layout's own (megand's layout value), the model's and the
+        batch's in arithmetic (validate() itself runs on the plans kept)."""
+        try:
+            layout = c.parallel
+        except LayoutError:
+            return False
         s = self.shape
         if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
             return False
         if s.seq % ((2 * c.cp if c.cp > 1 else 1) * (c.tp if c.sequence_parallel else 1)):
             return False
-        if c.dp_shard is not None and c.sharding == "none" and c.dp_shard != c.dp * c.cp:
+        if c.sharding == "none" and layout.shard_size != layout.dp_cp:
             return False
         if self.gbs % (c.micro_batch_size * c.dp):
             return False
         m = self.gbs // (c.micro_batch_size * c.dp)
-        return schedule_error(c.pp_schedule, c.pp, c.vpp, m) is None
+        return layout.schedule.microbatch_rule(c.pp, c.vpp).error(m) is None
 
     def best(self, scored, top: int) -> list:
         """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
