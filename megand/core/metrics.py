@@ -3,12 +3,12 @@ the ranks, and a set of them crosses the ranks in as few collectives as its rule
 
 A producer returns :class:`Metric` records. Every rank declares the same names (a rank that holds none
 of a value declares it as the rule's neutral value), so :func:`reduce_metrics` packs them in one
-rank-independent order, by name, into one float64 tensor per collective:
+rank-independent order, by name, into float64 tensors:
 
-- every record ``sum`` or ``mean`` (a sum of values over a sum of counts), or every record ``max``: one
-  all-reduce of that op;
-- else one all-reduce per op, unless a record needs every rank's value (``ranks``): then one all-gather
-  carries them all, combined on the host by each record's rule.
+- when a record needs every rank's value (``ranks``), one all-gather carries them all, and the host
+  combines each by its rule;
+- else one all-reduce per op: a sum (``sum``, and ``mean``: a sum of values over a sum of counts) and a
+  max (``max``), only the ops declared.
 
 The result is read to the host once.
 """
@@ -69,6 +69,8 @@ def _combine(m: Metric, rows: list[list[float]], at: int):
 def reduce_metrics(metrics: list[Metric], device, world_size: int, group=None) -> dict:
     """Collective over ``group`` (default: the world, of ``world_size`` ranks): every metric combined over
     the ranks by its rule, ``{name: value}`` in the order given, identical on every rank."""
+    if not metrics:
+        return {}
     names = [m.name for m in metrics]
     if len(set(names)) != len(names):
         raise ValueError(f"metric names declared twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
