@@ -633,11 +633,12 @@ class Trainer:
             "loss_scale": result.loss_scale, "skipped": int(result.skipped),
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
-            "mfu": mfu(flops_per_s, self.peak_flops), "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
+            "mfu": mfu(flops_per_s, self.peak_flops), "iter_time_ms": iter_time * 1e3,
+            "consumed_samples": self.consumed_samples,
             "global_batch_size": self.batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
-            "skipped_total": self.skips.total, **values,
+            "skipped_total": self.skips.total, **values,  # step_metrics(): memory, state and the model's own
         }
         self.writer.write(record)
         self.wandb.log(record, step=self.iteration)

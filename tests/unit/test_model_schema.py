@@ -55,7 +55,8 @@ def test_no_dataclass_but_the_core_config_declares_the_model_keys():
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                names = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                names = {s.target.id for s in node.body
+                         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
                 if len(names & MODEL_FIELDS) > len(MODEL_FIELDS) // 2:
                     declaring.append(f"{path.relative_to(root.parent)}:{node.name}")
     assert declaring == ["megand/core/transformer/config.py:TransformerConfig"]
