@@ -51,7 +51,8 @@ class ParallelSizes:
             raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
         inferred_dp = world_size // model_ranks
         if dp is not None and dp != inferred_dp:
-            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = {inferred_dp}")
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = "
+                              f"{inferred_dp}")
         return cls(tp=tp, cp=cp, dp=inferred_dp, pp=pp)
 
 
@@ -78,7 +79,8 @@ def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = Non
     """The expert tensor-parallel size (``etp=None``: tp); a :class:`LayoutError` naming the values if
     ep does not divide dp*cp or etp is neither 1 nor tp."""
     if not isinstance(ep, int) or ep < 1 or (sizes.dp * sizes.cp) % ep:
-        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = {sizes.dp * sizes.cp}")
+        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = "
+                          f"{sizes.dp * sizes.cp}")
     etp = sizes.tp if etp is None else etp
     if etp not in (1, sizes.tp):
         raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
@@ -160,6 +162,11 @@ class ParallelLayout:
     def edp(self) -> int:
         """Ranks holding the same expert shard (expert data parallelism): tp·dp·cp / (ep·etp)."""
         return self.stage_size // (self.ep * self.expert_tp)
+
+    def sequence_multiple(self, sequence_parallel: bool) -> int:
+        """What the sequence length must be a multiple of: 2·cp load-balanced chunks under context
+        parallelism, times tp under sequence parallelism."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if sequence_parallel else 1)
 
     @property
     def chunks(self) -> int:

@@ -303,7 +303,7 @@ def validate(cfg, world_size: int) -> None:
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
          f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
     ]
-    seq_multiple = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
+    seq_multiple = layout.sequence_multiple(p.sequence_parallel)
     checks.append((m.seq_length % seq_multiple == 0,
                    f"model.seq_length={m.seq_length} is not divisible by {seq_multiple} "
                    f"(2*cp={2 * p.cp if p.cp > 1 else 1} x tp={p.tp if p.sequence_parallel else 1} under sequence parallelism)"))
@@ -316,9 +316,9 @@ def validate(cfg, world_size: int) -> None:
     ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
     if ramp_message:
         raise ConfigError(ramp_message)
-    schedule_message = rule.error(t.global_batch_size // (t.micro_batch_size * sizes.dp),
-                                  f"{t.global_batch_size // (t.micro_batch_size * sizes.dp)} = global batch "
-                                  f"{t.global_batch_size} / (micro batch {t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
+    micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+    schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro batch "
+                                                 f"{t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
     if schedule_message:
         raise ConfigError(schedule_message)
     try:

@@ -19,7 +19,8 @@ GPIPE = PipelineSchedule(
     name="toy_gpipe", title="GPipe", summary="every forward, then every backward",
     order=lambda pp, vpp, rank, m: one_f_one_b_order(pp, rank, m, num_warmup=m), chunks=1, min_pp=2,
     needs="needs parallel.pp >= 2 and one chunk per rank",
-    microbatches=lambda pp, vpp: MicrobatchRule(who="parallel.pp_schedule=toy_gpipe", minimum=pp, minimum_is=f"pp = {pp}"))
+    microbatches=lambda pp, vpp: MicrobatchRule(who="parallel.pp_schedule=toy_gpipe", minimum=pp,
+                                                minimum_is=f"pp = {pp}"))
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def test_a_registered_schedule_is_read_everywhere(toy):
 
     base = ["+experiment=tiny_gpt", "parallel.pp_schedule=toy_gpipe", "train.micro_batch_size=1"]
     validate(compose([*base, "parallel.pp=2"]), 2)
-    with pytest.raises(ConfigError, match=r"toy_gpipe needs parallel.pp >= 2 and one chunk per rank \(got pp=2, vpp=2\)"):
+    with pytest.raises(ConfigError, match=r"toy_gpipe needs parallel.pp >= 2 and one chunk per rank "
+                                          r"\(got pp=2, vpp=2\)"):
         validate(compose([*base, "parallel.pp=2", "parallel.vpp=2"]), 2)
     with pytest.raises(ConfigError, match=r"reaches a global batch of 1: 1 micro-batches, fewer than the pp = 2"):
         validate(compose([*base, "parallel.pp=2", "train.rampup_batch_size=[1,1,4]"]), 2)
@@ -60,7 +62,8 @@ def test_the_planner_searches_a_registered_schedule(toy):
 def test_the_layout_reads_the_last_stage_from_the_placement():
     from megand.core.parallel_layout import ParallelLayout
 
-    for schedule, vpp, last in (("1f1b", None, 3), ("1f1b", 2, 3), ("zb1p", None, 3), ("zbv", 2, 0), ("dualpipev", 2, 0)):
+    for schedule, vpp, last in (("1f1b", None, 3), ("1f1b", 2, 3), ("zb1p", None, 3), ("zbv", 2, 0),
+                                ("dualpipev", 2, 0)):
         layout = ParallelLayout(pp=4, vpp=vpp, pp_schedule=schedule)
         assert layout.last_stage_rank == last == placement_for(4, vpp, schedule).last_rank
 
@@ -97,7 +100,7 @@ def test_no_module_compares_a_schedule_name():
     names = set(schedule_names())
     orders = ROOT / "megand" / "core" / "pipeline_parallel" / "orders"
     found = {}
-    for path in [*(ROOT / "megand").rglob("*.py"), *(ROOT / "tools").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]:
+    for path in [p for top in ("megand", "tools", "benchmarks") for p in (ROOT / top).rglob("*.py")]:
         if orders in path.parents:
             continue
         hits = _compared_names(path, names)

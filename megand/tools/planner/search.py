@@ -7,7 +7,8 @@ recompute that fits (and, unless ``train.recompute_layers`` is pinned, each rank
 fewest of its layers that fit its memory: ranks with fewer micro-batches in flight recompute less), the
 pipeline schedule (every registered one, megand/core/pipeline_parallel/orders/, each replayed on its own
 action list and counted with its own activations in flight; which schedule runs with which vpp and
-micro-batch count is its record's rule, the one the training config checks); dp takes the devices left (the largest that divides the batch). Every pinned key
+micro-batch count is its record's rule, the one the training config checks); dp takes the devices left
+(the largest that divides the batch). Every pinned key
 (a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
 do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
 timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
@@ -341,7 +342,7 @@ class Planner:
         s = self.shape
         if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
             return False
-        if s.seq % ((2 * c.cp if c.cp > 1 else 1) * (c.tp if c.sequence_parallel else 1)):
+        if s.seq % layout.sequence_multiple(c.sequence_parallel):
             return False
         if c.sharding == "none" and layout.shard_size != layout.dp_cp:
             return False
