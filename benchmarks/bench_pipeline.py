@@ -76,7 +76,7 @@ def _rank_main(overrides, steps, warmup):
     return dict(stage=trainer.topo.pp_rank, chunks=len(trainer.chunks), **mean)
 
 
-def bench(pp, vpp, m, steps, warmup, extra, schedule="1f1b"):
+def bench(pp, vpp, m, steps, warmup, extra, schedule=DEFAULT_SCHEDULE):
     from megand.tools.spawn import run_distributed
     from megand.training.config import compose
 

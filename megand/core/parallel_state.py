@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megand.core.parallel_layout import (DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, ParallelSizes,
                                          check_dp_shard, check_expert_layout, parse_order)
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 # Every group a run needs, as the grid dimensions it spans.
 GROUP_DIMS = {
@@ -285,7 +286,7 @@ class TopologyConfig:
     dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = DEFAULT_SCHEDULE
     timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
 
 
@@ -306,7 +307,7 @@ class Topology:
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
-    pp_schedule: str = "1f1b"  # the pipeline schedule (its record places the stages: last_stage_rank)
+    pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (its record places the stages: last_stage_rank)
 
     def __post_init__(self):
         self.rank = dist.get_rank()

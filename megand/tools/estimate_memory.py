@@ -88,6 +88,7 @@ from typing import Any, Mapping, Optional
 from megand.core.parallel_layout import ParallelLayout, ParallelSizes
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 
@@ -114,7 +115,7 @@ class Layout:
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
-    pp_schedule: str = "1f1b"          # parallel.pp_schedule (zb1p: W passes hold their operands longer)
+    pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule (zb1p: W passes hold their operands longer)
     fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
     fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
 
@@ -156,7 +157,8 @@ class Layout:
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
-                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b",
+                   optimizer=optim.get("name") or "adamw",
+                   pp_schedule=parallel.get("pp_schedule") or DEFAULT_SCHEDULE,
                    fp8_gather=None if train.get("compile") else train.get("fp8"),
                    fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
 

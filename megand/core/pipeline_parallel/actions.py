@@ -108,6 +108,6 @@ def live_chunks(actions) -> int:
 
 
 @lru_cache(maxsize=4096)
-def peak_live_chunks(pp: int, vpp: Optional[int], m: int, rank: int, schedule: str = "1f1b") -> int:
+def peak_live_chunks(pp: int, vpp: Optional[int], m: int, rank: int, schedule: str = DEFAULT_SCHEDULE) -> int:
     """:func:`live_chunks` of rank ``rank``'s schedule (cached: the planner asks it for many layouts)."""
     return live_chunks(schedule_actions(pp, vpp, m, rank, schedule=schedule))

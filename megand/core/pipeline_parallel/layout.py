@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from megand.core.pipeline_parallel.actions import placement_for
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 
 class PipelineLayoutError(ValueError):
@@ -33,7 +34,8 @@ class ChunkSpec:
     post_process: bool  # holds the final norm, output layer and loss
 
 
-def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
+def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int,
+                schedule: str = DEFAULT_SCHEDULE) -> list[ChunkSpec]:
     """The model chunks of pipeline rank ``pp_rank``. With v = len(layers_per_stage) / pp virtual stages
     per rank, chunk ``c`` of rank ``r`` is the virtual stage the schedule's placement gives it: ``c*pp + r``
     (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V stage r for
@@ -77,6 +79,6 @@ class PipelinePlan:
     layers_per_stage: tuple
     recompute_ids: frozenset | None = None
 
-    def chunks(self, pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
+    def chunks(self, pp_size: int, pp_rank: int, schedule: str = DEFAULT_SCHEDULE) -> list[ChunkSpec]:
         """The model chunks of pipeline rank ``pp_rank`` (see :func:`chunk_specs`)."""
         return chunk_specs(list(self.layers_per_stage), pp_size, pp_rank, schedule)
