@@ -85,6 +85,10 @@ class Rehearsed(dict):
 
 @pytest.fixture(scope="module")
 def rehearsed():
+    from megand.tools.fake_cuda import refusal
+
+    if refusal():  # a CUDA build of torch (a GPU machine): the stand-in runtime cannot load there
+        pytest.skip(refusal())
     default = {k: v for k, v in PRESETS.items() if k not in SLOW_PRESETS}
     return Rehearsed(rehearse_cases({**default, **LAYOUTS, **{k: v for k, (v, _) in CAUGHT.items()}, **EXTRA}))
 
@@ -193,6 +197,25 @@ def test_layout_keeps_its_host_syncs(rehearsed, name):
     result = rehearsed[name]  # the rehearsal exits 1 naming the source line when the step syncs more
     assert result["code"] == 0, f"{CAUGHT[name][1]}: {result['error']}"
     _syncs_within_allowance(result["report"])
+
+
+def test_a_cuda_build_of_torch_is_refused_in_one_line(tmp_path, monkeypatch):
+    """On a CUDA build the stand-in's CUDA hooks would be registered a second time (libtorch_cuda's), and
+    c10 ends the process with no message: the rehearsal refuses first, reading the build without torch
+    (before: the child was started and exited 1 silently)."""
+    from megand.tools import fake_cuda
+    from megand.tools.rehearse import main
+
+    (tmp_path / "version.py").write_text("from typing import Optional\n__version__ = '2.11.0+cu130'\n"
+                                         "cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n")
+    assert fake_cuda.torch_cuda_version(str(tmp_path)) == "13.0"
+    assert fake_cuda.torch_cuda_version() == torch.version.cuda
+    monkeypatch.setattr(fake_cuda, "_torch_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(fake_cuda, "runtime_loaded", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["+experiment=tiny_llama", "--device", "cuda"])
+    message = str(exit_.value.code)
+    assert len(message.splitlines()) == 1 and "CUDA 13.0" in message and message.startswith("rehearse: "), message
 
 
 # -- the rules, in this process, on fake CUDA tensors (no backward: the runtime stand-in is not loaded) ----
