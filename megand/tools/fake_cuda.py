@@ -218,10 +218,13 @@ class CudaRuntime:
     ``sync(what)``: called for every host wait the runtime stands in for (``synchronize``, event and
     stream waits, memory statistics that a real run would only read, not wait for, are not syncs).
     ``live_bytes()`` / ``peak_bytes()`` / ``reset_peak()``: the rehearsal's memory count, served as
-    ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats``."""
+    ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats``; ``name``,
+    ``total_bytes``, ``capability`` and ``sms``: the device's properties as torch reports them."""
 
-    def __init__(self, name: str, total_bytes: int, sync, live_bytes, peak_bytes, reset_peak, devices: int = 8):
+    def __init__(self, name: str, total_bytes: int, sync, live_bytes, peak_bytes, reset_peak, devices: int = 8,
+                 capability: tuple[int, int] = (9, 0), sms: int = 132):
         self.name, self.total_bytes, self.devices = name, total_bytes, devices
+        self.capability, self.sms = tuple(capability), sms
         self.sync, self.live_bytes, self.peak_bytes, self.reset_peak = sync, live_bytes, peak_bytes, reset_peak
         self.current = 0
         self.states: dict[int, tuple[int, int]] = {}  # device index -> (seed, offset)
@@ -304,14 +307,15 @@ class CudaRuntime:
         import torch
         from unittest import mock
 
+        major, minor = self.capability
         props = type("FakeDeviceProperties", (), {"name": self.name, "total_memory": self.total_bytes,
-                                                  "major": 9, "minor": 0, "multi_processor_count": 132})()
+                                                  "major": major, "minor": minor, "multi_processor_count": self.sms})()
         runtime = self
         patches = {
             "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: self.devices,
             "current_device": lambda: self.current, "set_device": self._set_device,
             "get_device_name": lambda device=None: self.name, "get_device_properties": lambda device=None: props,
-            "get_device_capability": lambda device=None: (9, 0), "is_bf16_supported": lambda *a, **k: True,
+            "get_device_capability": lambda device=None: self.capability, "is_bf16_supported": lambda *a, **k: True,
             "mem_get_info": lambda device=None: (self.total_bytes - self.live_bytes(), self.total_bytes),
             "memory_allocated": lambda device=None: self.live_bytes(),
             "max_memory_allocated": lambda device=None: self.peak_bytes(),
