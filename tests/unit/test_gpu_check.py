@@ -100,9 +100,9 @@ def test_children_keep_the_callers_import_path(monkeypatch, tmp_path):
 
 
 def test_the_cuda_test_subset_exists():
-    from megand.tools.gpu_check import CUDA_TESTS, ROOT
+    from megand.tools.gpu_check import CUDA_BUILD_TESTS, CUDA_TESTS, ROOT
 
-    assert all(os.path.isfile(os.path.join(ROOT, "tests", "unit", name)) for name in CUDA_TESTS)
+    assert all(os.path.isfile(os.path.join(ROOT, "tests", "unit", name)) for name in CUDA_TESTS + CUDA_BUILD_TESTS)
 
 
 def test_attention_kernel_is_read_from_what_ran():
