@@ -66,7 +66,7 @@ $(GPU_VENV)/.installed: pyproject.toml
 # The Python the GPU targets run: $(GPU_VENV) when $(PYTHON) has its own torch (nothing installs torch there), else
 # $(VENV) with $(TORCH).
 RUN_PYTHON = if $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; \
-	then $(MAKE) -s gpu-install && py=$(GPU_VENV)/bin/python; else $(MAKE) -s install && py=$(VENV)/bin/python; fi
+	then $(MAKE) -s gpu-install || exit $$?; py=$(GPU_VENV)/bin/python; else $(MAKE) -s install || exit $$?; py=$(VENV)/bin/python; fi
 
 # On a CUDA machine (one GPU is enough; about 5 minutes on one H200, compilations included): a CUDA-relevant test
 # subset, bf16 throughput of llama_1b (seq 4096) and gpt2_125m next to transformers, FP8 against bf16, the CUDA-only
@@ -78,4 +78,5 @@ gpu-check:
 
 # The first command on a lent GPU (docs/gpu.md): the figures to record, about 10 minutes on one H200, offline.
 gpu-first:
-	@$(RUN_PYTHON); OMP_NUM_THREADS=8 $$py tools/gpu_check.py --preset first --out gpu_first.json
+	@$(RUN_PYTHON); OMP_NUM_THREADS=8 $$py tools/gpu_check.py --preset first --out gpu_first.json \
+	    $(if $(wildcard gpu_first_rehearsal.json),--rehearsal gpu_first_rehearsal.json)
