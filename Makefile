@@ -45,7 +45,7 @@ wheelhouse:
 	$(PYTHON) -m pip wheel -q --no-deps -w $(WHEELHOUSE) 'antlr4-python3-runtime==4.9.*'
 	$(PYTHON) -m pip download -q -d $(WHEELHOUSE) --find-links $(WHEELHOUSE) --only-binary=:all: \
 	    --python-version $(WHEEL_PYTHON) --implementation cp $(WHEEL_PLATFORMS) \
-	    'setuptools>=68' $(or $(WHEEL_PACKAGES),$(shell $(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['dev'] if not d.startswith('torch')))"))
+	    'setuptools>=68' $(or $(WHEEL_PACKAGES),$(shell $(PYTHON) -c "import sys; toml = __import__('tomllib') if sys.version_info >= (3, 11) else __import__('pip._vendor.tomli', fromlist=['loads']); p = toml.loads(open('pyproject.toml').read())['project']; print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['dev'] if not d.startswith('torch')))"))
 	@du -sh $(WHEELHOUSE)
 
 # A virtual environment over $(PYTHON), which already has torch: it sees every package $(PYTHON) sees (a .pth file

@@ -150,3 +150,32 @@ def test_compile_check_fails_when_a_layer_function_recompiles(one_process_world,
     recompiled = any(n > 1 for n in versions.values())
     assert result["status"] == ("failed" if recompiled else "ok"), result
     assert not recompiled or "recompiled" in result["error"]
+
+
+def test_offline_install_uses_the_machines_torch_and_the_wheelhouse(tmp_path):
+    """``make gpu-install`` on a Python that has torch: a venv that sees it, megand from ``wheelhouse/`` with no
+    index, nothing installing torch; ``make wheelhouse``: every dependency but torch, antlr4 built from source."""
+    import shutil
+    import sys
+    import tomllib
+
+    from megand.tools.gpu_check import ROOT
+
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "wheelhouse").mkdir()
+    (tmp_path / "wheelhouse" / "hydra_core-1.3.8-py3-none-any.whl").write_text("")
+
+    def dry_run(*args):
+        return subprocess.run(["make", "-n", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    install = dry_run("gpu-install", f"PYTHON={sys.executable}")
+    assert "-m venv --system-site-packages .venv-gpu" in install and "megand_base_python.pth" in install
+    pip = [line for line in install.splitlines() if "pip install" in line]
+    assert len(pip) == 1 and "--no-index --find-links wheelhouse -e '.[dev]'" in pip[0] and "torch" not in pip[0]
+    wheels = dry_run("wheelhouse")
+    assert "pip wheel -q --no-deps -w wheelhouse 'antlr4-python3-runtime==4.9.*'" in wheels
+    assert "--only-binary=:all: " in wheels and "--python-version 3.12" in wheels
+    project = tomllib.loads((tmp_path / "pyproject.toml").read_text())["project"]
+    wanted = [d for d in project["dependencies"] + project["optional-dependencies"]["dev"] if not d.startswith("torch")]
+    assert all(f"'{d}'" in wheels for d in wanted) and "'torch" not in wheels
