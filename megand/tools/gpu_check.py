@@ -216,7 +216,8 @@ def check_compile_speedup(args) -> dict:
     the warm-up steps take the compilation."""
     need_cuda()
     base = _sizes(args, "throughput_llama_1b")
-    runs = {name: megand_run(args, base + extra)[1] for name, extra in (("eager", []), ("compiled", ["train.compile=true"]))}
+    runs = {name: megand_run(args, base + extra)[1]
+            for name, extra in (("eager", []), ("compiled", ["train.compile=true"]))}
     keys = ("tokens_per_s", "mfu", "step_time_median_s", "mem_peak_bytes", "loss_first", "loss_last")
     figures = {name: {k: run.get(k) for k in keys} for name, run in runs.items()}
     figures["compile_speedup"] = runs["compiled"]["tokens_per_s"] / runs["eager"]["tokens_per_s"]
@@ -615,7 +616,8 @@ def main(argv=None) -> list[dict]:
     if args.list:
         for name in CHECKS:
             needs = 'needs ' + NEEDS[name] if name in NEEDS else 'runs anywhere'
-            print(f"{name:<22} {needs:<24} budget {BUDGET_S[name]:>4} s{'' if name in PRESETS['check'] else '  (--preset first)'}")
+            preset = "" if name in PRESETS["check"] else "  (--preset first)"
+            print(f"{name:<22} {needs:<24} budget {BUDGET_S[name]:>4} s{preset}")
         return []
     if args.rehearse_first:
         rehearse_first(args.rehearse_first)

@@ -151,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="play the rank on the CPU's kernels or as on a CUDA/NCCL node (fake CUDA tensors)")
     p.add_argument("--device-profile", choices=sorted(DEVICES), default=DEFAULT,
-                   help=f"the GPU played (--device cuda): its compute capability, kernels and memory (default {DEFAULT})")
+                   help=f"the GPU played (--device cuda): its compute capability, kernels and memory "
+                        f"(default {DEFAULT})")
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="the memory a rank may use on the device, GiB (default: the profile's usable memory: its "
                         "reported total less the CUDA context); the fit verdict keeps a margin below it")
@@ -514,13 +515,14 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
         lines.append(f"FlexAttention block masks created in the step: {result['block_masks_created']}; "
                      f"process groups created: {result['groups_created']}")
     if "warnings" in result:
-        lines.append("kernel fallbacks: " + ("none" if not result["warnings"] else ""))
+        lines.append("kernel fallbacks: " + ("none" if not result["warnings"] else "(warnings: the rank runs, slower)"))
         lines += [f"  warning: {w['count']:>4} x {w['warning']} at {w['where']}" for w in result["warnings"]]
     if "fit" in result:
         f = result["fit"]
         verdict = "yes" if f["fits"] else "NO (within the margin)" if f["within_margin"] else "NO"
+        room = max(f["device_memory_bytes"] - f["margin_bytes"], 0)
         lines.append(f"fit: {verdict}: peak {_gib(f['peak_bytes'])} ({f['phase']}) of {_gib(f['device_memory_bytes'])} "
-                     f"usable, less a margin of {_gib(f['margin_bytes'])}: {_gib(f['device_memory_bytes'] - f['margin_bytes'])}")
+                     f"usable, less a margin of {_gib(f['margin_bytes'])}: {_gib(room)}")
     return "\n".join(lines)
 
 
@@ -534,7 +536,7 @@ def failures(result: dict) -> list[str]:
                      f"{top['kind']} at {top['where']})")
     if "fit" in result and not result["fit"]["fits"]:
         f = result["fit"]
-        room = f["device_memory_bytes"] - f["margin_bytes"]
+        room = max(f["device_memory_bytes"] - f["margin_bytes"], 0)
         lines.append(f"rehearse: rank {result['rank']} does not fit: {f['phase']} peaks at {_gib(f['peak_bytes'])} "
                      f"({f['peak_bytes']:,} bytes), the device holds {_gib(f['device_memory_bytes'])} usable"
                      + (f", within the margin of {_gib(f['margin_bytes'])} kept below it (a fit is at most "
