@@ -127,7 +127,8 @@ def test_dense_preset_rank_runs_as_on_its_gpus(rehearsed, name):
     assert abs(peak["build"] / est["build"] - 1) <= 0.02, (peak, est)
     assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.10, (peak, est)
     s = report["syncs"]
-    assert s["per_line"][-1]["where"].startswith("megand/training/pretrain.py") and s["step"] <= s["allowed"]
+    # the step's one read: the agreed values, reduced by name in core/metrics.py
+    assert s["per_line"][-1]["where"].startswith("megand/core/metrics.py") and s["step"] <= s["allowed"]
 
 
 @pytest.mark.parametrize("name", MOE_PRESETS)
