@@ -93,9 +93,6 @@ def model_config(config) -> dict:
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     if getattr(config, "rope_interleave", True) is False:
         raise ValueError("rope_interleave=false: the adapter reads DeepSeek's interleaved RoPE rows only")
-    if (config.num_key_value_heads or config.num_attention_heads) != config.num_attention_heads:
-        raise ValueError(f"num_key_value_heads={config.num_key_value_heads}: latent attention has one key and value "
-                         f"per head (num_attention_heads={config.num_attention_heads})")
     for key, value in PUBLISHED.items():
         if getattr(config, key, value) != value:
             raise ValueError(f"{key}={getattr(config, key)!r}: DeepSeek-V3's model (and megand's) has {key}={value!r}")
@@ -204,16 +201,17 @@ def _layer_rules(m: dict, p: str, q: str, moe: bool, rope_interleave: bool) -> l
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", expresses=EXPRESSES, marks=LLAMA_MARKS | {"kv_lora_rank"},
                 reads=frozenset({
-                    "attention_bias", "hidden_act", "rope_interleave", "num_key_value_heads", "rope_parameters",
-                    "rope_theta", "rope_scaling", "partial_rotary_factor", "num_hidden_layers", "hidden_size",
-                    "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "vocab_size", "rms_norm_eps",
-                    "tie_word_embeddings", "initializer_range", "num_nextn_predict_layers", "first_k_dense_replace",
-                    "n_group", "topk_group", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                    "n_shared_experts", "routed_scaling_factor", "norm_topk_prob", *PUBLISHED}),
-                # head_dim, qk_head_dim: derived (the rope and the nope + rope widths); pretraining_tp: unread by
-                # transformers; ep_size, seq_aux, aux_loss_alpha: DeepSeek's training (layout, auxiliary loss);
-                # auto_map: DeepSeek's own code, which transformers' class replaces
-                ignores=DROPOUT | {"head_dim", "qk_head_dim", "pretraining_tp", "output_router_logits", "ep_size",
-                                   "seq_aux", "aux_loss_alpha", "auto_map"},
+                    "attention_bias", "hidden_act", "rope_interleave", "rope_parameters", "rope_theta", "rope_scaling",
+                    "partial_rotary_factor", "num_hidden_layers", "hidden_size", "intermediate_size",
+                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "max_position_embeddings", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+                    "initializer_range", "num_nextn_predict_layers", "first_k_dense_replace", "n_group", "topk_group",
+                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                    "routed_scaling_factor", "norm_topk_prob", *PUBLISHED}),
+                # head_dim, qk_head_dim: derived (the rope and the nope + rope widths); num_key_value_heads: keys and
+                # values come per head from the latent (DeepseekV3Config's default is 128 whatever the heads);
+                # pretraining_tp: unread by transformers; ep_size, seq_aux, aux_loss_alpha: DeepSeek's training
+                # (layout, auxiliary loss); auto_map: DeepSeek's own code, which transformers' class replaces
+                ignores=DROPOUT | {"head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp",
+                                   "output_router_logits", "ep_size", "seq_aux", "aux_loss_alpha", "auto_map"},
                 hf_config=hf_config, model_config=model_config, rules=rules, mtp_marker=mtp_marker)
