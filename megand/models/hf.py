@@ -3,10 +3,10 @@
 An adapter (one ``hf_<family>.py`` module, registered in :mod:`megand.models.hf_families`) is the one place
 that knows how megand's full tensors map to one ``transformers`` architecture: its :class:`Family` record
 (the ``model_type`` it reads and writes, the architecture keys it expresses, the ``config.json`` keys it
-reads or knowingly ignores), its config (both ways) and one :class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
-of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
-one tensor at a time and on meta tensors, so conversion streams and shapes are checked before any data
-is read.
+reads or knowingly ignores), its config (both ways) and one :class:`Rule` per megand tensor. The fused
+layouts are not re-encoded here: the rules call the functions of the layers that define them
+(``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work one tensor at a time and on meta
+tensors, so conversion streams and shapes are checked before any data is read.
 """
 
 from __future__ import annotations
@@ -112,13 +112,6 @@ def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
     shape = TransformerConfig.from_model(m)
     return shape.hidden_size, shape.num_attention_heads, shape.query_groups, shape.head_dim
-
-
-def head_dim_derived(m: Mapping[str, Any]) -> bool:
-    """Whether the head width is the schema's derived one (architectures without a ``head_dim`` of their own)."""
-    from megand.core.transformer.config import resolve_head_dim
-
-    return m.get("head_dim") in (None, resolve_head_dim(m["hidden_size"], m["num_attention_heads"]))
 
 
 def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:

@@ -31,7 +31,8 @@ EXPRESSES = {**LLAMA_SHAPE, **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "qk_
                                              "v_head_dim", "mtp_layers")),
              "num_experts": DEEPSEEK_MOE, "moe_router": equals("moe_router", "sigmoid"),
              **dict.fromkeys(("moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_norm_topk_prob",
-                              "moe_n_group", "moe_topk_group", "moe_routed_scaling_factor", "moe_first_k_dense_replace"))}
+                              "moe_n_group", "moe_topk_group", "moe_routed_scaling_factor",
+                              "moe_first_k_dense_replace"))}
 # config.json keys of DeepSeek's published files that transformers' class does not read but that would change the
 # model: read, and refused where they differ from what that class (and megand) computes
 PUBLISHED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}

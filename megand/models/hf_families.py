@@ -48,11 +48,10 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
     a number of query groups equal to the derived one counts as unset, and so do keys with no effect in this
     model (MoE keys of a dense model, RoPE theta without RoPE, latent widths without latent attention)."""
     out = {k: m[k] for k in ARCHITECTURE_FIELDS if k in m and m[k] != _DEFAULTS[k]}
-    heads = m.get("num_attention_heads", _DEFAULTS["num_attention_heads"])
+    hidden, heads = (m.get(k, _DEFAULTS[k]) for k in ("hidden_size", "num_attention_heads"))
     if out.get("num_query_groups") == heads:
         del out["num_query_groups"]
-    if "head_dim" in out and (m.get("kv_lora_rank") is not None
-                              or out["head_dim"] == resolve_head_dim(m.get("hidden_size", _DEFAULTS["hidden_size"]), heads)):
+    if "head_dim" in out and (m.get("kv_lora_rank") is not None or out["head_dim"] == resolve_head_dim(hidden, heads)):
         del out["head_dim"]
     inert = set()
     if not m.get("num_experts"):

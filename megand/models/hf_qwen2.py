@@ -33,6 +33,7 @@ def rules(m: dict):
 
 # no head_dim of its own: Qwen2Config derives it from hidden/heads
 FAMILY = Family("qwen2", "Qwen2ForCausalLM",
-                expresses={**LLAMA_SHAPE, "num_query_groups": None, "qkv_bias": None, "sliding_window": ONE_WINDOW_SIZE},
+                expresses={**LLAMA_SHAPE, "num_query_groups": None, "qkv_bias": None,
+                           "sliding_window": ONE_WINDOW_SIZE},
                 marks=LLAMA_MARKS | {"qkv_bias"}, reads=LLAMA_LIKE_READS | QWEN_WINDOW_READS, ignores=DROPOUT,
                 hf_config=hf_config, model_config=model_config, rules=rules)

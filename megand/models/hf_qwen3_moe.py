@@ -14,7 +14,8 @@ from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_
                                     llama_like_config, rope_parameters)
 from megand.models.hf_qwen2_moe import QWEN_MOE, QWEN_MOE_READS, _layer_freq, expert_width, moe_model_rules
 
-EVERY_LAYER = When("one window for every layer (an int)", lambda m: not isinstance(m.get("sliding_window"), (list, tuple)))
+EVERY_LAYER = When("one window for every layer (an int)",
+                   lambda m: not isinstance(m.get("sliding_window"), (list, tuple)))
 
 
 def hf_config(m: dict):

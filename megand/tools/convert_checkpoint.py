@@ -1,8 +1,8 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
-        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> the one family ({families})
-        that expresses every architecture key the model sets: safetensors shards
+        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> the one Hugging Face family
+        that expresses every architecture key the model sets ({families}): safetensors shards
         (+ model.safetensors.index.json when there are several) and config.json; a key no family expresses,
         or a tensor the family's rules do not cover, is refused before anything is written
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]

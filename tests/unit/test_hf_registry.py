@@ -120,3 +120,10 @@ def test_deepseeks_published_keys_import():
     published = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "ep_size": 1,
                  "seq_aux": True, "aux_loss_alpha": 0.001, "auto_map": {}, "pretraining_tp": 1}
     assert hf_families.unread_keys(family, published) == []
+
+
+def test_the_help_lists_the_registered_families(capsys):
+    for argv in (["--help"], ["import", "--help"]):
+        with pytest.raises(SystemExit):
+            convert_checkpoint.main(argv)
+        assert " ".join(capsys.readouterr().out.split()).count(hf_families.family_names()) == 1
