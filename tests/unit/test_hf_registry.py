@@ -6,8 +6,9 @@ import itertools
 import json
 
 import pytest
+from safetensors import safe_open
 
-from megand.models import hf_families
+from megand.models import full, hf, hf_families
 from megand.tools import convert_checkpoint
 
 BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, seq_length=32,
@@ -71,6 +72,28 @@ def test_what_no_family_expresses_is_named(monkeypatch):
     monkeypatch.setattr(hf_families, "FAMILIES", {"gpt2": hf_families.FAMILIES["gpt2"]})
     with pytest.raises(ValueError, match=r"^no Hugging Face family expresses model.qk_norm=True \(families: gpt2\)$"):
         hf_families.family_for_model(dict(BASE, qk_norm=True))
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_rules_cover_the_model_and_write_the_files_transformers_writes(name, tmp_path):
+    """Every tensor of the model has its rule, and the rules' Hugging Face names and shapes are those
+    ``save_pretrained`` writes for the family's transformers model of the same config (DeepSeek's multi-token
+    prediction module, which transformers' class drops, is tested in tests/distributed/test_hf_deepseek_v3.py)."""
+    m = {k: v for k, v in FAMILY_MODELS[name].items() if k != "mtp_layers"}
+    family = hf_families.family_for_model(m)
+    shapes = full.checkpoint_shapes(m)
+    rules = family.rules(m)
+    assert sorted(r.megand for r in rules) == sorted(shapes)
+    ours = {n: s for r in rules for n, s in r.hf_shapes(shapes[r.megand]).items()}
+    assert len(ours) == sum(len(r.hf) for r in rules)
+    model = hf.build_hf_model(m)
+    assert type(model).__name__ == family.model_class
+    model.save_pretrained(str(tmp_path))
+    theirs = {}
+    for path in sorted(tmp_path.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            theirs.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    assert ours == theirs
 
 
 def write_config(tmp_path, name, **changes):
