@@ -46,7 +46,8 @@ def family_names() -> str:
 def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
     """The architecture keys of a megand ``model`` config set apart from the schema's defaults: a head width or
     a number of query groups equal to the derived one counts as unset, and so do keys with no effect in this
-    model (MoE keys of a dense model, RoPE theta without RoPE, latent widths without latent attention)."""
+    model (MoE keys of a dense model, a shared experts' gate without shared experts, RoPE theta without RoPE,
+    latent widths without latent attention)."""
     out = {k: m[k] for k in ARCHITECTURE_FIELDS if k in m and m[k] != _DEFAULTS[k]}
     hidden, heads = (m.get(k, _DEFAULTS[k]) for k in ("hidden_size", "num_attention_heads"))
     if out.get("num_query_groups") == heads:
@@ -56,6 +57,8 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
     inert = set()
     if not m.get("num_experts"):
         inert |= _MOE
+    if not m.get("moe_shared_experts"):
+        inert.add("moe_shared_expert_gate")
     if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":
         inert.add("rope_theta")
     if m.get("kv_lora_rank") is None:
