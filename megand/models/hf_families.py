@@ -75,7 +75,7 @@ def family_for_model(m: Mapping[str, Any]) -> Family:
     fits = [name for name, miss in misses.items() if not miss]
     if len(fits) == 1:
         return FAMILIES[fits[0]]
-    if fits:  # the registry's families overlap (tests/unit/test_hf_families.py keeps them apart)
+    if fits:  # the registry's families overlap (tests/unit/test_hf_registry.py keeps them apart)
         raise ValueError(f"several Hugging Face families express this model: {', '.join(fits)}")
     orphans = [f"model.{k}={v}" for k, v in keys.items()
                if k not in optional and not any(k in f.expresses for f in FAMILIES.values())]
@@ -94,8 +94,9 @@ def family_for_hf(config) -> Family:
     return FAMILIES[config.model_type]
 
 
-def unread_keys(family: Family, config_keys, attribute_map: Mapping[str, str] = {}) -> list[str]:
+def unread_keys(family: Family, config_keys, attribute_map: Mapping[str, str] | None = None) -> list[str]:
     """The keys of a ``config.json`` (aliases resolved through the config class's ``attribute_map``) that
     ``family`` neither reads nor knowingly ignores."""
     known = family.reads | family.ignores | BOOKKEEPING | CONVERTER_READS
-    return sorted(k for k in config_keys if attribute_map.get(k, k) not in known)
+    aliases = attribute_map or {}
+    return sorted(k for k in config_keys if aliases.get(k, k) not in known)

@@ -248,7 +248,8 @@ def upgrade_rng(load: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.format(families=family_names()), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.format(families=family_names()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="megand checkpoint -> Hugging Face directory")
     e.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir")
