@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+import transformers
 from safetensors import safe_open
 
 from megand.models import full, hf, hf_families
@@ -113,6 +114,10 @@ def test_import_reads_every_key_transformers_writes_and_refuses_another(name, tm
     assert chosen is family
     back = family.model_config(config)
     assert hf_families.family_for_model(back) is family
+    # every key transformers writes for the family's default config too
+    transformers.AutoConfig.for_model(name).save_pretrained(str(tmp_path / "default"))
+    default = json.loads((tmp_path / "default" / "config.json").read_text())
+    assert hf_families.unread_keys(family, default, type(config).attribute_map) == []
     with pytest.raises(ValueError, match=f"config.json key\\(s\\) unknown_switch: the {name} adapter does not read"):
         convert_checkpoint.read_hf_config(write_config(tmp_path / "bad", name, unknown_switch=True))
 
