@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
-from megand.core.tensor_parallel.gemm import weight_grad_target
-from megand.core.tensor_parallel.wgrad import add_product, hand_over
+from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
+from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
@@ -157,7 +157,7 @@ class HostOffsets:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                    bias: torch.Tensor | None = None, fused: bool | None = None,
-                   host_offsets: HostOffsets | None = None) -> torch.Tensor:
+                   host_offsets: HostOffsets | None = None, accumulating: AccumulatingGemm | None = None) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then rows of no expert: dropped
     assignments) times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``). ``offsets``: the
     cumulative counts (int32). The rows of no expert come out as zeros (loop) or as something finite that
@@ -165,7 +165,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     once masked, never uninitialised memory).
 
     ``fused`` (default :func:`fused_grouped_mm_fits`): torch's grouped GEMM, one kernel; otherwise a loop
-    over the experts, the reference."""
+    over the experts, the reference. ``accumulating``: the GEMM that adds the loop's weight gradients into
+    the engine's fp32 accumulator (the layer's policy's)."""
     if fused is None:
         fused = fused_grouped_mm_fits(x, weight)
     rows = x.shape[0]
@@ -184,7 +185,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     split_points = (host_offsets or HostOffsets(offsets)).get()
     target = weight_grad_target(weight)
     if split_points is not None and target is not None and target is not True:
-        out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target)
+        out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target, accumulating or AccumulatingGemm())
         if bias is None:
             return out
         rows_per_expert = torch.cat([counts, (rows - offsets[-1:]).to(counts.dtype)])  # the last: no expert
@@ -206,12 +207,12 @@ class ExpertLoopLinear(torch.autograd.Function):
     """The loop over experts (rows of ``x`` split at ``split_points``, the rows after the last expert's
     coming out as zeros) whose weight gradient goes through the GEMM seam like a dense layer's: each
     expert's ``dy_e^T x_e`` added into the engine's fp32 accumulator (``target``), now or, inside a
-    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+    a zero-bubble schedule's W pass (:class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`).
     Used where the engine fuses the weight gradient (else autograd differentiates the loop)."""
 
     @staticmethod
-    def forward(ctx, x, weight, split_points, target):
-        ctx.split_points, ctx.target = split_points, target
+    def forward(ctx, x, weight, split_points, target, accumulating):
+        ctx.split_points, ctx.target, ctx.accumulating = split_points, target, accumulating
         ctx.save_for_backward(x, weight)
         parts = torch.tensor_split(x, split_points)
         outs = [F.linear(parts[e], weight[e]) for e in range(weight.shape[0])]
@@ -229,21 +230,21 @@ class ExpertLoopLinear(torch.autograd.Function):
             grad_x = torch.cat([grads[e].matmul(weight[e]) for e in range(experts)]
                                + [rest.new_zeros(rest.shape)])
         if ctx.needs_input_grad[1]:
-            pairs = [(grads[e], inputs[e]) for e in range(experts)]
+            pairs, accumulating = [(grads[e], inputs[e]) for e in range(experts)], ctx.accumulating
 
             def add(main):
                 for e, (g, inp) in enumerate(pairs):
-                    add_product(main[e], g.t(), inp)
+                    accumulating(main[e], g.t(), inp)
 
             hand_over(ctx.target, add)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 class GroupedExpertGemm(torch.autograd.Function):
     """torch's grouped GEMM ``x_e W_e^T`` (the rows of expert e: ``offs[e-1]:offs[e]``) whose weight gradient
     goes through the GEMM seam like a dense layer's: one grouped GEMM ``dy_e^T x_e`` for every expert, added
     into the engine's fp32 accumulator (``target``) now or, inside a
-    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+    a zero-bubble schedule's W pass (:class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`).
 
     The operand layouts are the ones the kernel takes without further conditions: the input gradient
     ``dy W_e`` reads ``W [E, out, in]`` row-major; the weight gradient reads ``dy^T`` column-major and ``x``
@@ -299,12 +300,15 @@ class GroupedLinear(torch.nn.Module):
     def set_gemm(self, policy: GemmPolicy):
         """Run the experts' products under ``policy`` (a precision recipe); the default runs
         :func:`grouped_linear`."""
-        self.gemm = policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim])
+        self.gemm = use_policy(self.weight, policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim]))
 
     def forward(self, x, counts, offsets, add_bias=True, host_offsets=None):
         bias = self.bias if add_bias else None
         out = self.gemm.grouped(x, self.weight, counts, offsets, bias)
-        return grouped_linear(x, self.weight, counts, offsets, bias, host_offsets=host_offsets) if out is None else out
+        if out is not None:
+            return out
+        return grouped_linear(x, self.weight, counts, offsets, bias, host_offsets=host_offsets,
+                              accumulating=self.gemm.accumulating)
 
 
 class Experts(torch.nn.Module):
