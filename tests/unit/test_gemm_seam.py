@@ -193,3 +193,33 @@ def test_fused_grouped_expert_gemm_defers_its_weight_gradient():
     loop = weight.clone().requires_grad_()
     grouped_linear(x, loop, counts, offsets, fused=False).backward(grad)
     torch.testing.assert_close(w.main_grad, loop.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulating_gemm_falls_back_where_the_probe_says_no(monkeypatch):
+    """torch 2.8-2.9's CUDA addmm refuses out_dtype=fp32 into an fp32 ``out`` with bf16 operands: where the
+    one probe says so, the product runs as an fp32 GEMM of the converted operands (no accumulating
+    overload called), and the answer is kept (probed once)."""
+    gemm, probes = AccumulatingGemm(), []
+    monkeypatch.setattr(gemm, "probe", lambda out, a: probes.append(1) or False)
+    with FakeTensorMode():
+        out, a, b = fake_cuda_operands()
+        with Ops() as ops:
+            gemm(out, a, b)
+            gemm(out, a, b)
+    assert probes == [1] and gemm.takes == {("cuda", torch.bfloat16, torch.float32): False}
+    assert "aten.addmm.dtype_out" not in ops.seen and ops.seen.count("aten.addmm_.default") == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the accumulating overload is a CUDA kernel")
+def test_accumulating_gemm_fallback_equals_the_accumulating_product():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    start = torch.randn(256, 128, device="cuda", generator=g)
+    accumulating, fallback = AccumulatingGemm(), AccumulatingGemm()
+    fallback.probe = lambda out, a: False
+    outs = [start.clone(), start.clone()]
+    accumulating(outs[0], a, b)
+    fallback(outs[1], a, b)
+    assert accumulating.takes_out_dtype(outs[0], a) and not fallback.takes_out_dtype(outs[1], a)
+    torch.testing.assert_close(outs[1], outs[0])

@@ -23,26 +23,31 @@ import torch
 
 
 class AccumulatingGemm:
-    """``out += a @ b`` at ``out``'s precision, in one accumulating GEMM where the device takes it: on CUDA a
-    bf16 GEMM whose fp32 result is added in place by the GEMM itself (``torch.addmm(out_dtype=, out=)``, no
-    product-sized temporary). Whether the device's kernel takes it is probed once per device type and kept
-    here (torch 2.8-2.9's CUDA kernel refuses an fp32 ``out`` with bf16 operands; 2.10 takes it). Elsewhere,
-    and where the probe says no, an fp32 GEMM of the operands converted to ``out``'s dtype: the same
-    fp32-accumulated product (on CPU the bf16 GEMM rounds its result to bf16). Errors (out of memory
-    included) propagate: there is no silent switch to a product rounded to bf16."""
+    """``out += a @ b`` at ``out``'s precision. On CUDA, one accumulating GEMM: a bf16 GEMM whose fp32
+    result is added in place by the GEMM itself (``torch.addmm(out_dtype=, out=)``, no product-sized
+    temporary), where the device's kernel takes it: torch 2.8-2.9's CUDA kernel refuses an fp32 ``out``
+    with bf16 operands (2.10 takes it), so it is probed once per device type and dtypes and the answer
+    kept here (:attr:`takes`). Elsewhere, and where the probe says no, an fp32 GEMM of the operands
+    converted to ``out``'s dtype: the same fp32-accumulated product of the same values (on CPU the bf16
+    GEMM would round its result to bf16). Errors of the product itself (out of memory included)
+    propagate: there is no silent switch to a product rounded to bf16."""
 
     def __init__(self):
-        self.fits: dict[str, bool] = {}  # device type -> whether the accumulating overload runs there
+        self.takes: dict[tuple, bool] = {}  # (device type, operand dtype, out dtype) -> the probe's answer
 
     def takes_out_dtype(self, out: torch.Tensor, a: torch.Tensor) -> bool:
-        """Whether ``addmm(out_dtype=out.dtype, out=out)`` with ``a``'s dtype runs on ``out``'s device (probed once)."""
-        key = f"{out.device.type}:{a.dtype}->{out.dtype}"
-        if key not in self.fits:
-            self.fits[key] = self.probe(out, a)
-        return self.fits[key]
+        """Whether ``addmm(out_dtype=out.dtype, out=out)`` on operands of ``a``'s dtype runs on ``out``'s
+        device (CUDA only; probed on first use)."""
+        if not out.is_cuda:
+            return False
+        key = (out.device.type, a.dtype, out.dtype)
+        if key not in self.takes:
+            self.takes[key] = self.probe(out, a)
+        return self.takes[key]
 
     @staticmethod
     def probe(out: torch.Tensor, a: torch.Tensor) -> bool:
+        """One 2 x 2 accumulating GEMM on ``out``'s device: whether this torch's kernel takes it."""
         if "dtype_out" not in torch.ops.aten.addmm.overloads():
             return False
         small = torch.zeros(2, 2, dtype=out.dtype, device=out.device)
@@ -50,14 +55,14 @@ class AccumulatingGemm:
         try:
             with torch.no_grad():
                 torch.addmm(small, operand, operand, out_dtype=out.dtype, out=small)
-        except RuntimeError:
+        except RuntimeError:  # the kernel refuses the dtypes (NotImplementedError is one too)
             return False
         return True
 
     def __call__(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.dtype == out.dtype:
             out.addmm_(a, b)
-        elif out.is_cuda and self.takes_out_dtype(out, a):
+        elif self.takes_out_dtype(out, a):
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
         else:
             out.addmm_(a.to(out.dtype), b.to(out.dtype))
