@@ -420,15 +420,6 @@ class AddLossGradient(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-_attach_loss = AddLossGradient.apply
-
-
-def attach_losses_eagerly_under_compile() -> None:
-    """Keep :class:`AddLossGradient` out of ``torch.compile``d code (a compiled caller breaks its graph
-    there): traced, torch 2.13 drops the gradient it sends to ``loss`` (an input its forward does not
-    use) and the balancing losses silently stop training the router. Called when layers are compiled."""
-    global _attach_loss
-    _attach_loss = torch.compiler.disable(AddLossGradient.apply)
 
 
 def in_recompute() -> bool:
@@ -488,6 +479,14 @@ class MoE(torch.nn.Module):
         # experts split over tp apply the capacity to the tp group's tokens, identically on every tp rank:
         # one of them counts the drops
         self.counts_dropped = not self.split_experts or topo.tp_rank == 0
+        self.attach_loss = AddLossGradient.apply
+
+    def keep_eager(self, eager) -> None:
+        """This block is compiled: :class:`AddLossGradient` runs through ``eager`` (``torch.compiler.disable``:
+        the compiled caller breaks its graph there). Traced, torch 2.13 drops the gradient it sends to
+        ``loss`` (an input its forward does not use) and the balancing losses silently stop training the
+        router."""
+        self.attach_loss = eager(AddLossGradient.apply)
 
     def borrowed_parameters(self):
         """fc2's bias, added here after the tp reduction when the experts are split over tp."""
@@ -504,7 +503,7 @@ class MoE(torch.nn.Module):
         balancing_loss = self._balance(logits, scores, experts)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            out = _attach_loss(out, balancing_loss, self.loss_scale)
+            out = self.attach_loss(out, balancing_loss, self.loss_scale)
         out = out.view(s, b, h)
         if split_here:
             out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)
