@@ -124,6 +124,11 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), star
     return offsets, buckets
 
 
+# what the modules told a parameter about itself, carried over to the parameter that replaces it: its
+# sharding tag (megand/core/sharding.py) and the policy of its GEMMs (megand/core/tensor_parallel/gemm.py)
+CARRIED = ("meta", "gemm_policy")
+
+
 class ParamAndGradBuffer:
     """The flat buffers of all parameters of one dtype; owns the memory the parameters view.
 
@@ -169,7 +174,9 @@ class ParamAndGradBuffer:
                         # the values it saved for backward
                         new = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
                         new.data = view
-                        new.__dict__.update(p.__dict__)  # its own attributes: sharding tag, GEMM policy
+                        for name in CARRIED:
+                            if hasattr(p, name):
+                                setattr(new, name, getattr(p, name))
                         self.replaced[id(p)] = self.params[index[id(p)]] = new
                         bucket.params[j] = (new, off)
                         p = new

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
+from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
 from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
@@ -148,10 +149,11 @@ class HostOffsets:
     def __init__(self, offsets: torch.Tensor, host: list[int] | None = None):
         self.offsets, self._host = offsets, host
 
-    def get(self) -> list[int] | None:
-        """The offsets, or None for fake tensors (a rehearsal), which hold no values."""
-        if self._host is None and type(self.offsets) is torch.Tensor:
-            self._host = self.offsets.tolist()  # the split-size read
+    def get(self, rows: int) -> list[int]:
+        """The offsets (where the device offsets hold no values, a rehearsal's fake tensors: ``rows``
+        split evenly over the experts)."""
+        if self._host is None:
+            self._host = host_list(self.offsets, lambda: even_offsets(rows, self.offsets.shape[0]))  # the split-size read
         return self._host
 
 
@@ -182,19 +184,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             counts = torch.cat([counts[:-1], counts[-1:] + tail])
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    split_points = (host_offsets or HostOffsets(offsets)).get()
+    split_points = (host_offsets or HostOffsets(offsets)).get(rows)
     target = weight_grad_target(weight)
-    if split_points is not None and target is not None and target is not True:
+    if target is not None and target is not True:
         out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target, accumulating or AccumulatingGemm())
         if bias is None:
             return out
         rows_per_expert = torch.cat([counts, (rows - offsets[-1:]).to(counts.dtype)])  # the last: no expert
         zero = bias.new_zeros(1, bias.shape[-1])
         return out + torch.repeat_interleave(torch.cat([bias, zero]), rows_per_expert, dim=0, output_size=rows)
-    if split_points is not None:
-        parts = torch.tensor_split(x, split_points)
-    else:  # fake tensors (a rehearsal) hold no counts: an even split has the same activation sizes
-        parts = torch.tensor_split(x, [rows * (e + 1) // weight.shape[0] for e in range(weight.shape[0])])
+    parts = torch.tensor_split(x, split_points)
     outs = []
     for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
         outs.append(F.linear(parts[e], weight[e], None if bias is None else bias[e]))
