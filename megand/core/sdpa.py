@@ -28,17 +28,12 @@ _FLASH_SMALL_SMEM = {(8, 6), (8, 9), (12, 0), (12, 1)}
 
 def _capability(device: torch.device):
     """The CUDA compute capability of ``device``; None where no CUDA runtime answers (fake CUDA tensors
-    of a rehearsal on a CPU build: a current data-centre GPU is assumed)."""
+    of a rehearsal on a CPU build: a current data-centre GPU is assumed). Read from the device's
+    properties, which torch.compile folds into a constant (no graph break at the CUDA query)."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability(device)
-
-
-def capability_constant_under_compile() -> None:
-    """Let compiled layers take :func:`_capability` as a constant (no graph break at the CUDA query).
-    Called when layers are compiled: importing the compiler costs seconds per process, which a run
-    that does not compile must not pay."""
-    torch.compiler.assume_constant_result(_capability)
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.minor
 
 
 def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> str:

@@ -324,6 +324,13 @@ class Trainer:
             if self.topo.is_logging_rank:
                 print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
 
+    def close(self) -> None:
+        """Let go of what outlives the trainer otherwise: the data-parallel engine's hooks on the model
+        (through them the engine and its gradient buffers stay alive as long as the parameters do) and
+        the metrics file. A process that builds several trainers closes each before the next."""
+        self.ddp.close()
+        self.writer.close()
+
     def limits_reached(self, iteration: int) -> tuple[bool, bool]:
         """``(over_time, over_iters)`` of this rank once ``iteration`` is done."""
         t = self.cfg.train

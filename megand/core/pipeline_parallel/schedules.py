@@ -16,7 +16,8 @@ It returns the summed loss (detached) on the last stage, ``None`` elsewhere.
   through chunk 0, then chunk 1, ...; the bubble shrinks by v;
 - zero bubble (``zb1p``, ZB-H1): each backward split into its input-gradient pass ``I`` (run with the
   weight-gradient products of the parallel linear layers queued in a
-  :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`) and its weight-gradient pass ``W``
+  :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads` of its own, which the engine's
+  parameters hand them to while the I runs: ``grad_sync.deferring``) and its weight-gradient pass ``W``
   (the queue run later, where the rank would otherwise wait).
 
 ``grad_sync`` (the data-parallel engine, or None) sees the last backward of the step of each chunk run
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megand.core.distributed import last_backward
+from megand.core.distributed import deferring_weight_grads, last_backward
 from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, schedule_actions
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
 from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tensor_shape
@@ -119,7 +120,8 @@ class _Steps:
         queued in the returned :class:`DeferredWeightGrads`, for :meth:`weight_grad`."""
         if self.p2p is not None:
             self.p2p.prefetch()
-        with self.timed(INPUT_GRAD), DeferredWeightGrads() as deferred:
+        deferred = DeferredWeightGrads()  # this backward's W pass, owned here until weight_grad runs it
+        with self.timed(INPUT_GRAD), deferring_weight_grads(self.grad_sync, deferred):
             torch.autograd.backward(output, grad_tensors=output_grad)
         if self.grad_sync is not None:
             self.grad_sync.input_grads_done()  # ZeRO-3: W reads no parameter, the backward's buckets may go
