@@ -107,7 +107,7 @@ def test_dense_preset_rank_runs_as_on_its_gpus(rehearsed, name):
     peak = {n: ph["peak_bytes"] for n, ph in report["phases"].items()}
     est = report["estimate_bytes"]
     assert report["fit"]["fits"] and report["fit"]["device_memory_bytes"] == 80 * 2**30
-    assert {a["backend"] for a in report["attention"]} == {"flash (aten op)"}, report["attention"]
+    assert {a["backend"] for a in report["attention"]} == {"sdpa:cudnn"}, report["attention"]  # SM 9.0: cuDNN first
     assert report["estimator_fused_attention"]
     assert any(k["kernel"] == "addmm torch.bfloat16->torch.float32" for k in report["kernels"])  # wgrad fusion
     # the estimator counts the states exactly and the activations within 10% (1.02 on llama8b, 1.04 on
@@ -146,8 +146,8 @@ def test_tiny_layout_runs_as_on_a_gpu_node(rehearsed, name):
         assert backends == {"flex"} and report["block_masks_created"] > 0, report["attention"]
     elif name in ("cp2_ring", "cp2_all_gather"):
         assert backends == {"flash (aten op)"} and where == {"megand/core/context_parallel/block_kernels.py"}
-    else:  # the layer calls the kernel it chose (megand/core/sdpa.py)
-        assert backends == {"flash (aten op)"} and where == {"megand/core/sdpa.py"}, report["attention"]
+    else:  # the layer calls SDPA, which chooses cuDNN on an SM 9.0 device (megand/core/sdpa.py)
+        assert backends == {"sdpa:cudnn"} and where == {"megand/core/sdpa.py"}, report["attention"]
 
 
 def test_fp8_experts_run_the_grouped_fp8_kernels(rehearsed):
@@ -183,8 +183,8 @@ def test_a_rank_that_does_not_fit_exits_with_one_line(rehearsed):
 
 
 def test_fp32_gqa_attention_runs_a_fused_kernel(rehearsed):
-    report = _ok(rehearsed["fp32_gqa"])  # memory-efficient attention on expanded K/V, not SDPA's s x s math
-    assert {a["backend"] for a in report["attention"]} == {"efficient (aten op)"}, report["attention"]
+    report = _ok(rehearsed["fp32_gqa"])  # memory-efficient attention on grouped K/V, not SDPA's s x s math
+    assert {a["backend"] for a in report["attention"]} == {"sdpa:efficient"}, report["attention"]
     assert report["estimator_fused_attention"] is True
 
 
@@ -279,9 +279,14 @@ def test_sdpa_backend_choice_follows_cuda():
     with _fake():
         def q(dtype, heads=4, d=64):
             return torch.empty(1, heads, 16, d, device="cuda:0", dtype=dtype)
-        assert rules.sdpa_backend(q(torch.bfloat16), q(torch.bfloat16, 2), q(torch.bfloat16, 2), enable_gqa=True) == "flash"
+        # an SM 9.0 device under torch >= 2.9: cuDNN first (the rules had flash first, cuDNN after math)
+        assert rules.sdpa_backend(q(torch.bfloat16), q(torch.bfloat16, 2), q(torch.bfloat16, 2), enable_gqa=True) == "cudnn"
+        assert rules.sdpa_backend(q(torch.bfloat16, d=192), q(torch.bfloat16, 2, 192), q(torch.bfloat16, 2, 192),
+                                  enable_gqa=True) == "flash"  # above cuDNN's head dim
         assert rules.sdpa_backend(q(torch.float32), q(torch.float32), q(torch.float32)) == "efficient"
-        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2), enable_gqa=True) == "math"
+        # the memory-efficient kernel takes grouped K/V (the rules had the math kernel)
+        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2), enable_gqa=True) == "efficient"
+        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2)) == "math"  # no enable_gqa
         assert rules.sdpa_backend(q(torch.bfloat16, d=288), q(torch.bfloat16, d=288), q(torch.bfloat16, d=288)) == "efficient"
 
 
