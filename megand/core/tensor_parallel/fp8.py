@@ -166,24 +166,33 @@ def mx_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
     return padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4).reshape(-1)
 
 
-def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` of the operands: ``b`` column-major; rowwise scales ``[m, 1]`` and ``[1, n]``
-    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout."""
+    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout.
+    ``fast_accum``: Hopper's faster fp32 accumulation (partial sums kept at a lower precision between
+    promotions), for tensorwise and rowwise forward products only (torchao's recipe; never gradients)."""
     column_major = b.data.t().contiguous().t()
     scale_a, scale_b = a.scale, b.scale
     if a.recipe == "rowwise":
         scale_a, scale_b = scale_a.reshape(-1).view(-1, 1), scale_b.reshape(-1).view(1, -1)
     elif a.recipe == "mxfp8":  # a's blocks run along its rows, b's along its columns ([n, k / 32] once turned)
         scale_a, scale_b = mx_blocked_scales(scale_a), mx_blocked_scales(scale_b.t())
-    return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum and a.recipe != "mxfp8")
 
 
-def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS) -> torch.Tensor:
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS,
+              fast_accum: bool = False, widen: bool = True) -> torch.Tensor:
     """``a @ b`` (``a [m, k]`` scaled along dim 1, ``b [k, n]`` along dim 0), accumulated in fp32: the
     kernel where the device has it and it takes the operands, else the emulation (dequantised operands,
-    an fp32 product)."""
+    an fp32 product). An fp32 result the kernel does not return (rowwise: bf16 only) comes from its bf16
+    result (it accumulates in fp32 inside the kernel either way), widened, or with ``widen=False`` as is
+    (for a caller that adds it into fp32, which widens it in the same pass)."""
     if scaled_mm_takes(a, b, out_dtype, kernels):
-        return scaled_mm_kernel(a, b, out_dtype)
+        return scaled_mm_kernel(a, b, out_dtype, fast_accum)
+    if out_dtype == torch.float32 and scaled_mm_takes(a, b, torch.bfloat16, kernels):
+        out = scaled_mm_kernel(a, b, torch.bfloat16, fast_accum)
+        return out.float() if widen else out
     return (a.dequantize() @ b.dequantize()).to(out_dtype)
 
 
@@ -261,7 +270,7 @@ class Fp8Policy(GemmPolicy):
     def forward(self, x, weight, bias=None):
         a = x if isinstance(x, Quantized) else self.input_operand(x)
         b = self._weight_q(weight, 1, "k").t()
-        out = scaled_mm(a, b, weight.dtype, self.kernels)
+        out = scaled_mm(a, b, weight.dtype, self.kernels, fast_accum=True)
         return out if bias is None else out + bias
 
     def forward_parts(self, x, weight, bias, parts):
@@ -269,7 +278,8 @@ class Fp8Policy(GemmPolicy):
         biases = bias.view(-1, parts) if bias is not None else None
         outs = []
         for part in range(parts):
-            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype, self.kernels)
+            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype, self.kernels,
+                            fast_accum=True)
             outs.append(out if biases is None else out + biases[:, part])
         return outs
 
@@ -278,19 +288,19 @@ class Fp8Policy(GemmPolicy):
         b = self._weight_q(weight, 0, "n")
         return scaled_mm(a, b, grad.dtype, self.kernels)
 
-    def _weight_product(self, grad, x, out_dtype):
+    def _weight_product(self, grad, x, out_dtype, widen=True):
         a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
         if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
             b = self._q(x, E4M3, 0, "mk", "m")
-        return scaled_mm(a, b, out_dtype, self.kernels)
+        return scaled_mm(a, b, out_dtype, self.kernels, widen=widen)
 
     def weight_grad(self, grad, x):
         return self._weight_product(grad, x, grad.dtype)
 
     def add_weight_grad(self, main, grad, x):
-        main.add_(self._weight_product(grad, x, main.dtype))
+        main.add_(self._weight_product(grad, x, main.dtype, widen=False))
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):
