@@ -31,6 +31,7 @@ where torch._scaled_mm runs tensorwise and rowwise as a slow reference kernel).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -93,26 +94,58 @@ def mx_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(amax), exponent)
 
 
-def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None) -> Quantized:
+def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``|t|``'s maximum, in fp32: of the whole tensor (``dim`` None) or along ``dim`` (kept)."""
+    magnitude = t.abs()
+    return (magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
+
+
+def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, column_major: bool):
+    """``(data, scale)``: ``t`` divided by the scale ``amax / fmax``, saturated and rounded to ``dtype``
+    (``column_major``: the bytes laid out for the kernel's second operand, written so in the same pass)."""
+    scale = amax.clamp(min=_TINY) / fmax(dtype)
+    data = (t.float() / scale).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
+    return (data.t().contiguous().t() if column_major else data), scale
+
+
+_FUSED = {}  # the quantiser's two passes compiled, one kernel each (on a GPU; made at first use)
+
+
+def _fused(fn):
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=None, fullgraph=True)
+    return _FUSED[fn]
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s quantisation runs compiled: a real CUDA tensor outside a compiled region (fake CUDA
+    tensors of a rehearsal, and the CPU, run the same functions eagerly)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t)
+
+
+def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None,
+             column_major: bool = False) -> Quantized:
     """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
-    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales."""
-    src = t.float()
-    if recipe == "tensorwise":
-        scale = _agreed_max(src.abs().amax(), group).clamp(min=_TINY) / fmax(dtype)
-        expanded = scale
-    elif recipe == "rowwise":
-        scale = _agreed_max(src.abs().amax(dim=dim, keepdim=True), group).clamp(min=_TINY) / fmax(dtype)
-        expanded = scale
-    elif recipe == "mxfp8":
-        length = src.shape[dim]
-        blocks = -(-length // MX_BLOCK)
-        padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
-                                         else (0, 0, 0, blocks * MX_BLOCK - length))
-        shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
-        scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
-        expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
-    else:
+    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales; ``column_major``: the FP8
+    bytes laid out column-major (as the kernel takes its second operand). Tensorwise and rowwise read
+    ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each one kernel on a GPU."""
+    if recipe in ("tensorwise", "rowwise"):
+        amax_of, cast = (_fused(_amax), _fused(_cast)) if _on_gpu(t) else (_amax, _cast)
+        amax = _agreed_max(amax_of(t, None if recipe == "tensorwise" else dim), group)
+        data, scale = cast(t, amax, dtype, column_major)
+        return Quantized(data, scale, dim, recipe)
+    if recipe != "mxfp8":
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    src = t.float()
+    length = src.shape[dim]
+    blocks = -(-length // MX_BLOCK)
+    padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
+                                     else (0, 0, 0, blocks * MX_BLOCK - length))
+    shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
+    scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
+    expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
     data = (src / expanded).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
     return Quantized(data, scale, dim, recipe)
 
@@ -210,6 +243,11 @@ class Fp8Policy(GemmPolicy):
         # the weight's operands as gathered in FP8 by ZeRO-3 (keyed by the view a GEMM reads, see
         # megand.core.distributed.fp8_gather): used in place of quantising the weight while it is gathered
         self.gathered = {}
+        # the weight's operands quantised this step (keyed as ``gathered``, and by axis but under
+        # tensorwise), while :func:`weights_cached` holds the weights fixed; None: quantised at each use
+        self.cache = None
+        self._kernel_layout = kernels.tensorwise or kernels.rowwise  # quantise into the layouts _scaled_mm takes
+        self._grad = None  # tensorwise: (the output gradient, its FP8) of the input gradient, for the weight's
 
     def _split_over_tp(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
@@ -220,29 +258,40 @@ class Fp8Policy(GemmPolicy):
     def bind(self, group, split):
         return Fp8Policy(group, split, self.name, self.kernels)
 
-    def _q(self, t, dtype, dim, dims: str, contraction: str) -> Quantized:
+    def _q(self, t, dtype, dim, dims: str, contraction: str, second: bool = False) -> Quantized:
         """Quantise operand ``t`` whose logical dims are ``dims`` (e.g. "mk"), along ``contraction``,
-        agreeing the scale over tp where the split makes the shard's scale differ from the whole's."""
+        agreeing the scale over tp where the split makes the shard's scale differ from the whole's;
+        ``second``: the kernel's second operand as stored (column-major where the device runs kernels)."""
         if self.name == "tensorwise":
             agree = bool(self.sharded & set(dims))
         else:
             agree = self.name == "rowwise" and contraction in self.sharded
-        return quantize(t, self.name, dtype, dim, self.group if agree else None)
+        return quantize(t, self.name, dtype, dim, self.group if agree else None,
+                        column_major=second and self._kernel_layout and self.name != "mxfp8")
 
     def _weight_q(self, weight, dim, contraction, part=0, parts=1) -> Quantized:
         """The weight's rows of ``part`` (of ``parts`` interleaved) in FP8 along ``dim``: as gathered (found
         by the view's place in the storage: a gathered weight has no high-precision values to view), or
         quantised now."""
-        if self.gathered and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if (self.gathered or self.cache is not None) and not compiling:
             n, k = weight.shape
             key = (weight.storage_offset() + part * weight.stride(0), (parts * weight.stride(0), weight.stride(1)),
                    (n // parts, k), dim)
             q = self.gathered.get(key)
             if q is not None:
                 return q
+        if self.cache is not None and not compiling:  # tensorwise: the same bytes serve either axis
+            cached = (weight.untyped_storage().data_ptr(), *key[:3], None if self.name == "tensorwise" else dim)
+            q = self.cache.get(cached)
+            if q is not None:
+                return q if q.dim == dim else Quantized(q.data, q.scale, dim, q.recipe)
         if parts > 1:
             weight = weight.view(-1, parts, weight.shape[-1])[:, part]
-        return self._q(weight, E4M3, dim, "nk", contraction)
+        q = self._q(weight, E4M3, dim, "nk", contraction, second=dim == 0)
+        if self.cache is not None and not compiling:
+            self.cache[cached] = q
+        return q
 
     # -- communication ----------------------------------------------------------------------------
     def gather_input(self, x, group):
@@ -285,15 +334,21 @@ class Fp8Policy(GemmPolicy):
 
     def input_grad(self, grad, weight):
         a = self._q(grad, self.grad_dtype, 1, "mn", "n")
+        if self.name == "tensorwise" and not torch.compiler.is_compiling():  # the weight gradient's too
+            self._grad = (grad, grad._version, a)
         b = self._weight_q(weight, 0, "n")
         return scaled_mm(a, b, grad.dtype, self.kernels)
 
     def _weight_product(self, grad, x, out_dtype, widen=True):
-        a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
+        stashed, self._grad = self._grad, None
+        if stashed is not None and stashed[0] is grad and stashed[1] == grad._version:  # tensorwise: the same bytes
+            a = Quantized(stashed[2].data, stashed[2].scale, 0, self.name).t()
+        else:
+            a = self._q(grad, self.grad_dtype, 0, "mn", "m", second=True).t()  # row-major once turned
         if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
-            b = self._q(x, E4M3, 0, "mk", "m")
+            b = self._q(x, E4M3, 0, "mk", "m", second=True)
         return scaled_mm(a, b, out_dtype, self.kernels, widen=widen)
 
     def weight_grad(self, grad, x):
@@ -308,6 +363,24 @@ class Fp8Policy(GemmPolicy):
 
         target = weight_grad_target(weight)
         return GroupedFp8Linear.apply(x, weight, bias, offsets, self, None if target is True else target)
+
+
+@contextlib.contextmanager
+def weights_cached(modules):
+    """Within the block, each tensorwise FP8 layer of ``modules`` quantises each of its weights once and
+    reuses the FP8 bytes (one byte per weight, serving either axis) for every micro-batch, recomputation
+    and input gradient: the weights must not change inside it (the training step wraps its forward and
+    backward; the optimizer steps outside). Leaving the block drops them: the next step quantises the
+    updated weights. (Rowwise scales differ per axis: two copies per weight; not cached.)"""
+    policies = [m.gemm for module in modules for m in module.modules()
+                if isinstance(getattr(m, "gemm", None), Fp8Policy) and m.gemm.name == "tensorwise"]
+    for policy in policies:
+        policy.cache = {}
+    try:
+        yield
+    finally:
+        for policy in policies:
+            policy.cache = None
 
 
 @dataclasses.dataclass(frozen=True)
