@@ -3,10 +3,14 @@ it runs.
 
 The layer calls SDPA with grouped K/V (``enable_gqa``) and lets torch's dispatcher choose the kernel:
 on CUDA, torch >= 2.9 prefers cuDNN's attention on SM 9.0 and 10.x (with a recent cuDNN), else
-FlashAttention-2 for fp16/bf16, the memory-efficient kernel for fp32 or head dims above flash's 256
-(both take grouped K/V), and the math kernel (``s x s`` probabilities) only where none takes the
-shape. Kernels are called by name only where a feature needs one: context parallelism's blocks need
-the log-sum-exp (megand/core/context_parallel/block_kernels.py), document masks run FlexAttention
+FlashAttention-2 for fp16/bf16, the memory-efficient kernel for fp32 or head dims above flash's 256,
+and the math kernel (``s x s`` probabilities) only where none takes the shape. cuDNN and flash take
+grouped K/V; torch's memory-efficient kernel does not (its documentation: GQA on flash and math only),
+so where it is the one fused kernel for the shape (fp32, or a head dim above 256, with fewer K/V
+heads than query heads) K/V are expanded to the query heads first (``heads / groups`` times the K/V
+activations, O(s), instead of the math kernel's O(s^2) scores). Kernels are called by name only where
+a feature needs one: context parallelism's blocks need the log-sum-exp
+(megand/core/context_parallel/block_kernels.py), document masks run FlexAttention
 (megand/core/transformer/documents.py).
 
 :func:`cuda_sdpa_backend` is torch's CUDA choice written down (what a rehearsal on fake CUDA tensors
@@ -66,8 +70,8 @@ def cuda_sdpa_backend(capability, dtype: torch.dtype, heads: int, groups: int, h
     flash = (low and grouped_ok and not mask and head_dim == v_head_dim and head_dim <= 256
              and not small_smem_refuses and not (is_causal and seq_q != seq_k))
     alignment = 8 if low else 4
-    efficient = (dtype in (*LOW_PRECISION, torch.float32) and grouped_ok and head_dim % alignment == 0
-                 and v_head_dim % alignment == 0)
+    efficient = (dtype in (*LOW_PRECISION, torch.float32) and groups == heads and head_dim % alignment == 0
+                 and v_head_dim % alignment == 0)  # no grouped K/V
     if cudnn and _torch_prefers_cudnn(capability):
         return "cudnn"
     if flash:
@@ -75,11 +79,24 @@ def cuda_sdpa_backend(capability, dtype: torch.dtype, heads: int, groups: int, h
     return "efficient" if efficient else "math"
 
 
+def _expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> bool:
+    """Whether :func:`causal_attention` expands grouped K/V on this CUDA device: no fused kernel takes them
+    grouped, the memory-efficient one takes them expanded."""
+    if groups == heads or device.type != "cuda":
+        return False
+    capability = _capability(device)
+    return (cuda_sdpa_backend(capability, dtype, heads, groups, head_dim, enable_gqa=True) == "math"
+            and cuda_sdpa_backend(capability, dtype, heads, heads, head_dim) == "efficient")
+
+
 def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> str:
     """The kernel :func:`causal_attention` runs for queries with ``heads`` heads and K/V with ``groups``:
-    ``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"`` (``s x s`` scores): torch's own choice where
-    its dispatcher answers (the CPU, a GPU), else (fake CUDA tensors) :func:`cuda_sdpa_backend`'s."""
+    ``"cudnn"``, ``"flash"``, ``"efficient"`` (``"efficient (K/V expanded)"``) or ``"math"`` (``s x s``
+    scores): torch's own choice where its dispatcher answers (the CPU, a GPU), else (fake CUDA tensors)
+    :func:`cuda_sdpa_backend`'s."""
     device = torch.device(device)
+    if _expands_kv(device, dtype, head_dim, heads, groups):
+        return "efficient (K/V expanded)"
     if device.type == "cuda" and _capability(device) is None:
         return cuda_sdpa_backend(None, dtype, heads, groups, head_dim, seq_q=128, seq_k=128, enable_gqa=groups != heads)
     q = torch.empty(1, heads, 128, head_dim, dtype=dtype, device=device, requires_grad=True)
@@ -91,10 +108,14 @@ def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                      scale: float | None = None) -> torch.Tensor:
     """Causal attention of ``q [b, heads, s, d]`` over ``k, v [b, groups, s, d]`` (heads % groups == 0),
-    on the kernel SDPA's dispatcher chooses (K/V grouped, never expanded). Dropout draws from the
-    device's current generator."""
+    on the kernel SDPA's dispatcher chooses (K/V grouped, or expanded where only the memory-efficient
+    kernel takes the shape). Dropout draws from the device's current generator."""
+    heads, groups = q.shape[1], k.shape[1]
+    if _expands_kv(q.device, q.dtype, q.shape[-1], heads, groups):  # each K/V head serves heads/groups queries
+        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+        groups = heads
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+                                          enable_gqa=groups != heads)
 
 
 def attention_summary(device, dtype: torch.dtype, head_dim: int, heads: int, groups: int, cp: int = 1,

@@ -192,9 +192,9 @@ class DeviceRules(TorchDispatchMode):
                 self.attention("flash (aten op)")
         elif func is aten._scaled_dot_product_efficient_attention.default:
             q, k = args[0], args[1]
-            if q.shape[1] % k.shape[1]:
-                self.fail(func, f"memory-efficient attention's GQA needs query heads ({q.shape[1]}) a multiple of "
-                                f"key/value heads ({k.shape[1]})")
+            if q.shape[1] != k.shape[1]:
+                self.fail(func, f"memory-efficient attention has no GQA ({q.shape[1]} query heads, {k.shape[1]} "
+                                f"key/value heads)")
             if not self.sdpa_depth:  # called directly (the layer's kernel choice, megand/core/sdpa.py)
                 self.attention("efficient (aten op)")
         elif func is aten._grouped_mm.default:

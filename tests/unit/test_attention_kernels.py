@@ -39,15 +39,16 @@ def _rules():
 
 
 @pytest.mark.parametrize("dtype, groups, head_dim, expected", [
-    (torch.float32, 2, 64, "efficient"),  # fp32 GQA: grouped K/V on the memory-efficient kernel (was expanded)
+    (torch.float32, 2, 64, "efficient (K/V expanded)"),  # fp32 GQA: the one fused kernel takes no grouped K/V
     (torch.float32, 8, 64, "efficient"),
     (torch.bfloat16, 2, 64, "cudnn"),  # SM 9.0 with torch >= 2.9: cuDNN first (was always flash)
     (torch.bfloat16, 2, 192, "flash"),  # above cuDNN's 128
-    (torch.bfloat16, 2, 320, "efficient"),  # above flash's head dim limit
+    (torch.bfloat16, 2, 320, "efficient (K/V expanded)"),  # above flash's head dim limit
 ])
 def test_cuda_attention_is_sdpas_choice_and_never_materialises_scores(monkeypatch, dtype, groups, head_dim, expected):
     """On fake CUDA tensors of an SM 9.0 device, with SDPA's CUDA dispatch stood in for by the rehearsal's rules:
-    the layer's call reaches SDPA with grouped K/V, and the kernel SDPA chooses keeps no ``s x s`` scores."""
+    the layer's call reaches SDPA (bf16 called flash attention's op directly before), with grouped K/V where
+    the kernel takes them, and the kernel SDPA chooses keeps no ``s x s`` scores."""
     s, calls, rules = 128, [], _rules()
     sdpa_on_cuda = rules.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append((a, kw)) or sdpa_on_cuda(*a, **kw))
@@ -57,13 +58,27 @@ def test_cuda_attention_is_sdpas_choice_and_never_materialises_scores(monkeypatc
         with rules, Shapes() as shapes:
             out = causal_attention(q, k, v)
     assert attention_backend("cuda", dtype, head_dim, 8, groups) == expected
-    assert {backend for backend, _ in rules.backends} == {f"sdpa:{expected}"}, rules.backends
+    kernel, expanded = expected.split()[0], expected.endswith("(K/V expanded)")
+    assert {backend for backend, _ in rules.backends} == {f"sdpa:{kernel}"}, rules.backends
     assert out.shape == q.shape and out.dtype == dtype
-    (args, kwargs), = calls  # one SDPA call, K/V grouped (never expanded to the query heads)
-    assert args[1].shape[1] == groups and kwargs["enable_gqa"] == (groups != 8) and kwargs["is_causal"]
+    (args, kwargs), = calls  # one SDPA call
+    assert args[1].shape[1] == (8 if expanded else groups) and kwargs["is_causal"]
+    assert kwargs["enable_gqa"] == (args[1].shape[1] != 8)
     quadratic = [(op, shape) for op, shape in shapes.outputs if shape[-2:] == (s, s)]
     assert not quadratic, quadratic
-    assert any(expected in op for op, _ in shapes.outputs), shapes.outputs
+    assert any(kernel in op for op, _ in shapes.outputs), shapes.outputs
+
+
+def test_expanded_kv_pairs_each_query_head_with_its_group(monkeypatch):
+    """The K/V expansion for the memory-efficient kernel keeps torch's GQA pairing (query head i reads K/V
+    head i // (heads / groups)); on CPU, against SDPA's own grouped attention."""
+    from megand.core import sdpa
+
+    monkeypatch.setattr(sdpa, "_expands_kv", lambda *args: True)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(causal_attention(q, k, v), expected)
 
 
 def test_cuda_backend_model_follows_torchs_order():
@@ -74,7 +89,8 @@ def test_cuda_backend_model_follows_torchs_order():
     assert cuda_sdpa_backend((10, 0), bf16, 32, 8, 128, enable_gqa=True) == "cudnn"
     assert cuda_sdpa_backend((8, 0), bf16, 32, 8, 128, enable_gqa=True) == "flash"  # A100: cuDNN after math
     assert cuda_sdpa_backend((9, 0), bf16, 32, 8, 128) == "math"  # grouped heads without enable_gqa: none takes them
-    assert cuda_sdpa_backend((9, 0), torch.float32, 32, 8, 128, enable_gqa=True) == "efficient"
+    assert cuda_sdpa_backend((9, 0), torch.float32, 32, 8, 128, enable_gqa=True) == "math"  # efficient: no GQA
+    assert cuda_sdpa_backend((9, 0), torch.float32, 32, 32, 128) == "efficient"
     assert cuda_sdpa_backend((9, 0), bf16, 32, 32, 128, mask=True) == "cudnn"
     assert cuda_sdpa_backend((8, 0), bf16, 32, 32, 128, mask=True) == "efficient"  # flash takes no mask
     assert cuda_sdpa_backend((8, 6), bf16, 8, 8, 200) == "efficient"  # flash's backward refuses d in (192, 224]
@@ -154,18 +170,18 @@ def test_layer_attention_on_cuda_fp32_gqa_runs_a_fused_kernel(topo):
         with rules, Shapes() as shapes:
             attention.core(q, k, v)
     assert not [shape for _, shape in shapes.outputs if shape[-2:] == (s, s)], shapes.outputs
-    assert {backend for backend, _ in rules.backends} == {"sdpa:efficient"}, rules.backends
+    assert {backend for backend, _ in rules.backends} == {"sdpa:efficient"}, rules.backends  # on expanded K/V
 
 
 def test_attention_summary_names_the_kernel_of_each_layout():
     from megand.core.sdpa import attention_summary
 
-    assert attention_summary("cuda", torch.float32, 128, 32, 8) == "SDPA efficient"
+    assert attention_summary("cuda", torch.float32, 128, 32, 8) == "SDPA efficient (K/V expanded)"
     assert attention_summary("cuda", torch.bfloat16, 128, 32, 8) == "SDPA cudnn"
     assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, documents=True).startswith("FlexAttention")
     assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, cp=2).endswith("on flash blocks")
     assert "explicit fp32 blocks" in attention_summary("cuda", torch.float32, 128, 32, 8, cp=2, cp_comm="all_gather")
-    assert attention_summary("cuda", torch.float32, 128, 32, 8, cp=4, cp_comm="a2a") == "SDPA efficient"
+    assert attention_summary("cuda", torch.float32, 128, 32, 8, cp=4, cp_comm="a2a") == "SDPA efficient (K/V expanded)"
     assert attention_summary("cuda", torch.float32, 128, 32, 32, cp=4, cp_comm="a2a") == "SDPA efficient"
 
 

@@ -183,7 +183,7 @@ def test_a_rank_that_does_not_fit_exits_with_one_line(rehearsed):
 
 
 def test_fp32_gqa_attention_runs_a_fused_kernel(rehearsed):
-    report = _ok(rehearsed["fp32_gqa"])  # memory-efficient attention on grouped K/V, not SDPA's s x s math
+    report = _ok(rehearsed["fp32_gqa"])  # memory-efficient attention on expanded K/V, not SDPA's s x s math
     assert {a["backend"] for a in report["attention"]} == {"sdpa:efficient"}, report["attention"]
     assert report["estimator_fused_attention"] is True
 
@@ -284,9 +284,8 @@ def test_sdpa_backend_choice_follows_cuda():
         assert rules.sdpa_backend(q(torch.bfloat16, d=192), q(torch.bfloat16, 2, 192), q(torch.bfloat16, 2, 192),
                                   enable_gqa=True) == "flash"  # above cuDNN's head dim
         assert rules.sdpa_backend(q(torch.float32), q(torch.float32), q(torch.float32)) == "efficient"
-        # the memory-efficient kernel takes grouped K/V (the rules had the math kernel)
-        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2), enable_gqa=True) == "efficient"
-        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2)) == "math"  # no enable_gqa
+        # the memory-efficient kernel takes no grouped K/V (the layer expands them for it: megand/core/sdpa.py)
+        assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2), enable_gqa=True) == "math"
         assert rules.sdpa_backend(q(torch.bfloat16, d=288), q(torch.bfloat16, d=288), q(torch.bfloat16, d=288)) == "efficient"
 
 

@@ -282,7 +282,7 @@ class Fp8Policy(GemmPolicy):
             if q is not None:
                 return q
         if self.cache is not None and not compiling:  # tensorwise: the same bytes serve either axis
-            cached = (weight.untyped_storage().data_ptr(), *key[:3], None if self.name == "tensorwise" else dim)
+            cached = (*key[:3], None if self.name == "tensorwise" else dim)  # a policy serves one weight
             q = self.cache.get(cached)
             if q is not None:
                 return q if q.dim == dim else Quantized(q.data, q.scale, dim, q.recipe)
