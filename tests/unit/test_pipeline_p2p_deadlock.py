@@ -8,7 +8,10 @@ batch that is itself running; waiting for a batch holds the rank (its compute st
 complete, and a batch posted afterwards runs after that compute. A send may not complete before its
 receive is posted (small messages may, into NCCL's buffers; large ones cannot: the simulator takes the
 strict case, so what completes here completes with either). Communicators of different groups run
-independently (their own streams).
+independently (their own streams), unless the device serialises its kernels (``CUDA_DEVICE_MAX_CONNECTIONS=1``:
+one queue per rank, where a batch holds every batch posted after it): :func:`simulate` models both, and
+the executor completes under both (before its global posting order, each stage posted a step's send and
+receive in its own order and every schedule deadlocked with serialised kernels).
 
 :func:`simulate` runs those rules over what each rank posts and waits for, recorded from the executor
 itself (megand/core/pipeline_parallel/schedules.py and p2p.py, run in this process with the compute and

@@ -18,6 +18,15 @@ takes only later (a deadlock; interleaved 1F1B had it too once messages exceed N
 test of this module's schedules (tests/unit/test_pipeline_p2p_deadlock.py) replays what each rank
 posts under those rules for every schedule.
 
+The order of posting. Where the device runs one kernel at a time in the order queued
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``, common in Megatron recipes), communicators no longer run
+independently: an unmatched send or receive holds everything posted after it on the rank, so two peers
+posting the operations they share in opposite orders (stage s: an activation send then a gradient
+receive; stage s+1: the gradient send then the activation receive, on other groups) wait for each other
+for ever. Every rank therefore posts its messages in one global order (:func:`posting_order`, computed
+by every rank from every rank's action list): a call posts what it asks for and, before it, every
+receive the order puts earlier (taken by later calls).
+
 The pipeline wraps around (the last rank's next is the first rank): interleaved schedules pass the
 last rank's chunk ``c`` output to the first rank's chunk ``c+1``. A V placement (zbv, dualpipev) sends
 each way on both links (chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
