@@ -108,7 +108,7 @@ def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, column_major:
     return (data.t().contiguous().t() if column_major else data), scale
 
 
-_FUSED = {}  # the quantiser's two passes compiled, one kernel each (on a GPU; made at first use)
+_FUSED = {}  # the quantiser's two passes compiled (on a GPU; made at first use)
 
 
 def _fused(fn):
@@ -130,7 +130,8 @@ def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=N
     """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
     ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales; ``column_major``: the FP8
     bytes laid out column-major (as the kernel takes its second operand). Tensorwise and rowwise read
-    ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each one kernel on a GPU."""
+    ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each pass compiled on a GPU
+    (its elementwise steps fused) and eager elsewhere, with the same arithmetic."""
     if recipe in ("tensorwise", "rowwise"):
         amax_of, cast = (_fused(_amax), _fused(_cast)) if _on_gpu(t) else (_amax, _cast)
         amax = _agreed_max(amax_of(t, None if recipe == "tensorwise" else dim), group)
