@@ -100,20 +100,20 @@ def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     return (magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
 
 
-def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, column_major: bool):
-    """``(data, scale)``: ``t`` divided by the scale ``amax / fmax``, saturated and rounded to ``dtype``
-    (``column_major``: the bytes laid out for the kernel's second operand, written so in the same pass)."""
+def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    """``(data, scale)``: ``t`` divided by the scale ``amax / fmax``, saturated and rounded to ``dtype``."""
     scale = amax.clamp(min=_TINY) / fmax(dtype)
-    data = (t.float() / scale).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
-    return (data.t().contiguous().t() if column_major else data), scale
+    return (t.float() / scale).clamp(-fmax(dtype), fmax(dtype)).to(dtype), scale
 
 
-_FUSED = {}  # the quantiser's two passes compiled (on a GPU; made at first use)
+# the quantiser's two passes compiled (on a GPU; made at first use): shapes dynamic, so what recompiles
+# them is only the axis (3 of _amax), the format and the scale's rank (6 of _cast), within dynamo's limit
+_FUSED = {}
 
 
 def _fused(fn):
     if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=None, fullgraph=True)
+        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _FUSED[fn]
 
 
@@ -125,17 +125,15 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t)
 
 
-def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None,
-             column_major: bool = False) -> Quantized:
+def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None) -> Quantized:
     """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
-    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales; ``column_major``: the FP8
-    bytes laid out column-major (as the kernel takes its second operand). Tensorwise and rowwise read
+    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales. Tensorwise and rowwise read
     ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each pass compiled on a GPU
     (its elementwise steps fused) and eager elsewhere, with the same arithmetic."""
     if recipe in ("tensorwise", "rowwise"):
         amax_of, cast = (_fused(_amax), _fused(_cast)) if _on_gpu(t) else (_amax, _cast)
         amax = _agreed_max(amax_of(t, None if recipe == "tensorwise" else dim), group)
-        data, scale = cast(t, amax, dtype, column_major)
+        data, scale = cast(t, amax, dtype)
         return Quantized(data, scale, dim, recipe)
     if recipe != "mxfp8":
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
@@ -247,7 +245,6 @@ class Fp8Policy(GemmPolicy):
         # the weight's operands quantised this step (keyed as ``gathered``, and by axis but under
         # tensorwise), while :func:`weights_cached` holds the weights fixed; None: quantised at each use
         self.cache = None
-        self._kernel_layout = kernels.tensorwise or kernels.rowwise  # quantise into the layouts _scaled_mm takes
         self._grad = None  # tensorwise: (the output gradient, its FP8) of the input gradient, for the weight's
 
     def _split_over_tp(self) -> bool:
@@ -259,16 +256,14 @@ class Fp8Policy(GemmPolicy):
     def bind(self, group, split):
         return Fp8Policy(group, split, self.name, self.kernels)
 
-    def _q(self, t, dtype, dim, dims: str, contraction: str, second: bool = False) -> Quantized:
+    def _q(self, t, dtype, dim, dims: str, contraction: str) -> Quantized:
         """Quantise operand ``t`` whose logical dims are ``dims`` (e.g. "mk"), along ``contraction``,
-        agreeing the scale over tp where the split makes the shard's scale differ from the whole's;
-        ``second``: the kernel's second operand as stored (column-major where the device runs kernels)."""
+        agreeing the scale over tp where the split makes the shard's scale differ from the whole's."""
         if self.name == "tensorwise":
             agree = bool(self.sharded & set(dims))
         else:
             agree = self.name == "rowwise" and contraction in self.sharded
-        return quantize(t, self.name, dtype, dim, self.group if agree else None,
-                        column_major=second and self._kernel_layout and self.name != "mxfp8")
+        return quantize(t, self.name, dtype, dim, self.group if agree else None)
 
     def _weight_q(self, weight, dim, contraction, part=0, parts=1) -> Quantized:
         """The weight's rows of ``part`` (of ``parts`` interleaved) in FP8 along ``dim``: as gathered (found
@@ -289,7 +284,7 @@ class Fp8Policy(GemmPolicy):
                 return q if q.dim == dim else Quantized(q.data, q.scale, dim, q.recipe)
         if parts > 1:
             weight = weight.view(-1, parts, weight.shape[-1])[:, part]
-        q = self._q(weight, E4M3, dim, "nk", contraction, second=dim == 0)
+        q = self._q(weight, E4M3, dim, "nk", contraction)
         if self.cache is not None and not compiling:
             self.cache[cached] = q
         return q
@@ -345,11 +340,11 @@ class Fp8Policy(GemmPolicy):
         if stashed is not None and stashed[0] is grad and stashed[1] == grad._version:  # tensorwise: the same bytes
             a = Quantized(stashed[2].data, stashed[2].scale, 0, self.name).t()
         else:
-            a = self._q(grad, self.grad_dtype, 0, "mn", "m", second=True).t()  # row-major once turned
+            a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
         if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
-            b = self._q(x, E4M3, 0, "mk", "m", second=True)
+            b = self._q(x, E4M3, 0, "mk", "m")
         return scaled_mm(a, b, out_dtype, self.kernels, widen=widen)
 
     def weight_grad(self, grad, x):
