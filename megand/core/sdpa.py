@@ -79,7 +79,7 @@ def cuda_sdpa_backend(capability, dtype: torch.dtype, heads: int, groups: int, h
     return "efficient" if efficient else "math"
 
 
-def _expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> bool:
+def _expands(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> bool:
     """Whether :func:`causal_attention` expands grouped K/V on this CUDA device: no fused kernel takes them
     grouped, the memory-efficient one takes them expanded."""
     if groups == heads or device.type != "cuda":
@@ -89,13 +89,18 @@ def _expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, heads: 
             and cuda_sdpa_backend(capability, dtype, heads, heads, head_dim) == "efficient")
 
 
+def expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> bool:
+    """:func:`causal_attention`'s decision at each call (the rehearsal counts the calls that expand)."""
+    return _expands(device, dtype, head_dim, heads, groups)
+
+
 def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> str:
     """The kernel :func:`causal_attention` runs for queries with ``heads`` heads and K/V with ``groups``:
     ``"cudnn"``, ``"flash"``, ``"efficient"`` (``"efficient (K/V expanded)"``) or ``"math"`` (``s x s``
     scores): torch's own choice where its dispatcher answers (the CPU, a GPU), else (fake CUDA tensors)
     :func:`cuda_sdpa_backend`'s."""
     device = torch.device(device)
-    if _expands_kv(device, dtype, head_dim, heads, groups):
+    if _expands(device, dtype, head_dim, heads, groups):
         return "efficient (K/V expanded)"
     if device.type == "cuda" and _capability(device) is None:
         return cuda_sdpa_backend(None, dtype, heads, groups, head_dim, seq_q=128, seq_k=128, enable_gqa=groups != heads)
@@ -111,7 +116,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     on the kernel SDPA's dispatcher chooses (K/V grouped, or expanded where only the memory-efficient
     kernel takes the shape). Dropout draws from the device's current generator."""
     heads, groups = q.shape[1], k.shape[1]
-    if _expands_kv(q.device, q.dtype, q.shape[-1], heads, groups):  # each K/V head serves heads/groups queries
+    if expands_kv(q.device, q.dtype, q.shape[-1], heads, groups):  # each K/V head serves heads/groups queries
         k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
         groups = heads
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,

@@ -74,7 +74,7 @@ def test_expanded_kv_pairs_each_query_head_with_its_group(monkeypatch):
     head i // (heads / groups)); on CPU, against SDPA's own grouped attention."""
     from megand.core import sdpa
 
-    monkeypatch.setattr(sdpa, "_expands_kv", lambda *args: True)
+    monkeypatch.setattr(sdpa, "_expands", lambda *args: True)
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
