@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -28,7 +30,7 @@ from megand.core.parallel_state import (
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8
+from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8, weights_cached
 from megand.core.timing import device_timer
 from megand.core.transformer import moe
 from megand.core.sdpa import attention_summary
@@ -453,6 +455,13 @@ class Trainer:
         position, dataset = key
         return position + self.ramp.batch_size(position), dataset
 
+    def fp8_weights(self):
+        """The FP8 layers' weights quantised once for the step's micro-batches (the optimizer steps after
+        it), unless ZeRO-3 frees each gathered weight: an FP8 copy kept for the step would undo it."""
+        if self.configs.fp8 is None or self.configs.data_parallel.sharding == "optim_grads_params":
+            return contextlib.nullcontext()
+        return weights_cached(self.chunks)
+
     def train_step(self):
         """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
         is skipped on every rank together when the loss or the gradient is not finite, or on a spike that
@@ -477,7 +486,8 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
         self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
-        loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
+        with self.fp8_weights():
+            loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
         self.busy.stop()  # before the waits for other ranks' gradients
         self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
@@ -605,8 +615,9 @@ class Trainer:
                 microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size,
                                                  self.topo, **self.batch_needs)
             self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
-            loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
-                                                  forward_only=True))
+            with self.fp8_weights():
+                loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
+                                                      forward_only=True))
             total += float("nan") if loss is None else loss.double()
         return total.item() / max(1, t.eval_iters)  # one read per evaluation
 

@@ -38,8 +38,8 @@ import torch
 
 from megand.core.distributed import deferring_weight_grads, last_backward
 from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, schedule_actions
+from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, posting_order, tensor_shape
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
-from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tensor_shape
 from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
 from megand.core.timing import device_timer
 
@@ -147,8 +147,11 @@ class _Steps:
         return self.timers.get(kind) or nullcontext()
 
 
-def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
-    """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``.
+def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None,
+                every=None):
+    """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``;
+    ``every``: every pipeline rank's list (``actions`` is ``every[topo.pp_rank]``), from which the p2p
+    takes the order to post its messages in (:func:`~megand.core.pipeline_parallel.p2p.posting_order`).
 
     Each action's receive is posted with the previous action's send, in one call (the first action's
     alone), so a stage that sends one way and receives the other at once cannot deadlock against its
@@ -160,7 +163,7 @@ def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=
     """
     split = any(a.kind == WEIGHT_GRAD for a in actions)
     steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync, split)
-    p2p = _p2p(chunks, microbatches, topo, steps, actions) if topo.pp_size > 1 else None
+    p2p = _p2p(chunks, microbatches, topo, steps, actions, every) if topo.pp_size > 1 else None
     links = _Links(p2p, topo)
     inputs, outputs = {}, {}  # (chunk, micro-batch) -> the forward's input and output, kept for its backward
     deferred = {}  # (chunk, micro-batch) -> the weight-gradient products its I queued, for its W
@@ -227,10 +230,13 @@ class _Links:
         return received[0] if received else local_input
 
 
-def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule=DEFAULT_SCHEDULE):
-    """This rank's action list."""
-    return schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
-                            forward_only=forward_only, schedule=schedule)
+def _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, fill_drain=False,
+         schedule=DEFAULT_SCHEDULE):
+    """Run this rank's action list, with every pipeline rank's (the order of the messages)."""
+    every = [schedule_actions(topo.pp_size, len(chunks), len(microbatches), rank, fill_drain=fill_drain,
+                              forward_only=forward_only, schedule=schedule) for rank in range(topo.pp_size)]
+    return run_actions(every[topo.pp_rank], chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync,
+                       every)
 
 
 def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
@@ -240,9 +246,10 @@ def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, for
     return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def _p2p(chunks, microbatches, topo, steps, actions):
-    """The stage's p2p, told what it receives this step from each peer: an activation for every forward
-    that has a sender on another rank, a gradient for every backward that has one."""
+def _p2p(chunks, microbatches, topo, steps, actions, every=None):
+    """The stage's p2p, told what it receives this step from each peer (an activation for every forward
+    that has a sender on another rank, a gradient for every backward that has one) and, given every
+    rank's actions, the order to post its messages in."""
     cfg = chunks[0].cfg
     p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
     me, peers = topo.pp_rank, topo.ranks["pp"]
@@ -252,6 +259,8 @@ def _p2p(chunks, microbatches, topo, steps, actions):
             channel = (peers[a.recv_from], _kind(a))
             counts[channel] = counts.get(channel, 0) + 1
     p2p.expect(counts)
+    if every is not None:
+        p2p.plan([(op, peers[peer], kind) for op, peer, kind in posting_order(every, me)])
     steps.p2p = p2p
     return p2p
 
@@ -268,8 +277,7 @@ def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forwar
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
     (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+    return _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, fill_drain=True)
 
 
 _RUNNERS = {}
@@ -281,8 +289,7 @@ def pipelined(schedule=DEFAULT_SCHEDULE):
     if schedule not in _RUNNERS:
         def forward_backward(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                              grad_sync=None):
-            actions = _actions(chunks, microbatches, topo, forward_only, schedule=schedule)
-            return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+            return _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, schedule=schedule)
 
         forward_backward.__name__ = f"forward_backward_{schedule}"
         _RUNNERS[schedule] = forward_backward
