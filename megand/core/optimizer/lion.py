@@ -1,0 +1,49 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign of an interpolation of
+the momentum and the gradient, one fp32 moment per element. Per element, with gradient ``g`` (after
+clipping), moment ``m``, ``beta1`` / ``beta2`` / ``weight_decay`` / ``lr`` from ``optim.*``::
+
+    c = beta1 m + (1 - beta1) g
+    p <- p - lr (sign(c) + wd p)          (the decay only where the parameter decays: not norms, biases)
+    m <- beta2 m + (1 - beta2) g
+
+Elementwise, so each rank updates its pieces where they are, whatever the layout. It takes every role.
+Its update has the size ``lr`` on every element: Lion's usual learning rate is 3-10x below AdamW's, its
+weight decay as many times higher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megand.core.optimizer.grad_norm import clip_grads
+from megand.core.optimizer.record import OptimizerRecord
+from megand.core.sharding import ROLES
+
+
+class LionUpdate:
+    def __init__(self, named_params, pieces, cfg, ddp, topo):
+        self.pieces, self.cfg = pieces, cfg
+
+    def step(self, lr: float, grad_norm: float) -> None:
+        c = self.cfg
+        if not self.pieces:
+            return
+        grads, moments = [x.grad for x in self.pieces], [x.state["lion_momentum"] for x in self.pieces]
+        clip_grads(grads, grad_norm, c.clip_grad)
+        decayed = [x.main for x in self.pieces if x.decay]
+        if decayed and c.weight_decay:
+            torch._foreach_mul_(decayed, 1.0 - lr * c.weight_decay)
+        signs = torch._foreach_mul(moments, c.beta1)
+        torch._foreach_add_(signs, grads, alpha=1.0 - c.beta1)
+        torch._foreach_sign_(signs)
+        torch._foreach_add_([x.main for x in self.pieces], signs, alpha=-lr)
+        torch._foreach_mul_(moments, c.beta2)
+        torch._foreach_add_(moments, grads, alpha=1.0 - c.beta2)
+
+    def set_step(self, steps: int) -> None:
+        pass
+
+
+# 28 bytes per element: read the fp32 grad, param, m; write param, m; the model copy; the grad norm's read
+LION = OptimizerRecord(name="lion", state=("lion_momentum",), roles=frozenset(ROLES), update=LionUpdate,
+                       update_bytes=28)
