@@ -674,9 +674,10 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  full-recompute working set", lambda st: _gib(st.recompute_working_bytes)),
         ("total", lambda st: _gib(st.total_bytes)),
         *([("all-to-all sent per step (ep)", lambda st: _gib(st.all_to_all_bytes_per_step))] if moe else []),
-        *([(f"{layout.optimizer} matrix step GFLOP per step",
+        *([(f"{record(layout.optimizer).matrix_step} GFLOP per step",
             lambda st: f"{matrix_step_cost(model, layout, st.stage)['flops'] / 1e9:,.1f}"),
-           (f"{layout.optimizer} pieces moved per step", lambda st: _gib(matrix_step_cost(model, layout, st.stage)["bytes"]))]
+           (f"{layout.optimizer.capitalize()} pieces moved per step",
+            lambda st: _gib(matrix_step_cost(model, layout, st.stage)["bytes"]))]
           if record(layout.optimizer).matrix_flops is not None else []),
     ]
     width = max(len(r[0]) for r in rows) + 2

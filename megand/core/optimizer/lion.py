@@ -13,8 +13,6 @@ weight decay as many times higher.
 
 from __future__ import annotations
 
-import torch
-
 from megand.core.optimizer.grad_norm import clip_grads
 from megand.core.optimizer.record import OptimizerRecord
 from megand.core.sharding import ROLES
@@ -26,19 +24,14 @@ class LionUpdate:
 
     def step(self, lr: float, grad_norm: float) -> None:
         c = self.cfg
-        if not self.pieces:
-            return
-        grads, moments = [x.grad for x in self.pieces], [x.state["lion_momentum"] for x in self.pieces]
-        clip_grads(grads, grad_norm, c.clip_grad)
-        decayed = [x.main for x in self.pieces if x.decay]
-        if decayed and c.weight_decay:
-            torch._foreach_mul_(decayed, 1.0 - lr * c.weight_decay)
-        signs = torch._foreach_mul(moments, c.beta1)
-        torch._foreach_add_(signs, grads, alpha=1.0 - c.beta1)
-        torch._foreach_sign_(signs)
-        torch._foreach_add_([x.main for x in self.pieces], signs, alpha=-lr)
-        torch._foreach_mul_(moments, c.beta2)
-        torch._foreach_add_(moments, grads, alpha=1.0 - c.beta2)
+        clip_grads([x.grad for x in self.pieces], grad_norm, c.clip_grad)
+        decay = 1.0 - lr * c.weight_decay
+        for x in self.pieces:  # piece by piece: the one temporary (c) is at most a piece
+            m, g = x.state["lion_momentum"], x.grad
+            if x.decay and c.weight_decay:
+                x.main.mul_(decay)
+            x.main.add_(m.mul(c.beta1).add_(g, alpha=1.0 - c.beta1).sign_(), alpha=-lr)
+            m.mul_(c.beta2).add_(g, alpha=1.0 - c.beta2)
 
     def set_step(self, steps: int) -> None:
         pass

@@ -29,3 +29,4 @@ class OptimizerRecord:
     # FLOPs per logical m x n matrix per step for an optimizer that transforms whole matrices (Muon's
     # Newton-Schulz), read by the estimator and the planner; None: elementwise only
     matrix_flops: Optional[Callable[[int, int], float]] = None
+    matrix_step: str = ""  # what that work is called in the estimator's report ("Muon Newton-Schulz")
