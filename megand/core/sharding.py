@@ -17,6 +17,19 @@ from dataclasses import dataclass
 import torch
 
 
+# A parameter's role in the model, declared where the parameter is made. Optimizers choose the parameters
+# they take by role (never by name or shape), and weight decay applies to every role but norms and biases.
+MATRIX = "matrix"                # a weight matrix of a layer: attention, MLP, shared experts, MTP projection
+EXPERT_MATRIX = "expert_matrix"  # the routed experts' stacked matrices [E, out, in]
+EMBEDDING = "embedding"          # the word and position embeddings; a later stage's copy of the word embedding
+OUTPUT = "output"                # the output layer (untied from the word embedding)
+ROUTER = "router"                # gating weights: the MoE router, the shared experts' gate
+NORM = "norm"                    # norm weights and biases
+BIAS = "bias"                    # the biases of linear layers and experts
+ROLES = (MATRIX, EXPERT_MATRIX, EMBEDDING, OUTPUT, ROUTER, NORM, BIAS)
+UNDECAYED_ROLES = frozenset({NORM, BIAS})
+
+
 @dataclass(frozen=True)
 class ParamMeta:
     full_shape: tuple[int, ...]  # the full, unpadded tensor
@@ -47,6 +60,16 @@ class ParamMeta:
     # A fused weight (QKV, SwiGLU's gate and up): the rows of each logical matrix in one unit that repeats
     # along the out dim (dim -2), e.g. (q rows, k rows, v rows) per query group; None: one matrix
     fused_rows: tuple[int, ...] | None = None
+    role: str | None = None  # one of ROLES; None only for a parameter no optimizer will take
+
+    def __post_init__(self):
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"ParamMeta.role={self.role!r}: expected one of {', '.join(ROLES)}")
+
+    @property
+    def decays(self) -> bool:
+        """Whether decoupled weight decay applies (every role but norms and biases)."""
+        return self.role not in UNDECAYED_ROLES
 
     def local_slice(self) -> tuple[slice, ...]:
         """This rank's slice of the full tensor. Along a padded dim (vocab) it may hold fewer rows than

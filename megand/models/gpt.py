@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
+from megand.core.sharding import EMBEDDING, OUTPUT, ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -43,7 +43,7 @@ class Embedding(torch.nn.Module):
             shape = (cfg.seq_length, cfg.hidden_size)
             # under sequence parallelism each tp rank adds the rows of its sequence shard: partial gradients
             meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                             input_split=split_by_tokens(cfg.sequence_parallel))
+                             input_split=split_by_tokens(cfg.sequence_parallel), role=EMBEDDING)
             self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
 
     def forward(self, input_ids, positions):
@@ -94,9 +94,10 @@ class GPTModel(torch.nn.Module):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, tp_group=topo.tp_group, bias=False,
                     sequence_parallel=cfg.sequence_parallel, init_std=cfg.init_std,
-                    padded_out=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device)
+                    padded_out=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device,
+                    role=OUTPUT)
                 if cfg.tie_embeddings:  # a later stage's copy of the first stage's word embedding
-                    retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
+                    retag(self.output_layer.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True, role=EMBEDDING)
         # multi-token prediction (last stage): its depths look tokens up in the word embedding, a copy of it
         # on a later stage (the tied output layer's weight, else a table of its own) kept equal as tied weights are
         self.mtp = self.mtp_embedding = None
@@ -106,7 +107,7 @@ class GPTModel(torch.nn.Module):
                 self.mtp_embedding = VocabParallelEmbedding(
                     cfg.vocab_size, cfg.hidden_size, tp_group=topo.tp_group, init_std=cfg.init_std,
                     padded_size=cfg.padded_vocab_size(topo.tp_size), dtype=cfg.params_dtype, device=device)
-                retag(self.mtp_embedding.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True)
+                retag(self.mtp_embedding.weight, copy_of=WORD_EMBEDDING, embedding_group_grad=True, role=EMBEDDING)
         if pre_process and not post_process and (cfg.tie_embeddings or cfg.mtp_layers):
             retag(self.embedding.word.weight, embedding_group_grad=True)
         self.vocab_start = topo.tp_rank * cfg.padded_vocab_size(topo.tp_size) // topo.tp_size

@@ -9,6 +9,9 @@ States (bytes per parameter held by the rank, Megatron's accounting):
     mixed 2 + 16/d, fp32 4 + 12/d; ``optim_grads_params`` (ZeRO-3) everything: mixed 18/d, fp32 16/d,
     plus the buckets gathered while they are used (two buckets of parameters and of gradient scratch;
     with ``reshard_after_forward=false`` the stage's whole parameters between forward and backward).
+    Adam's m and v are AdamW's states: the optimizer's record (``optim.name``) says how many fp32 states
+    each parameter role keeps: Muon one for the layers' matrices (AdamW's two for the rest), Lion one
+    everywhere (4 bytes less per parameter, before sharding).
 
 Activations stored for the backward pass, per layer and micro-batch (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models"). For GPT-2 shapes in 16-bit with
@@ -85,8 +88,10 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
+from megand.core.optimizer.registry import optimizer_for, record
 from megand.core.parallel_layout import ParallelLayout, ParallelSizes
 from megand.core.pipeline_parallel.actions import peak_live_chunks
+from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
@@ -114,7 +119,7 @@ class Layout:
     ep: int = 1                        # expert-parallel size (carved out of dp·cp)
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
-    optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
+    optimizer: str = "adamw"           # optim.name: a registered optimizer (its record: states per role, matrix work)
     pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule (zb1p: W passes hold their operands longer)
     fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
     fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
@@ -209,11 +214,12 @@ def parallel_layout(**sizes) -> ParallelLayout:
     return ParallelLayout(**sizes)
 
 
-def state_bytes_per_param(layout: Layout, shards: Optional[int] = None) -> dict:
-    """Bytes per locally held parameter: params, grads, optimizer (main params + Adam m, v), each divided
-    by the shard group size (``shards``, default the dense one) when the sharding level shards it."""
+def state_bytes_per_param(layout: Layout, shards: Optional[int] = None, states: int = 2) -> dict:
+    """Bytes per locally held parameter: params, grads, optimizer (main params + ``states`` fp32 states:
+    Adam's m and v by default), each divided by the shard group size (``shards``, default the dense one)
+    when the sharding level shards it."""
     d, level = layout.shards if shards is None else shards, layout.level
-    params, optimizer = (4.0, 8.0) if layout.precision == "fp32" else (2.0, 12.0)
+    params, optimizer = (4.0, 4.0 * states) if layout.precision == "fp32" else (2.0, 4.0 + 4.0 * states)
     return {"params": params / (d if level == "optim_grads_params" else 1),
             "grads": 4.0 / (d if level in ("optim_grads", "optim_grads_params") else 1),
             "optimizer": optimizer / d}
@@ -524,22 +530,23 @@ def all_to_all_bytes_per_step(model: Mapping[str, Any], layout: Layout, stage: i
     return micro * passes * per_pass
 
 
-def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict:
-    """Muon's Newton-Schulz per step on a rank of ``stage``: FLOPs and bytes sent.
+def matrix_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict:
+    """The whole-matrix work of the optimizer's step (its record's ``matrix_flops``, Muon's Newton-Schulz) on
+    a rank of ``stage``: FLOPs and bytes sent; zeros for an elementwise optimizer.
 
-    Each logical matrix m x n (m <= n; q, k, v and gate, up apart; each expert) costs 5 iterations of
-    ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n), once per shard group, the matrices dealt
-    round-robin over its tp x shard ranks (without sharding tp x dp x cp; HSDP replicas each repeat it;
-    routed experts over their etp x expert-dp ranks). Moving the pieces: the owner receives and sends back the whole matrix (reduce +
-    broadcast over the shard group, gather + scatter over tp): about two fp32 copies of the rank's share of
-    the layers' matrices per step.
+    Each logical matrix m x n it takes (q, k, v and gate, up apart; each expert) costs ``matrix_flops(m, n)``
+    (Muon: 5 iterations of ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n), m <= n), once per shard
+    group, the matrices dealt round-robin over its tp x shard ranks (without sharding tp x dp x cp; HSDP
+    replicas each repeat it; routed experts over their etp x expert-dp ranks). Moving the pieces: the owner
+    receives and sends back the whole matrix (reduce + broadcast over the shard group, gather + scatter over
+    tp): about two fp32 copies of the rank's share of the layers' matrices per step.
     """
+    rec = record(layout.optimizer)
+    if rec.matrix_flops is None:
+        return {"flops": 0.0, "bytes": 0.0}
     shape = Shape.from_config(model)
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
-
-    def ns(m, n):
-        m, n = min(m, n), max(m, n)
-        return 5 * (4 * m * m * n + 2 * m ** 3)
+    ns = rec.matrix_flops
 
     def mlp(f):
         return (3 if shape.swiglu else 2) * ns(f, h) if f else 0
@@ -552,8 +559,27 @@ def muon_step_cost(model: Mapping[str, Any], layout: Layout, stage: int) -> dict
     experts = n_moe * shape.experts / layout.ep * mlp(shape.moe_ffn)
     # dealt over the shard group (without sharding: over dp x cp, every rank holding the whole local shard)
     group = layout.shards if layout.level != "none" else layout.dp * layout.cp
-    flops = dense / (layout.tp * group) + experts / (layout.expert_tp * layout.edp)
+    flops = (dense / (layout.tp * group) if MATRIX in rec.roles else 0.0) + \
+        (experts / (layout.expert_tp * layout.edp) if EXPERT_MATRIX in rec.roles else 0.0)
     return {"flops": flops, "bytes": 2 * 4.0 * stage_layer_params(model, layout, stage)}
+
+
+def stage_params_by_role(model: Mapping[str, Any], layout: Layout, stage: int) -> dict[str, float]:
+    """The parameters of one tensor-parallel rank of ``stage`` by the role they count under for the
+    optimizer: the layers' as matrices (their norms, biases and router: a rounding error), the routed
+    experts as expert matrices, the rest (embeddings, output layer, final norm) as embeddings."""
+    params, layer = stage_params(model, layout, stage), stage_layer_params(model, layout, stage)
+    experts = stage_expert_params(model, layout, stage)
+    return {EMBEDDING: params - layer, MATRIX: layer - experts, EXPERT_MATRIX: experts}
+
+
+def stage_optimizer_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """The fp32 main params (non-fp32 runs) and optimizer states one rank of ``stage`` holds: each role's
+    parameters keep the state of the optimizer that takes them (``optim.name`` or its fallback: AdamW's two
+    moments, Muon's and Lion's one), over their shard group."""
+    shards = {EMBEDDING: None, MATRIX: None, EXPERT_MATRIX: layout.expert_shards}
+    return sum(n * state_bytes_per_param(layout, shards[role], len(optimizer_for(layout.optimizer, role).state))
+               ["optimizer"] for role, n in stage_params_by_role(model, layout, stage).items())
 
 
 def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
@@ -571,11 +597,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
     for stage in wanted:
         params = stage_params(model, layout, stage)
         experts = stage_expert_params(model, layout, stage)
-        held = {k: (params - experts) * dense_bytes[k] + experts * expert_bytes[k] for k in dense_bytes}
-        if layout.optimizer == "muon":  # the layers' matrices (norms, biases, router: a rounding error) keep
-            # Muon's one momentum instead of Adam's two moments: 4 bytes less per element, over its shards
-            layer = stage_layer_params(model, layout, stage)
-            held["optimizer"] -= 4.0 * ((layer - experts) / layout.shards + experts / layout.expert_shards)
+        held = {k: (params - experts) * dense_bytes[k] + experts * expert_bytes[k] for k in ("params", "grads")}
+        held["optimizer"] = stage_optimizer_bytes(model, layout, stage)
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
@@ -653,7 +676,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         *([("  of which routed experts", lambda st: _count(st.expert_params))] if moe else []),
         ("  params", lambda st: _gib(st.param_bytes)),
         ("  grads", lambda st: _gib(st.grad_bytes)),
-        ("  optimizer (main params + Adam/Muon)", lambda st: _gib(st.optimizer_bytes)),
+        ("  optimizer (main params + states)", lambda st: _gib(st.optimizer_bytes)),
         ("  gathered buckets (ZeRO-2/3)", lambda st: _gib(st.gathered_bytes)),
         ("activations per layer, micro-batch", lambda st: _gib(st.activation_bytes_per_layer)),
         ("layer x micro-batches in flight", lambda st: f"{st.layer_microbatches_in_flight:g}"),
@@ -662,9 +685,11 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  full-recompute working set", lambda st: _gib(st.recompute_working_bytes)),
         ("total", lambda st: _gib(st.total_bytes)),
         *([("all-to-all sent per step (ep)", lambda st: _gib(st.all_to_all_bytes_per_step))] if moe else []),
-        *([("Muon Newton-Schulz GFLOP per step", lambda st: f"{muon_step_cost(model, layout, st.stage)['flops'] / 1e9:,.1f}"),
-           ("Muon pieces moved per step", lambda st: _gib(muon_step_cost(model, layout, st.stage)["bytes"]))]
-          if layout.optimizer == "muon" else []),
+        *([(f"{record(layout.optimizer).matrix_step} GFLOP per step",
+            lambda st: f"{matrix_step_cost(model, layout, st.stage)['flops'] / 1e9:,.1f}"),
+           (f"{layout.optimizer.capitalize()} pieces moved per step",
+            lambda st: _gib(matrix_step_cost(model, layout, st.stage)["bytes"]))]
+          if record(layout.optimizer).matrix_flops is not None else []),
     ]
     width = max(len(r[0]) for r in rows) + 2
     colw = max(20, *(len(c) + 2 for c in cols))

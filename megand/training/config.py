@@ -66,7 +66,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (hidden matrices orthogonalised by Newton-Schulz; AdamW for embeddings, output layer, norms, biases, router)
+    name: str = "adamw"  # adamw | muon (hidden matrices orthogonalised by Newton-Schulz; AdamW for embeddings, output layer, norms, biases, router) | lion (sign of the interpolated momentum, one fp32 moment; beta1, beta2, weight_decay, lr below)
     muon_momentum: float = 0.95  # muon: momentum coefficient
     muon_nesterov: bool = True  # muon: Nesterov momentum
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations
@@ -78,9 +78,9 @@ class OptimConfig:
     decay_style: str = "1-sqrt"  # wsd: decay shape, linear | cosine | 1-sqrt
     decay_fraction: float = 0.2  # wsd: the last decay_fraction x decay_iters steps decay
     decay_start: Optional[int] = None  # wsd: decay after this step instead (cooldown from a stable checkpoint: its iteration); null: from decay_fraction
-    weight_decay: float = 0.1  # AdamW decay on matrices (not on biases and norms)
-    beta1: float = 0.9  # Adam beta1
-    beta2: float = 0.95  # Adam beta2
+    weight_decay: float = 0.1  # decoupled decay (AdamW, Muon, Lion) on matrices and embeddings (not on biases and norms)
+    beta1: float = 0.9  # Adam beta1; lion: the interpolation of momentum and gradient whose sign is the update
+    beta2: float = 0.95  # Adam beta2; lion: the momentum's decay
     eps: float = 1.0e-8  # Adam epsilon
     clip_grad: float = 1.0  # 0: no clipping
     sharding: str = "none"  # none | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3, FSDP): what is kept only as this rank's shard of the dp x cp (or dp_shard) group
@@ -167,7 +167,6 @@ CHOICES = {
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
-    "optim.name": ("adamw", "muon"),
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_style": ("linear", "cosine", "1-sqrt"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
@@ -264,7 +263,9 @@ def validate(cfg, world_size: int) -> None:
         level = "optim" if cfg.optim.distributed else "none"
         raise ConfigError(f"optim.distributed={cfg.optim.distributed} was replaced by optim.sharding: use "
                           f"optim.sharding={level} (none|optim|optim_grads|optim_grads_params)")
-    for key, allowed in CHOICES.items():
+    from megand.core.optimizer.registry import OPTIMIZERS
+
+    for key, allowed in {**CHOICES, "optim.name": tuple(OPTIMIZERS)}.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train

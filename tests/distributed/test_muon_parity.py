@@ -1,6 +1,8 @@
 """Muon layouts equal the one-process Muon run (fp32, tests/harness.py tolerances): every matrix split over
 tp or over the ZeRO/HSDP shard group is orthogonalised whole, by one owner rank, so the layout changes where
-the work is done, never the arithmetic. Also a resume at another layout (its momentum resharded)."""
+the work is done, never the arithmetic. Also a resume at another layout (its momentum resharded), and
+multi-token prediction at pp > 1, whose last stage holds a copy of the word embedding: AdamW's, as the
+original's."""
 
 import pytest
 
@@ -10,6 +12,7 @@ MUON = ("optim.name=muon", "optim.lr=0.02", "optim.bucket_size=4000")  # small b
 ZERO3 = "optim.sharding=optim_grads_params"
 TP2_SP = ("parallel.tp=2", "parallel.sequence_parallel=true")
 MOE = ("model=moe_tiny", "train.global_batch_size=4")
+MTP = ("model.mtp_layers=2",)
 
 CASES = {  # name: (processes, reference overrides, run overrides)
     "tp2_sp_dp2_zero3": (4, (), (*TP2_SP, ZERO3)),
@@ -26,6 +29,8 @@ CASES = {  # name: (processes, reference overrides, run overrides)
     "moe_tp2_sp_etp1": (2, MOE, (*MOE, *TP2_SP, "parallel.etp=1")),  # whole experts on every tp rank
     "moe_ep2_tp2_sp_zero1": (4, (*MOE, "train.micro_batch_size=4"),
                              (*MOE, "train.micro_batch_size=2", "parallel.ep=2", *TP2_SP, "optim.sharding=optim")),
+    "mtp_pp2": (2, MTP, (*MTP, "parallel.pp=2")),  # the last stage's own copy of the word embedding
+    "mtp_pp2_tied": (2, (*MTP, "model.tie_embeddings=true"), (*MTP, "model.tie_embeddings=true", "parallel.pp=2")),
 }
 DEFAULT = {"tp2_sp_dp2_zero3"}
 
@@ -46,6 +51,16 @@ def test_muon_resumed_at_another_layout(reference, tmp_path):
     run_pretrain(tmp_path / "run", [*common, "parallel.tp=2", "optim.sharding=optim", "train.exit_interval=5"], nproc=4)
     run_pretrain(tmp_path / "run", [*common, ZERO3, f"checkpoint.load={save}"], nproc=2)
     assert_parity(reference("tiny_llama", *MUON), read_metrics(tmp_path / "run"))
+
+
+def test_muon_with_mtp_resumed_at_pp2(reference, tmp_path):
+    """One process for 5 steps, then pp=2, whose last stage's copy of the word embedding reads the first
+    stage's AdamW moments from the checkpoint and keeps being updated as the original is."""
+    save = str(tmp_path / "ckpt")
+    common = ["+experiment=tiny_llama", *MUON, *MTP, f"checkpoint.save={save}", "train.eval_iters=0"]
+    run_pretrain(tmp_path / "run", [*common, "train.exit_interval=5"])
+    run_pretrain(tmp_path / "run", [*common, "parallel.pp=2", f"checkpoint.load={save}"], nproc=2)
+    assert_parity(reference("tiny_llama", *MUON, *MTP), read_metrics(tmp_path / "run"))
 
 
 def test_resuming_with_another_optimizer_is_one_clear_error(tmp_path):

@@ -35,6 +35,7 @@ def check(overrides, world_size=1):
     (["optim.distributed=true"], 1, r"optim.distributed=True was replaced by optim.sharding: use optim.sharding=optim"),
     (["optim.distributed=false"], 1, r"optim.distributed=False was replaced by optim.sharding: use optim.sharding=none"),
     (["optim.sharding=zero3"], 1, r"optim.sharding='zero3': expected one of none, optim, optim_grads, optim_grads_params"),
+    (["optim.name=sgd"], 1, r"optim.name='sgd': expected one of adamw, muon, lion"),
     (["optim.sharding=optim_grads_params", "parallel.dp_shard=3"], 4, r"parallel.dp_shard=3 must be a positive divisor of dp\*cp = 4\*1 = 4"),
     (["parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 shards nothing with optim.sharding=none"),
     (["model.make_vocab_size_divisible_by=0"], 1, r"model.make_vocab_size_divisible_by=0 must be positive"),
@@ -49,6 +50,7 @@ def test_valid_layouts_pass():
     check(["parallel.tp=2", "parallel.sequence_parallel=true"], 4)
     check(["model=llama_tiny", "parallel.tp=2", "parallel.cp=2"], 8)
     check(["optim.sharding=optim_grads_params", "parallel.cp=2", "parallel.dp_shard=2"], 8)
+    check(["optim.name=lion"], 2)
 
 
 def test_unknown_keys_and_wrong_types_are_rejected_by_the_schema():

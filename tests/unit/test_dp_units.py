@@ -9,7 +9,7 @@ import torch
 from megand.core.distributed import DataParallel, DataParallelConfig, last_backward
 from megand.core.distributed.buffers import bucket_layout
 from megand.core.optimizer import DynamicLossScaler, Optimizer, OptimizerConfig
-from megand.core.sharding import ParamMeta, tag
+from megand.core.sharding import BIAS, MATRIX, ParamMeta, tag
 
 
 def test_bucket_layout_padding_and_own_buckets():
@@ -48,7 +48,7 @@ def _model(dtype=torch.float32):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
     for p in model.parameters():
-        tag(p, ParamMeta(tuple(p.shape)))
+        tag(p, ParamMeta(tuple(p.shape), role=MATRIX if p.ndim == 2 else BIAS))
     return model
 
 

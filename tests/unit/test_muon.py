@@ -1,17 +1,24 @@
-"""Muon on one process: Newton-Schulz against a float64 reference, and the optimizer's updates (momentum,
+"""Muon on one process: Newton-Schulz against a float64 reference, the optimizer's updates (momentum,
 Nesterov, the per-part orthogonalisation of fused weights, the scale, decoupled weight decay, AdamW for the
-rest) against the formula written here independently."""
+rest) against the formula written here independently, and which parameters it takes: by the role the model
+declares (the layers' and experts' matrices), never expert biases or a later stage's embedding copy."""
 
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megand.core.checkpointing.offline import single_process_topology
 from megand.core.distributed import DataParallel, DataParallelConfig, last_backward
 from megand.core.optimizer import Optimizer, OptimizerConfig
-from megand.core.optimizer.muon import is_muon_param, newton_schulz
-from megand.core.sharding import ParamMeta, tag
+from megand.core.optimizer.muon import newton_schulz
+from megand.core.optimizer.registry import optimizer_for
+from megand.core.sharding import BIAS, MATRIX, ROLES, ParamMeta, tag
+from megand.core.tensor_parallel.random import TensorParallelRNG
+from megand.core.transformer import TransformerConfig
+from megand.models.gpt import GPTModel
 
 
 def ns_float64(g, steps=5):
@@ -52,7 +59,8 @@ class Net(torch.nn.Module):
         self.fused = torch.nn.Parameter(torch.randn(12, 6) * 0.3)  # rows alternate two logical matrices
         self.out = torch.nn.Linear(6, 3)
         for name, p in self.named_parameters():
-            tag(p, ParamMeta(tuple(p.shape), fused_rows=(1, 1) if name == "fused" else None))
+            tag(p, ParamMeta(tuple(p.shape), fused_rows=(1, 1) if name == "fused" else None,
+                             role=BIAS if name.endswith("bias") else MATRIX))
 
     def forward(self, x):
         return self.out(torch.tanh(torch.tanh(self.fc(x)) @ self.fused))
@@ -77,7 +85,7 @@ def test_muon_step_matches_the_formula():
     net, ref = Net(), Net()
     ddp = DataParallel([net], _topo(), DataParallelConfig(bucket_size=40))
     opt = Optimizer(list(net.named_parameters()), cfg, _topo(), ddp)
-    assert {x.name for x in opt.pieces if x.muon} == {"fc.weight", "fused", "out.weight"}
+    assert {x.name for x in opt.pieces if x.optimizer == "muon"} == {"fc.weight", "fused", "out.weight"}
     muon = {"fc.weight", "fused", "out.weight"}
     adam = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in muon], lr=lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)  # biases: no decay
@@ -104,14 +112,51 @@ def test_muon_step_matches_the_formula():
         p.numel() for n, p in net.named_parameters() if n not in muon)  # one buffer for Muon, two for AdamW
 
 
-def test_which_parameters_muon_takes():
-    matrix = tag(torch.nn.Parameter(torch.zeros(4, 4)), ParamMeta((4, 4)))
-    gate = tag(torch.nn.Parameter(torch.zeros(1, 4)), ParamMeta((1, 4)))
-    vector = tag(torch.nn.Parameter(torch.zeros(4)), ParamMeta((4,)))
-    assert is_muon_param("layers.0.attention.qkv.weight", matrix)
-    assert is_muon_param("layers.0.mlp.experts.fc1.weight", matrix)
-    for name in ("embedding.word.weight", "embedding.position.weight", "output_layer.weight",
-                 "layers.0.mlp.router.weight"):
-        assert not is_muon_param(name, matrix), name
-    assert not is_muon_param("layers.0.mlp.shared_experts.gate.weight", gate)
-    assert not is_muon_param("layers.0.input_norm.weight", vector)
+def test_muon_takes_the_matrix_roles_and_adamw_the_rest():
+    taken = {role for role in ROLES if optimizer_for("muon", role).name == "muon"}
+    assert taken == {"matrix", "expert_matrix"}
+    assert {optimizer_for("muon", role).name for role in set(ROLES) - taken} == {"adamw"}
+
+
+@pytest.fixture(scope="module")
+def topo():
+    yield single_process_topology()
+    dist.destroy_process_group()
+
+
+def _muon_taken(model, topo):
+    """Names of the parameters whose optimizer state is Muon's momentum (the others: AdamW's moments)."""
+    cfg = OptimizerConfig(name="muon")
+    states = {s.name: set(s.tensors) for s in Optimizer(list(model.named_parameters()), cfg, topo).sharded_state_dict()}
+    assert all(kinds in ({"momentum"}, {"exp_avg", "exp_avg_sq"}) for kinds in states.values()), states
+    return {name for name, kinds in states.items() if kinds == {"momentum"}}
+
+
+def _config(**kw):
+    return TransformerConfig(**{**dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                                       seq_length=16, vocab_size=64), **kw})
+
+
+def test_muon_takes_a_gpt_moe_s_matrices_not_its_expert_biases(topo):
+    """GPT-style experts have stacked biases ``[E, out]``: matrices by shape, biases by role (AdamW, no decay)."""
+    cfg = _config(arch="gpt", norm="layernorm", activation="gelu", position_embedding="learned", num_experts=4,
+                  moe_shared_experts=1, moe_shared_expert_gate=True)
+    model = GPTModel(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")))
+    expected = {f"layers.{i}.{m}" for i in range(2) for m in (
+        "attention.qkv.weight", "attention.proj.weight", "mlp.experts.fc1.weight", "mlp.experts.fc2.weight",
+        "mlp.shared_experts.fc1.weight", "mlp.shared_experts.fc2.weight")}
+    assert {n for n, _ in model.named_parameters()} >= expected | {"layers.0.mlp.experts.fc1.bias"}
+    assert _muon_taken(model, topo) == expected
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_muon_leaves_a_later_stage_s_embedding_copy_to_adamw(topo, tie):
+    """The last stage of pp > 1 with multi-token prediction holds a copy of the word embedding (its own table,
+    or the tied output layer): AdamW, as the original on the first stage, so that both copies stay equal."""
+    cfg = _config(arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope", tie_embeddings=tie,
+                  mtp_layers=1)
+    model = GPTModel(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")), layer_ids=[1], pre_process=False)
+    names = {n for n, _ in model.named_parameters()}
+    assert ("output_layer.weight" if tie else "mtp_embedding.weight") in names
+    assert _muon_taken(model, topo) == {n for n in names if n.endswith(("qkv.weight", "proj.weight", "fc1.weight",
+                                                                       "fc2.weight"))}

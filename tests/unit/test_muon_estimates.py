@@ -3,7 +3,7 @@ FLOPs of every logical matrix (counted here by hand) and the pieces it moves."""
 
 import pytest
 
-from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_layer_params
+from megand.tools.estimate_memory import Layout, estimate_memory, matrix_step_cost, stage_layer_params
 from megand.tools.planner.cluster import parse_cluster
 from megand.tools.planner.cost import predict
 from megand.tools.planner.layout import Candidate
@@ -28,10 +28,10 @@ def test_muon_keeps_one_moment_of_the_layers_matrices():
 
 def test_newton_schulz_flops_per_logical_matrix():
     per_layer = ns(256, 256) + 2 * ns(64, 256) + ns(256, 256) + 3 * ns(512, 256)  # q, k, v, proj; gate, up, down
-    cost = muon_step_cost(MODEL, Layout(tp=2, dp=4, sharding="optim", optimizer="muon"), 0)
+    cost = matrix_step_cost(MODEL, Layout(tp=2, dp=4, sharding="optim", optimizer="muon"), 0)
     assert cost["flops"] == pytest.approx(4 * per_layer / (2 * 4))  # dealt over tp x the shard group
     assert cost["bytes"] == pytest.approx(2 * 4 * stage_layer_params(MODEL, Layout(tp=2, dp=4), 0))
-    unsharded = muon_step_cost(MODEL, Layout(tp=2, dp=4, optimizer="muon"), 0)  # still spread over dp
+    unsharded = matrix_step_cost(MODEL, Layout(tp=2, dp=4, optimizer="muon"), 0)  # still spread over dp
     assert unsharded["flops"] == pytest.approx(cost["flops"])
 
 

@@ -43,6 +43,7 @@ from megand.core.checkpointing.errors import CheckpointWriteError, describe_writ
 from megand.core.checkpointing.files import CheckpointError
 from megand.core.checkpointing.pieces import PieceLoadPlanner, PieceSavePlanner
 from megand.core.checkpointing.staging import HostStaging
+from megand.core.optimizer.registry import state_names
 
 
 @dataclass
@@ -247,10 +248,11 @@ class Checkpointer:
         # model weights always; optimizer states when the checkpoint has any (an imported HF model has
         # none); an fp32 ``main`` copy is optional (absent from fp32 runs)
         required = {k for k in expected if k.startswith("model.") or (has_optimizer and not k.endswith(".main"))}
-        other = sorted(k for k in required - keys if k.endswith((".momentum", ".exp_avg", ".exp_avg_sq")))
-        if other:  # Adam moments saved where this run keeps Muon's momentum, or the reverse
+        states = tuple(f".{name}" for name in state_names())
+        other = sorted(k for k in required - keys if k.endswith(states))
+        if other:  # e.g. Adam moments saved where this run keeps Muon's momentum, or the reverse
             raise CheckpointError(f"{iter_dir} holds the state of another optimizer: {other[0]} is missing (a run "
-                                  f"saved with AdamW resumed with Muon, or the reverse); resume with the optimizer "
+                                  f"saved with one optim.name resumed with another); resume with the optimizer "
                                   f"the checkpoint was saved with")
         files.check_shapes(iter_dir, metadata, expected, required)
         files.check_model_config(iter_dir, common.get("model"), self.model_cfg)

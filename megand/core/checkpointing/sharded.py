@@ -9,7 +9,9 @@ names, so pipeline stages and model chunks need no special handling:
     model.<param name>                             the parameter
     model.<buffer name>                            a persistent buffer (state that is not trained, e.g. the
                                                    MoE router's balancing bias): whole, identical on its ranks
-    optim.<param name>.<exp_avg|exp_avg_sq|main>   its optimizer state (fp32; ``main`` only for non-fp32 runs)
+    optim.<param name>.<state name|main>           its optimizer state (fp32; the state names of its optimizer
+                                                   record, e.g. AdamW's exp_avg, exp_avg_sq; ``main`` only for
+                                                   non-fp32 runs)
 
 Nothing is gathered and nothing full-size is built: saving writes views of the live state (host
 copies of device tensors, and copies for an asynchronous save: staging.py), loading reads straight into the parameters and the optimizer's state.

@@ -1,5 +1,6 @@
-"""Optimizer: AdamW on fp32 main parameters (optionally sharded over dp x cp: the distributed optimizer),
-fp16 loss scaling, global grad norm and clipping, LR schedules."""
+"""Optimizer: the registered optimizers (AdamW, Muon, Lion: registry.py, one record each) on fp32 main
+parameters (optionally sharded over dp x cp: the distributed optimizer), fp16 loss scaling, global grad norm
+and clipping, LR schedules."""
 
 from megand.core.optimizer.config import OptimizerConfig
 from megand.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    name: str = "adamw"  # a registered optimizer (registry.py): adamw | muon | lion
     muon_momentum: float = 0.95  # Muon's momentum coefficient
     muon_nesterov: bool = True  # Nesterov momentum for Muon
     muon_ns_steps: int = 5  # Newton-Schulz iterations

@@ -23,6 +23,10 @@ group gathers the shards on the owner, which runs Newton-Schulz on the whole mat
 shards back and the shard group broadcasts; each rank keeps its piece. So each matrix is orthogonalised
 once per shard group (HSDP replicas each do their own copy), and a rank holds at most one whole matrix
 beyond its own state at a time.
+
+Muon takes the layers' matrices and the routed experts' (parameter roles ``matrix`` and ``expert_matrix``);
+AdamW the rest: embeddings and their copies on other stages, the output layer, router and gates, norms,
+biases.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from megand.core.optimizer.grad_norm import clip_grads
+from megand.core.optimizer.record import OptimizerRecord
+from megand.core.sharding import EXPERT_MATRIX, MATRIX
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -72,15 +80,6 @@ def orthogonalize(full: torch.Tensor, fused_rows, steps: int, dtype: torch.dtype
         result[..., start: start + rows, :] = o.reshape(*lead, out // unit, rows, cols)
         start += rows
     return result.reshape(full.shape)
-
-
-def is_muon_param(name: str, p) -> bool:
-    """Hidden matrices: not the embeddings, the output layer, the router, vectors (norms, biases) or a
-    matrix with a single row or column (the shared experts' gate)."""
-    meta = getattr(p, "meta", None)
-    shape = meta.full_shape if meta is not None else tuple(p.shape)
-    hidden = not (name.startswith("embedding.") or name.startswith("output_layer.") or ".router." in f".{name}")
-    return hidden and len(shape) >= 2 and min(shape[-2:]) > 1
 
 
 class MuonParam:
@@ -134,3 +133,47 @@ class MuonParam:
         result = torch.empty_like(local)
         dist.scatter(result, [o.contiguous() for o in out] if mine else None, src=owner, group=group)
         return result
+
+
+class MuonUpdate:
+    """Momentum (Nesterov), Newton-Schulz of each whole matrix, decoupled weight decay. Newton-Schulz runs
+    in fp32 for fp32 parameters, in bf16 otherwise (as published)."""
+
+    def __init__(self, named_params, pieces, cfg, ddp, topo):
+        self.cfg = cfg
+        self.ns_dtype = torch.float32 if all(buf.dtype == torch.float32 for buf in ddp.buffers) else torch.bfloat16
+        tp_group = topo.tp_group if topo.tp_size > 1 else None
+        # in the stage's parameter order (the same on every rank: the order of the collectives)
+        self.params = [MuonParam(p, [x for x in pieces if x.param is p], ddp.bucket_of[p].buffer.reduce.group,
+                                 ddp.distributed, tp_group, i) for i, (_, p) in enumerate(named_params)]
+        self.pieces = pieces
+
+    def step(self, lr: float, grad_norm: float) -> None:
+        c = self.cfg
+        clip_grads([x.grad for x in self.pieces], grad_norm, c.clip_grad)
+        mu, decay = c.muon_momentum, 1.0 - lr * c.weight_decay
+        for mp in self.params:
+            updates = []
+            for x in mp.pieces:
+                buf = x.state["momentum"]
+                buf.mul_(mu).add_(x.grad)
+                updates.append(x.grad.add(buf, alpha=mu) if c.muon_nesterov else buf)
+            for x, o in zip(mp.pieces, mp.step(updates, c.muon_ns_steps, self.ns_dtype)):
+                (x.main.mul_(decay) if x.decay else x.main).add_(o, alpha=-lr)
+
+    def set_step(self, steps: int) -> None:
+        pass
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of :func:`newton_schulz` on one m x n matrix (m <= n after the transpose): per iteration
+    ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+# 36 bytes per element: read grad and momentum, write momentum, the Nesterov update written and read back,
+# read and write the param; the model copy and the grad norm's read
+MUON = OptimizerRecord(name="muon", state=("momentum",), roles=frozenset({MATRIX, EXPERT_MATRIX}), update=MuonUpdate,
+                       update_bytes=36, fallback="adamw", matrix_flops=newton_schulz_flops,
+                       matrix_step="Muon Newton-Schulz")

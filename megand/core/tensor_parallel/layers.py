@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, split_by_tokens, tag
+from megand.core.sharding import BIAS, EMBEDDING, MATRIX, ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, use_policy, weight_grad_target, weight_grad_pass
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
@@ -90,16 +90,19 @@ class ColumnParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=True, sequence_parallel=False,
-                 init_std=0.02, padded_out=None, dtype=torch.float32, device=None):
+                 init_std=0.02, padded_out=None, dtype=torch.float32, device=None, role=MATRIX):
+        """``role``: the weight's :data:`~megand.core.sharding.ROLES` entry (a layer's matrix; the model's
+        output layer says so)."""
         super().__init__()
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         local_out = divide(padded_out or out_features, tp_size, "output features across tensor-parallel ranks")
         padded = padded_out if padded_out and padded_out != out_features else None
         self.weight = _param((local_out, in_features), ParamMeta((out_features, in_features), 0, tp_rank, tp_size,
-                                                                 init_std=init_std, padded_size=padded), dtype, device)
+                                                                 init_std=init_std, padded_size=padded, role=role),
+                             dtype, device)
         self.bias = _param((local_out,), ParamMeta((out_features,), 0, tp_rank, tp_size, init="zeros",
-                                                   padded_size=padded), dtype, device) if bias else None
+                                                   padded_size=padded, role=BIAS), dtype, device) if bias else None
         self.set_gemm(DEFAULT)
 
     def set_gemm(self, policy: GemmPolicy):
@@ -123,9 +126,9 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         local_in = divide(in_features, tp_size, "input features across tensor-parallel ranks")
         self.weight = _param((out_features, local_in), ParamMeta((out_features, in_features), 1, tp_rank, tp_size,
-                                                                 init_std=init_std), dtype, device)
+                                                                 init_std=init_std, role=MATRIX), dtype, device)
         self.bias = _param((out_features,), ParamMeta((out_features,), None, tp_rank, tp_size, init="zeros",
-                                                      input_split=split_by_tokens(sequence_parallel)),
+                                                      input_split=split_by_tokens(sequence_parallel), role=BIAS),
                            dtype, device) if bias else None
         self.set_gemm(DEFAULT)
 
@@ -155,7 +158,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_start = tp_rank * local_rows
         self.vocab_end = self.vocab_start + local_rows
         meta = ParamMeta((vocab_size, hidden_size), 0, tp_rank, tp_size, init_std=init_std,
-                         padded_size=padded if padded != vocab_size else None)
+                         padded_size=padded if padded != vocab_size else None, role=EMBEDDING)
         self.weight = _param((local_rows, hidden_size), meta, dtype, device)
 
     def forward(self, ids):

@@ -27,7 +27,7 @@ qk_rope_head_dim`` numbers per token and layer instead of ``heads x (qk + v)``) 
 import torch
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, split_by_tokens, tag
+from megand.core.sharding import MATRIX, ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_sp
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.attention import AttentionCore
@@ -37,7 +37,8 @@ from megand.core.transformer.rope import apply_rope
 
 
 def _replicated(shape, topo, input_split, init_std, dtype, device):
-    meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=init_std, input_split=input_split)
+    meta = ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=init_std, input_split=input_split,
+                     role=MATRIX)
     return tag(torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device)), meta)
 
 

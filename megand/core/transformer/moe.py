@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.metrics import MAX, MEAN, SUM, Metric
-from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
+from megand.core.sharding import BIAS, EXPERT_MATRIX, ROUTER, ParamMeta, retag, split_by_tokens, tag
 from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
 from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
@@ -93,7 +93,8 @@ class Router(torch.nn.Module):
         self.groups, self.topk_groups = cfg.moe_n_group, cfg.moe_topk_group
         shape = (cfg.num_experts, cfg.hidden_size)
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                                              input_split=split_by_tokens(sharded_tokens)), cfg.params_dtype, device)
+                                              input_split=split_by_tokens(sharded_tokens), role=ROUTER),
+                             cfg.params_dtype, device)
         if self.kind == "sigmoid":
             # state, not a parameter; tiny: created on the run's device even when the model is built on meta
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=topo.device))
@@ -284,7 +285,8 @@ class GroupedLinear(torch.nn.Module):
         local = tuple(n // tp_size if d == split_dim else n for d, n in enumerate(full))
         local = (local_experts,) + local[1:]
         self.weight = _param(local, ParamMeta(full, split_dim, tp_rank, tp_size, init_std=init_std,
-                                              input_split=split_by_tokens(split_dim is None and sharded_tokens), **ep),
+                                              input_split=split_by_tokens(split_dim is None and sharded_tokens),
+                                              role=EXPERT_MATRIX, **ep),
                              dtype, device)
         self.bias = None
         if bias:
@@ -292,7 +294,7 @@ class GroupedLinear(torch.nn.Module):
             split_b = 1 if bias_split else None
             local_b = (local_experts, out_features // tp_size if bias_split else out_features)
             self.bias = _param(local_b, ParamMeta(full_b, split_b, tp_rank, tp_size, init="zeros", **ep,
-                                                  input_split=split_by_tokens(split_b is None and sharded_tokens)),
+                                                  input_split=split_by_tokens(split_b is None and sharded_tokens), role=BIAS),
                                dtype, device)
         self.split_dim, self.tp_group = split_dim, getattr(topo, "tp_group", None)
         self.set_gemm(DEFAULT)
@@ -399,7 +401,8 @@ class GateWeight(torch.nn.Module):
         super().__init__()
         shape = (1, cfg.hidden_size)
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
-                                              input_split=split_by_tokens(cfg.sequence_parallel)), cfg.params_dtype, device)
+                                              input_split=split_by_tokens(cfg.sequence_parallel), role=ROUTER),
+                             cfg.params_dtype, device)
 
     def forward(self, x):
         return F.linear(x, self.weight)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from megand.core.sharding import ParamMeta, tag
+from megand.core.sharding import NORM, ParamMeta, tag
 
 
 class Norm(torch.nn.Module):
@@ -23,7 +23,7 @@ class Norm(torch.nn.Module):
         self.kind, self.eps, self.shape = kind, eps, (hidden_size,)
 
         def param(init):
-            meta = ParamMeta(self.shape, None, tp_rank, tp_size, init=init, input_split=input_split)
+            meta = ParamMeta(self.shape, None, tp_rank, tp_size, init=init, input_split=input_split, role=NORM)
             return tag(torch.nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device)), meta)
 
         self.weight = param("ones")

@@ -31,14 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, layer_params
-from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
+from megand.core.optimizer.registry import optimizer_for, record
+from megand.tools.estimate_memory import Layout, estimate_memory, matrix_step_cost, stage_params, stage_params_by_role
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
 from megand.tools.planner.simulate import simulate
 from megand.training.peak import mixed_peak
 
 GIB = 2 ** 30
-ADAM_BYTES_PER_MAIN_PARAM = 36  # read fp32 grad, param, m, v; write param, m, v; model copy; grad norm read
 
 
 @dataclass
@@ -395,12 +395,14 @@ def _data_parallel_tail(model, c: Candidate, prof, links, r: int, timeline, firs
     d = _dp_size(c)
     shard = c.dp_shard or d
     level = c.sharding if d > 1 else "none"
-    main_params = params / (shard if level != "none" else 1)
-    opt = main_params * ADAM_BYTES_PER_MAIN_PARAM / (prof.memory_gbps * 1e9)
-    if c.optimizer == "muon":  # Newton-Schulz on this rank's share of the matrices, and moving the pieces
-        muon, h = muon_step_cost(model, layout, r), Shape.from_config(model).hidden
-        opt += muon["flops"] / (prof.peak_tflops * 1e12 * gemm_efficiency(prof, h, h, h))
-        local = muon["bytes"] / 2  # fp32 layer matrices of this tp rank: reduced to and broadcast from owners
+    # memory-bound: each role's main params times the bytes its optimizer's update moves per element
+    moved = sum(n * optimizer_for(c.optimizer, role).update_bytes
+                for role, n in stage_params_by_role(model, layout, r).items())
+    opt = moved / (shard if level != "none" else 1) / (prof.memory_gbps * 1e9)
+    if record(c.optimizer).matrix_flops is not None:  # whole matrices (Muon's Newton-Schulz) and moving the pieces
+        work, h = matrix_step_cost(model, layout, r), Shape.from_config(model).hidden
+        opt += work["flops"] / (prof.peak_tflops * 1e12 * gemm_efficiency(prof, h, h, h))
+        local = work["bytes"] / 2  # fp32 layer matrices of this tp rank: reduced to and broadcast from owners
         opt += collective_time(prof, "all_reduce", local, shard if level != "none" else d, links["dp_shard"][r])
         opt += 2 * collective_time(prof, "all_gather", local * c.tp, c.tp, links["tp"][r])  # gather + scatter
     if d <= 1:

@@ -38,7 +38,7 @@ class Candidate:
     # not a config key: whether attention runs as one fused (flash) kernel that never stores the s x s
     # probabilities. None: megand's SDPA in 16-bit on GPUs (fused); fp32 (CPU runs) counted unfused
     fused_attention: Optional[bool] = None
-    optimizer: str = "adamw"  # optim.name (not searched): Muon adds Newton-Schulz to the step, saves one moment
+    optimizer: str = "adamw"  # optim.name (not searched): its record gives the states kept, the bytes and matrix work of its step
     fp8: Optional[str] = None  # train.fp8 (not searched): those layers' GEMMs at the FP8 peak
     fp8_bf16_layers: int = 1  # train.fp8_bf16_layers: first and last layers kept in bf16
 
