@@ -40,3 +40,36 @@ def test_the_family_table_lists_the_registered_families():
     rows = re.findall(r"^\| `(\w+)` \| `(\w+)`", table, flags=re.M)
     assert rows == [(f.model_type, f.model_class) for f in FAMILIES.values()], \
         "docs/model-families.md's family table differs from megand/models/hf_families.py's FAMILIES"
+
+
+def registries() -> dict:
+    """Every registry a reader of the README or of docs/extending.md should find complete: kind -> names."""
+    from megand.core.optimizer.registry import OPTIMIZERS
+    from megand.core.pipeline_parallel.registry import schedule_names
+    from megand.data.source import DATA_KINDS
+    from megand.models.hf_families import FAMILIES
+
+    return {"schedules": schedule_names(), "families": tuple(FAMILIES), "optimizers": tuple(OPTIMIZERS),
+            "data sources": tuple(DATA_KINDS)}
+
+
+def test_extending_lists_exactly_the_registered_records():
+    """docs/extending.md's "Registered ...:" line of each kind names exactly what is registered."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "extending.md")).read()
+    for kind, names in registries().items():
+        line = re.search(rf"^Registered {kind}: (.*?)\.$", text, flags=re.M | re.S)
+        assert line, f"docs/extending.md has no 'Registered {kind}:' line"
+        listed = set(re.findall(r"`(\w+)`", line.group(1)))
+        assert listed == set(names), f"docs/extending.md lists {kind} {sorted(listed)}, registered: {sorted(names)}"
+
+
+def test_readme_names_every_registered_record():
+    """The README's intro and code map name every registered schedule, family, optimizer and data source."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    for kind, names in registries().items():
+        missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+        assert not missing, f"README.md does not name the registered {kind} {missing}"
