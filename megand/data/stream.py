@@ -426,6 +426,7 @@ class StreamSource:
                 raise DataError(f"data.paths entry {spec!r}: {path} is gone since the checkpoint: {why}")
             if now[path][0] != size:
                 raise DataError(f"{path}: changed since the checkpoint: {size} bytes then, {now[path][0]} now: {why}")
+        for path, (size, mtime) in then.items():  # the same files and sizes: the same units
             if now[path][1] != mtime and verify_content:
                 units = self.sources[s]
                 for index, digest in read.items():
