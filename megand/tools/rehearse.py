@@ -348,7 +348,7 @@ def trainer_for_rehearsal(cfg, configs, topo, data, clock):
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.configs, trainer.model_cfg = cfg, configs, configs.model
-    trainer.topo, trainer.train_data, trainer.valid_data = topo, data, None
+    trainer.topo = topo
     clock.enter("build")
     trainer.chunks, trainer.ddp = build_model_and_engine(configs, topo)
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]

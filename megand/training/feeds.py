@@ -62,7 +62,8 @@ class RandomAccessFeed:
 
     def load_state_dict(self, state: dict | None) -> None:
         """The position is the checkpoint's consumed samples (what :meth:`get` is asked for): nothing to check."""
-        self.next_sample = int((state or {}).get("next_sample", 0)) if (state or {}).get("kind") == RANDOM_ACCESS else 0
+        if state is not None and state.get("kind") == RANDOM_ACCESS:
+            self.next_sample = int(state["next_sample"])
         return None
 
     def close(self) -> None:

@@ -148,8 +148,7 @@ class Trainer:
         self.topo = build_topology(self.configs.topology, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
-        self.train_data, self.valid_data = build_datasets(self.configs.datasets, self.topo,
-                                                          self.rollback_sample_budget())
+        train, valid = build_datasets(self.configs.datasets, self.topo, self.rollback_sample_budget())
         # params live in the engine's buffers, allocated and initialised there (no full copy)
         self.chunks, self.ddp = build_model_and_engine(self.configs, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
@@ -160,7 +159,7 @@ class Trainer:
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes
-        self.train_feed, self.valid_feed = self._open_feeds()
+        self.train_feed, self.valid_feed = self._open_feeds(train, valid)
         self.loaded_iteration = self.last_save_attempt = None
         self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
@@ -186,8 +185,13 @@ class Trainer:
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
 
-    def _open_feeds(self):
-        """The feeds of the train and validation data (:mod:`megand.training.feeds`): the trainer reads every
+    @property
+    def train_data(self):
+        """The train split's source, as its feed reads it (built again by a resume that reads further)."""
+        return self.train_feed.source
+
+    def _open_feeds(self, train, valid):
+        """The feeds of the train and validation splits (:mod:`megand.training.feeds`): the trainer reads every
         data source through them. Collective (a stream's feed makes its process groups)."""
         t, plan = self.cfg.train, self.configs.datasets
         kind = plan.data.get("kind", "mock")
@@ -195,11 +199,10 @@ class Trainer:
         def rebuild(samples: int):
             return build_datasets(plan, self.topo, samples - plan.train_samples)[0]
 
-        train = open_feed(kind, self.train_data, self.topo, t.micro_batch_size, self.batch_needs, self.ramp,
-                          plan.train_samples + self.rollback_sample_budget(), rebuild)
-        valid = open_feed(kind, self.valid_data, self.topo, t.micro_batch_size, self.batch_needs,
-                          ConstantBatch(t.global_batch_size))
-        return train, valid
+        return (open_feed(kind, train, self.topo, t.micro_batch_size, self.batch_needs, self.ramp,
+                          plan.train_samples + self.rollback_sample_budget(), rebuild),
+                open_feed(kind, valid, self.topo, t.micro_batch_size, self.batch_needs,
+                          ConstantBatch(t.global_batch_size)))
 
     def rollback_sample_budget(self) -> int:
         """Samples a run may skip by spike rollbacks: each skips at most one checkpoint interval of batches."""
