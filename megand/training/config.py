@@ -16,58 +16,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megand.data.source import DATA_KINDS, STREAM
-
-
-@dataclass
-class ModelConfig:
-    arch: str = "gpt"  # gpt | llama
-    num_layers: int = 4  # transformer layers
-    hidden_size: int = 64  # model width h
-    ffn_hidden_size: int = 256  # MLP width (for swiglu: the width of each of gate and up)
-    num_attention_heads: int = 4  # query heads
-    num_query_groups: Optional[int] = None  # null: multi-head attention
-    head_dim: Optional[int] = None  # width of one attention head; null: hidden_size / num_attention_heads (Qwen3 and Gemma set it apart)
-    seq_length: int = 32  # tokens per sample
-    vocab_size: int = 256  # > every token id of the data and >= the tokenizer's vocab (both checked)
-    make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # the embedding and output layer are padded to a multiple of this x tp rows (aligned logits GEMM); padding is never predicted nor saved
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5  # epsilon of every norm (Qwen's published models use 1e-6)
-    activation: str = "gelu"  # gelu | swiglu
-    position_embedding: str = "learned"  # learned | rope
-    rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: Any = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
-    sliding_window: Any = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
-    qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
-    kv_lora_rank: Optional[int] = None  # multi-head latent attention (DeepSeek-V2/V3) when set: keys and values of every head from one latent of this width per token; null: standard attention
-    q_lora_rank: Optional[int] = None  # latent attention: queries from a latent of this width (with its RMSNorm); null: a full-rank query projection
-    qk_nope_head_dim: Optional[int] = None  # latent attention: the query/key head width without position (needs kv_lora_rank)
-    qk_rope_head_dim: Optional[int] = None  # latent attention: the rotary query/key head width (one rotary key shared by all heads)
-    v_head_dim: Optional[int] = None  # latent attention: the value head width
-    tie_embeddings: bool = True  # output layer shares the word embedding
-    init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*num_layers))
-    hidden_dropout: float = 0.0  # dropout on embeddings and residual branches
-    attention_dropout: float = 0.0  # dropout on attention probabilities
-    num_experts: Optional[int] = None  # Mixture-of-Experts: routed experts per MoE layer; null: dense MLP everywhere
-    moe_top_k: int = 2  # experts each token is routed to
-    moe_ffn_hidden_size: Optional[int] = None  # width of one routed expert (for swiglu: of each of gate and up); null: ffn_hidden_size
-    moe_shared_experts: int = 0  # always-on experts, one MLP of width moe_shared_experts * moe_ffn_hidden_size (0: none)
-    moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ gate) (Qwen2-MoE)
-    moe_layer_freq: int = 1  # layer i (0-based) is MoE when i % moe_layer_freq == 0; the others stay dense
-    moe_first_k_dense_replace: int = 0  # the first k layers stay dense MLPs of ffn_hidden_size (DeepSeek-V3: 3)
-    moe_router: str = "softmax"  # softmax (top-k of softmax, Mixtral) | sigmoid (DeepSeek-V3: sigmoid scores, aux-loss-free bias)
-    moe_norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to 1 (the sigmoid router too)
-    moe_n_group: Optional[int] = None  # group-limited routing (DeepSeek-V3's n_group): experts in this many groups, a group scored by its 2 best experts; null: none
-    moe_topk_group: Optional[int] = None  # group-limited routing: each token chooses among the experts of its topk_group best groups
-    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)
-    moe_bias_update_rate: float = 0.001  # sigmoid router: step of the aux-loss-free balancing bias after each optimizer step (0: off)
-    moe_aux_loss_coeff: float = 0.0  # load-balancing (Switch/GShard) loss coefficient, over each micro-batch's global tokens
-    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
-    moe_capacity_factor: Optional[float] = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
-    mtp_layers: int = 0  # multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead with one transformer layer of its own and the shared embedding and output layer, on the last pipeline stage; 0: none
-    mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp_loss
+from megand.training.model_schema import ModelConfig  # the model group: generated from core's TransformerConfig
 
 
 @dataclass

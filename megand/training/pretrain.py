@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from megand.core.checkpointing import StopOnSignal
 from megand.core.distributed import DataParallel
+from megand.core.metrics import MAX, RANKS, Metric, reduce_metrics
 from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
 from megand.core.parallel_state import (
@@ -28,7 +29,6 @@ from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8
-from megand.core.tensor_parallel.mappings import all_gather_flat
 from megand.core.timing import device_timer
 from megand.core.transformer import moe
 from megand.core.sdpa import attention_summary
@@ -418,10 +418,8 @@ class Trainer:
         any rank. ``grad_stats``: the optimizer's all-reduced ``[sum of squares, non-finite count]``.
         ``stop_vote``: this rank's :meth:`StopOnSignal.flag`; ``stop`` is the largest over the ranks (the
         stop decision rides on this all-reduce instead of a world-wide one of its own)."""
-        device = self.topo.device
         if loss is None:  # a stage without the loss: neutral under MAX
-            loss_bad = torch.zeros((), dtype=torch.float64, device=device)
-            loss_value = torch.full((), -math.inf, dtype=torch.float64, device=device)
+            loss_bad, loss_value = 0.0, -math.inf
         else:
             loss = loss.double()
             finite = torch.isfinite(loss)
@@ -429,12 +427,12 @@ class Trainer:
             loss_value = torch.where(finite, loss, torch.full_like(loss, -math.inf))
         sum_sq = grad_stats[0]
         grad_bad = ((grad_stats[1] > 0) | ~torch.isfinite(sum_sq)).double()
-        vote = torch.full((), float(stop_vote), dtype=torch.float64, device=device)  # a fill, not a copy
-        box = torch.stack([loss_bad, loss_value, grad_bad, sum_sq.sqrt().double(), vote])
-        if self.topo.world_size > 1:
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        loss_bad, loss_value, grad_bad, grad_norm, stop = box.tolist()  # the one device-to-host sync of the step
-        return (float("nan") if loss_bad else loss_value), grad_norm, bool(grad_bad), int(stop)
+        agreed = reduce_metrics([  # one MAX all-reduce, and the one device-to-host sync of the step
+            Metric("loss_bad", loss_bad, MAX), Metric("loss", loss_value, MAX), Metric("grad_bad", grad_bad, MAX),
+            Metric("grad_norm", sum_sq.sqrt(), MAX), Metric("stop", stop_vote, MAX)], self.topo.device,
+            self.topo.world_size)
+        loss = float("nan") if agreed["loss_bad"] else agreed["loss"]
+        return loss, agreed["grad_norm"], bool(agreed["grad_bad"]), int(agreed["stop"])
 
     def _progress(self, phase: str, timeout_s: float | None = None) -> None:
         """Report progress to the hang watchdog; ``timeout_s``: a phase of file I/O (a checkpoint save or
@@ -591,29 +589,27 @@ class Trainer:
             total += float("nan") if loss is None else loss.double()
         return total.item() / max(1, t.eval_iters)  # one read per evaluation
 
+    def step_metrics(self) -> list[Metric]:
+        """This rank's named values of the last step for the log line, each with its rule over the ranks:
+        peak memory and resident state (the most loaded rank's), busy time (forward/backward, outside the
+        waits for other ranks' gradients: every rank's, for the straggler report), and the model's own."""
+        metrics = [Metric("mem_peak_bytes", peak_memory_bytes(self.topo.device), MAX, integer=True),
+                   Metric("state_bytes", self.optimizer.state_bytes(), MAX, integer=True),
+                   Metric("busy_s", self.busy.seconds, RANKS)]
+        if self.model_cfg.mtp_layers:  # the step's MTP loss: summed over one rank per data shard of the last stage
+            counted = self.has_loss and self.topo.tp_rank == 0
+            metrics.append(Metric("mtp_loss", self.mtp_loss_sum if counted else 0.0))
+        return metrics + moe.step_metrics(self.chunks, self.model_cfg, self.topo.device)
+
     def log(self, loss, result, iter_time):
         t = self.cfg.train
         if self.iteration % t.log_interval and self.iteration != t.iters and not self.last_spike:
             return
         self._progress("logging")
-        # per rank: peak memory, resident state and busy time (forward/backward, outside the waits for other
-        # ranks' gradients)
-        # non_blocking: a copy from pageable memory is staged at once and waits for no queued device work
-        mine = torch.tensor([float(peak_memory_bytes(self.topo.device)), self.busy.seconds,
-                             float(self.optimizer.state_bytes())], dtype=torch.float64).to(self.topo.device,
-                                                                                           non_blocking=True)
-        if self.model_cfg.mtp_layers:  # the step's MTP loss: summed over one rank per data shard of the last stage
-            counted = self.has_loss and self.topo.tp_rank == 0
-            mine = torch.cat([mine, (self.mtp_loss_sum.double() if counted else mine.new_zeros(())).view(1)])
-        if self.model_cfg.num_experts is not None:  # the MoE statistics of the step, read with the rest
-            mine = torch.cat([mine, moe.step_metrics(self.chunks, self.topo.device)])
-        gathered = torch.empty(self.topo.world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        all_gather_flat(gathered, mine)  # torch 2.13 warns on the old name (stderr stays one line per error)
-        every = gathered.view(self.topo.world_size, -1).tolist()  # the log line's one read, whatever the world size
+        # one collective (an all-gather: the busy time is every rank's) and the log line's one read
+        values = reduce_metrics(self.step_metrics(), self.topo.device, self.topo.world_size)
         self.busy.reset()
-        mem_peak = max(x[0] for x in every)  # the most loaded rank
-        state_bytes = max(x[2] for x in every)
-        busy = [x[1] for x in every]
+        busy = values.pop("busy_s")
         slowest = max(range(len(busy)), key=busy.__getitem__)
         median = statistics.median(busy)
         slowest_ratio = busy[slowest] / median if median > 0 else 1.0
@@ -623,19 +619,13 @@ class Trainer:
             "loss_scale": result.loss_scale, "skipped": int(result.skipped),
             "tokens_per_s": self.tokens_per_batch / iter_time, "tflops_per_s": flops_per_s / 1e12,
             "hardware_tflops_per_s": self.flops["hardware_flops"] / iter_time / self.topo.world_size / 1e12,
-            "mfu": mfu(flops_per_s, self.peak_flops), "mem_peak_bytes": int(mem_peak),
-            "state_bytes": int(state_bytes),
-            "iter_time_ms": iter_time * 1e3, "consumed_samples": self.consumed_samples,
+            "mfu": mfu(flops_per_s, self.peak_flops), "iter_time_ms": iter_time * 1e3,
+            "consumed_samples": self.consumed_samples,
             "global_batch_size": self.batch_size, "batch_checksum": (None if self.last_batch_checksum is None
                                                                      else int(self.last_batch_checksum.item())),
             "slowest_rank": slowest, "slowest_ratio": slowest_ratio, "spike": bool(self.last_spike),
-            "skipped_total": self.skips.total,
+            "skipped_total": self.skips.total, **values,  # step_metrics(): memory, state and the model's own
         }
-        if self.model_cfg.mtp_layers:
-            record["mtp_loss"] = sum(x[3] for x in every)
-        if self.model_cfg.num_experts is not None:
-            record.update(moe_record([x[:3] + x[4:] for x in every] if self.model_cfg.mtp_layers else every,
-                                     self.cfg.model.moe_capacity_factor is not None))
         self.writer.write(record)
         self.wandb.log(record, step=self.iteration)
         if self.topo.is_logging_rank:
@@ -713,18 +703,6 @@ class Trainer:
         self.writer.close()
         self.wandb.finish()
         return best_val
-
-
-def moe_record(every, with_drops: bool) -> dict:
-    """The MoE metrics from every rank's :func:`megand.core.transformer.moe.step_metrics` (after the three
-    values :meth:`Trainer.log` gathers first), host rows."""
-    stats = [x[3:] for x in every]
-    terms = max(sum(x[2] for x in stats), 1.0)
-    record = {"aux_loss": sum(x[0] for x in stats) / terms, "z_loss": sum(x[1] for x in stats) / terms,
-              "expert_load_max_over_mean": max(x[3] for x in stats)}
-    if with_drops:
-        record["tokens_dropped"] = int(sum(x[4] for x in stats))
-    return record
 
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:

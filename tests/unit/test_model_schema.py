@@ -1,12 +1,15 @@
-"""One model schema: the run's ``model`` keys are core's TransformerConfig fields, the head width is derived
-once (in core) and every reader (layers, FLOPs, estimator, checkpoint adapters) follows it; a key core does
-not declare is an error naming it."""
+"""One model schema: the run's ``model`` keys are core's TransformerConfig fields (Hydra's ``model`` group is
+generated from it), the head width is derived once (in core) and every reader (layers, FLOPs, estimator,
+checkpoint adapters) follows it; a key core does not declare is an error naming it."""
 
-from dataclasses import fields
+import ast
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from megand.core.transformer.config import MODEL_FIELDS, TransformerConfig
 from megand.models import flops
@@ -14,14 +17,49 @@ from megand.models.full import param_metas, transformer_config
 from megand.models.hf import dims
 from megand.training.config import ConfigError, ModelConfig, compose, validate
 from megand.training.config import transformer_config as run_transformer_config
+from megand.training.model_schema import structured_schema
 
 QWEN3_LIKE = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                   num_query_groups=2, head_dim=24, seq_length=32, vocab_size=256, norm="rmsnorm",
                   activation="swiglu", position_embedding="rope", tie_embeddings=False)
 
 
-def test_the_run_schema_and_core_declare_the_same_model_keys():
-    assert {f.name for f in fields(ModelConfig)} == MODEL_FIELDS
+def test_the_model_group_is_generated_from_the_core_config():
+    """Hydra's ``model`` schema is TransformerConfig's model fields, in its order, with its defaults; a field
+    added to a core-style dataclass is a key of the schema generated from it, typed for OmegaConf."""
+    core = [f for f in fields(TransformerConfig) if f.name in MODEL_FIELDS]
+    assert [(f.name, f.default) for f in fields(ModelConfig)] == [(f.name, f.default) for f in core]
+    assert ModelConfig.__wrapped__ is TransformerConfig
+
+    @dataclass(frozen=True)
+    class Toy:
+        width: int = 8
+        experts: int | None = None
+        window: int | tuple | None = None
+        runtime: str = "x"
+
+    schema = OmegaConf.structured(structured_schema(Toy, "ToyModel", exclude={"runtime"}))
+    assert OmegaConf.to_container(schema) == {"width": 8, "experts": None, "window": None}
+    schema.experts, schema.window = 4, [2, None]
+    with pytest.raises(ValidationError, match="could not be converted to Integer"):
+        schema.width = "wide"
+    with pytest.raises(ConfigAttributeError, match="Key 'runtime' not in 'ToyModel'"):
+        schema.runtime = "y"
+
+
+def test_no_dataclass_but_the_core_config_declares_the_model_keys():
+    """One schema: no class of the package (a second structured config, a copy in a tool) annotates the
+    model's keys but core's TransformerConfig."""
+    root = Path(__file__).resolve().parents[2] / "megand"
+    declaring = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = {s.target.id for s in node.body
+                         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if len(names & MODEL_FIELDS) > len(MODEL_FIELDS) // 2:
+                    declaring.append(f"{path.relative_to(root.parent)}:{node.name}")
+    assert declaring == ["megand/core/transformer/config.py:TransformerConfig"]
 
 
 def test_head_dim_is_derived_when_null_and_widths_follow_it():

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
+from megand.core.metrics import MAX, MEAN, SUM, Metric
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
 from megand.core.tensor_parallel.gemm import weight_grad_target
 from megand.core.tensor_parallel.wgrad import add_product, hand_over
@@ -611,20 +612,26 @@ def update_expert_bias(chunks) -> None:
             m.router.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-def step_metrics(chunks, device) -> torch.Tensor:
-    """``[aux sum, z sum, terms, max load ratio, dropped]`` of this rank's MoE layers over the last step, a
-    device tensor (fp64). Summed over ranks, the aux and z sums over the terms give the means over layers
-    and micro-batches (every rank of a stage holds the same values, and every stage the same number of
-    ranks); the load ratio is maxed and the drops summed."""
-    layers = moe_layers(chunks)
-    out = torch.zeros(5, dtype=torch.float64, device=device)
-    for m in layers:
+def step_metrics(chunks, cfg, device) -> list[Metric]:
+    """The MoE statistics of this rank's layers over the last step, by name (none for a dense ``cfg``),
+    device values. Summed over ranks, the aux and z sums over the terms (layers x micro-batches) are the
+    means over layers and micro-batches (every rank of a stage holds the same values, and every stage the
+    same number of ranks); the load ratio is maxed and, under a capacity factor, the drops summed."""
+    if cfg.num_experts is None:
+        return []
+    aux, z, ratio, dropped = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(4))
+    terms = 0
+    for m in moe_layers(chunks):
         st = m.stats
-        out[0] += st.aux.double()
-        out[1] += st.z.double()
-        out[2] += st.microbatches
+        aux += st.aux.double()
+        z += st.z.double()
+        terms += st.microbatches
         mean = st.load.mean()
-        ratio = torch.where(mean > 0, st.load.max() / mean.clamp_min(1e-30), torch.zeros_like(mean))
-        out[3] = torch.maximum(out[3], ratio.double())
-        out[4] += st.dropped.double()
-    return out
+        ratio = torch.maximum(ratio, torch.where(mean > 0, st.load.max() / mean.clamp_min(1e-30),
+                                                 torch.zeros_like(mean)).double())
+        dropped += st.dropped.double()
+    metrics = [Metric("aux_loss", aux, MEAN, count=terms), Metric("z_loss", z, MEAN, count=terms),
+               Metric("expert_load_max_over_mean", ratio, MAX)]
+    if cfg.moe_capacity_factor is not None:
+        metrics.append(Metric("tokens_dropped", dropped, SUM, integer=True))
+    return metrics
