@@ -4,7 +4,8 @@ Such a directory holds ``state.json`` (its Arrow files, in order, under ``_data_
 Arrow's IPC stream format: record batches of ``writer_batch_size`` rows (1000 by default). They are read
 here by memory map with pyarrow (``datasets`` is not needed at run time). Each record batch is a unit of
 the stream (:mod:`megand.data.stream`): lanes, shuffling, mixtures, state, resume and the identification
-of the files read are the stream's; the ``text`` column is tokenized on the fly.
+of the files read are the stream's; the text column (``data.text_key``, ``text`` by default) is tokenized
+on the fly.
 """
 
 from __future__ import annotations
@@ -13,21 +14,19 @@ import json
 import os
 
 from megand.data.errors import DataError
-from megand.data.stream import StreamSource, Unit, build_stream
-
-TEXT_COLUMN = "text"
+from megand.data.stream import TEXT_KEY, StreamSource, Unit, build_stream
 
 
-def _schema_and_batches(path: str):
+def _schema_and_batches(path: str, column: str):
     """The file's schema and ``(byte offset, rows, text bytes)`` of each record batch (headers only: the
     memory map reads no column data)."""
     import pyarrow as pa
 
     with pa.memory_map(path) as source:
         schema = pa.ipc.open_stream(source).schema
-        if TEXT_COLUMN not in schema.names:
+        if column not in schema.names:
             return schema, None
-        column = schema.get_field_index(TEXT_COLUMN)
+        index = schema.get_field_index(column)
         source.seek(0)
         messages = pa.ipc.MessageReader.open_stream(source)
         batches = []
@@ -39,13 +38,13 @@ def _schema_and_batches(path: str):
                 break
             if message.type == "record batch":
                 batch = pa.ipc.read_record_batch(message, schema)
-                batches.append((offset, batch.num_rows, batch.column(column).nbytes))
+                batches.append((offset, batch.num_rows, batch.column(index).nbytes))
         return schema, batches
 
 
-def list_units(spec: str) -> list[Unit]:
+def list_units(spec: str, column: str = TEXT_KEY) -> list[Unit]:
     """The record batches of the Arrow files of one ``save_to_disk`` directory, checked readable and holding
-    a string column ``text``."""
+    the string column ``column``."""
     import pyarrow as pa
 
     what = "data.kind=hf_disk reads a directory written by datasets' save_to_disk"
@@ -68,17 +67,17 @@ def list_units(spec: str) -> list[Unit]:
     units = []
     for path in files:
         try:
-            schema, batches = _schema_and_batches(path)
+            schema, batches = _schema_and_batches(path, column)
         except (OSError, pa.ArrowException) as e:  # missing, unreadable, not an Arrow stream
             raise DataError(f"{path}: cannot read Arrow ({type(e).__name__}: {' '.join(str(e).split())})") from None
         if batches is None:
-            raise DataError(f"{path}: no column {TEXT_COLUMN!r} (columns: {', '.join(schema.names)})")
-        kind = schema.field(TEXT_COLUMN).type
+            raise DataError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}; data.text_key names it)")
+        kind = schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise DataError(f"{path}: column {TEXT_COLUMN!r} is of type {kind}, not a string")
+            raise DataError(f"{path}: column {column!r} is of type {kind}, not a string")
         row = 1
         for b, (offset, rows, size) in enumerate(batches):
-            units.append(Unit(path, b, row, start=offset, size=size))
+            units.append(Unit(path, b, row, start=offset, size=size, column=column))
             row += rows
     return units
 
@@ -92,7 +91,7 @@ def read_unit(unit: Unit) -> list[tuple[int, object]]:
             schema = pa.ipc.open_stream(source).schema
             source.seek(unit.start)
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(source), schema)
-            values = batch.column(schema.get_field_index(TEXT_COLUMN)).to_pylist()
+            values = batch.column(schema.get_field_index(unit.column)).to_pylist()
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
         raise DataError(f"{unit.path} (record batch {unit.row_group}): cannot read "
                         f"({type(e).__name__}: {' '.join(str(e).split())})") from e

@@ -51,7 +51,7 @@ from megand.data.errors import DataError
 TOKENIZE_AHEAD = 4  # samples per lane tokenized in one round trip to the worker processes
 UNIT_CACHE = 4  # units (decoded rows) a reader keeps beyond one per lane (neighbouring lanes share small units)
 CHUNK_BYTES = 32 << 20  # a .jsonl file is read in units of at most this many bytes (a .jsonl.gz one whole)
-TEXT_KEY = "text"
+TEXT_KEY = "text"  # the default field / column of each document's text (data.text_key)
 STATE_VERSION = 3  # of the state's meaning (2: whole units per lane; 3: the files read are identified)
 
 
@@ -63,11 +63,12 @@ class Unit:
     start: int = 0  # JSON lines: the unit holds the lines that start in bytes [start, end) of the file
     end: int | None = None  # None: to the end of the file
     size: int = 0  # bytes read from storage to read the unit (compressed: the file's or column chunk's size)
+    column: str = TEXT_KEY  # the JSON field or column holding the text
 
 
-def list_units(spec: str) -> list[Unit]:
-    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable. Only file
-    sizes and Parquet footers are read."""
+def list_units(spec: str, column: str = TEXT_KEY) -> list[Unit]:
+    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable, whose text
+    is the field or column ``column``. Only file sizes and Parquet footers are read."""
     from megand.data.preprocess import expand_inputs
 
     units = []
@@ -82,23 +83,23 @@ def list_units(spec: str) -> list[Unit]:
                 names = meta.schema.to_arrow_schema().names
             except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a corrupt or non-Parquet file
                 raise DataError(f"{path}: cannot read Parquet ({' '.join(str(e).split())})") from e
-            if TEXT_KEY not in names:
-                raise DataError(f"{path}: no column {TEXT_KEY!r} (columns: {', '.join(names)})")
+            if column not in names:
+                raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)}; data.text_key names it)")
             leaves = meta.schema.names  # the column chunk of `text` is what a read fetches
-            column = leaves.index(TEXT_KEY) if TEXT_KEY in leaves else None
+            leaf = leaves.index(column) if column in leaves else None
             row = 1
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
-                size = group.total_byte_size if column is None else group.column(column).total_compressed_size
-                units.append(Unit(path, g, row, size=size))
+                size = group.total_byte_size if leaf is None else group.column(leaf).total_compressed_size
+                units.append(Unit(path, g, row, size=size, column=column))
                 row += group.num_rows
         elif path.endswith(".gz"):  # a gzip stream cannot be entered in the middle
-            units.append(Unit(path, None, size=os.path.getsize(path)))
+            units.append(Unit(path, None, size=os.path.getsize(path), column=column))
         else:
             size = os.path.getsize(path)
             n = max(1, -(-size // CHUNK_BYTES))
             bounds = [size * i // n for i in range(n + 1)]
-            units += [Unit(path, None, start=a, end=None if i == n - 1 else b, size=b - a)
+            units += [Unit(path, None, start=a, end=None if i == n - 1 else b, size=b - a, column=column)
                       for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return units
 
@@ -135,7 +136,7 @@ def read_unit(unit: Unit) -> list[tuple[object, object]]:
             return [(n, line) for n, line in _read_lines(unit) if line.strip()]
         import pyarrow.parquet as pq
 
-        values = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[TEXT_KEY]).column(0).to_pylist()
+        values = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[unit.column]).column(0).to_pylist()
         return list(enumerate(values, unit.first_row))
     except (OSError, EOFError, ValueError) as e:  # also gzip's BadGzipFile, pyarrow's ArrowInvalid
         where = unit.path if unit.row_group is None else f"{unit.path} (row group {unit.row_group})"
@@ -147,10 +148,10 @@ def parse_row(unit: Unit, raw) -> tuple[str | None, str | None]:
     if unit.row_group is None:
         from megand.data.jsonl import parse_json_line
 
-        texts, reason = parse_json_line(raw, [TEXT_KEY])
+        texts, reason = parse_json_line(raw, [unit.column])
         return (None, reason) if reason else (texts[0], None)
     if not isinstance(raw, str):
-        return None, f"column {TEXT_KEY!r} is {'null' if raw is None else type(raw).__name__ + ', not a string'}"
+        return None, f"column {unit.column!r} is {'null' if raw is None else type(raw).__name__ + ', not a string'}"
     return raw, None
 
 
@@ -322,7 +323,7 @@ class StreamSource:
     JSON lines and Parquet here; a subclass reads another format through the same lanes and state."""
 
     kind = "stream"  # the data.kind whose state this is
-    list_units = staticmethod(list_units)  # spec -> the units of one data.paths entry, checked readable
+    list_units = staticmethod(list_units)  # (spec, text column) -> the units of one data.paths entry, checked readable
     read_unit = staticmethod(read_unit)  # unit -> [(row number, raw row)]
     parse_row = staticmethod(parse_row)  # (unit, raw row) -> (text, None) or (None, reason)
 
@@ -334,7 +335,8 @@ class StreamSource:
         self.specs = [spec for w, spec in paths if w > 0]
         total = sum(w for w, _ in paths)
         self.weights = [w / total for w, _ in paths if w > 0]
-        self.sources = [self.list_units(spec) for spec in self.specs]
+        self.text_key = data_cfg.get("text_key") or TEXT_KEY
+        self.sources = [self.list_units(spec, self.text_key) for spec in self.specs]
         # each source's files: {path: [size, mtime_ns]}, and the hash of every unit read (by unit index)
         self.files = [{u.path: file_identity(u.path) for u in units} for units in self.sources]
         self.read_digests: list[dict[str, str]] = [{} for _ in self.sources]
@@ -375,7 +377,7 @@ class StreamSource:
     # -- state: one entry per lane; a reader knows only its own
     def state_dict(self) -> dict:
         return {"kind": self.kind, "version": STATE_VERSION, "lanes": self.lanes, "seed": self.seed,
-                "sources": list(self.specs), "files": [dict(f) for f in self.files],
+                "sources": list(self.specs), "text_key": self.text_key, "files": [dict(f) for f in self.files],
                 "read": [dict(d) for d in self.read_digests],
                 "lane_states": {lane.index: lane.state_dict() for lane in self.mine}}
 
@@ -412,6 +414,9 @@ class StreamSource:
         if int(state["seed"]) != self.seed:
             raise DataError(f"the checkpoint's stream was shuffled with train.seed={state['seed']}, this run's is "
                             f"{self.seed}: a stream resumes only with the same seed")
+        if state["text_key"] != self.text_key:
+            raise DataError(f"the checkpoint's stream read the texts of data.text_key={state['text_key']!r}, this run "
+                            f"{self.text_key!r}: a stream resumes only on the same documents")
         for s, (spec, then, now) in enumerate(zip(self.specs, state["files"], self.files)):
             self._check_files(s, spec, then, now, state["read"][s], verify_content)
 

@@ -110,6 +110,7 @@ class DataConfig:
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
     on_error: str = "fail"  # stream: a malformed row stops the run (fail) or is skipped (skip)
     workers: int = 1  # stream: tokenizer processes per reader (one reader per data-parallel rank); 0: in the reader
+    text_key: str = "text"  # stream, hf_disk: the JSON field, Parquet or Arrow column holding each document's text
     valid_paths: List[Any] = field(default_factory=list)  # stream: the held-out validation stream, [[weight, directory or glob], ...] (no file of data.paths); read from its start at every evaluation
 
 

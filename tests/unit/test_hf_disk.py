@@ -103,11 +103,33 @@ def test_a_changed_directory_is_refused_on_resume(tmp_path):
         readers(paths, 2, state)
 
 
+def test_data_text_key_names_the_column_of_the_text(tmp_path):
+    """``data.text_key``: the Arrow column (hf_disk) or JSON field (stream) read; a resume with another one is
+    refused."""
+    import datasets
+
+    from megand.data.stream import StreamSource
+
+    datasets.disable_progress_bars()
+    texts = write_hf_dataset(tmp_path / "t", 100, num_shards=1)
+    datasets.Dataset.from_dict({"content": texts, "text": ["1 2"] * 100}).save_to_disk(str(tmp_path / "c"))
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    expected = read(readers([[1.0, str(tmp_path / "t")]], 1), 5)
+    by_key = source([[1.0, str(tmp_path / "c")]], text_key="content").open(LANES, 0, LANES)
+    assert all(np.array_equal(a, b) for a, b in zip(expected, read([by_key], 5)))
+    jsonl = StreamSource({"paths": [[1.0, str(tmp_path / "j")]], "workers": 0, "text_key": "body"}, SEQ, VOCAB,
+                         seed=7).open(LANES, 0, LANES)
+    assert sum(len(lane_documents(read([jsonl], 5), lane)) for lane in range(LANES)) > LANES
+    with pytest.raises(DataError, match=r"read the texts of data.text_key='content', this run 'text'"):
+        source([[1.0, str(tmp_path / "c")]]).open(LANES, 0, LANES).load_state_dict(merged([by_key]))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: None, r"not a directory \(data.kind=hf_disk reads a directory written by datasets' save_to_disk\)"),
     (lambda d: d.mkdir(), r"no state.json"),
     (lambda d: write_dict(d), r"a DatasetDict of splits test, train: give one split's directory, e.g. .*/train$"),
-    (lambda d: write_other_column(d), r"data-00000-of-00001.arrow: no column 'text' \(columns: body\)"),
+    (lambda d: write_other_column(d), r"data-00000-of-00001.arrow: no column 'text' \(columns: body; data.text_key names it\)"),
     (lambda d: truncate(d), r"data-00000-of-00001.arrow: cannot read Arrow"),
 ])
 def test_a_bad_directory_is_refused_in_one_line(tmp_path, make, message):
