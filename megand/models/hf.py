@@ -1,13 +1,12 @@
-"""Hugging Face ``transformers`` interoperability: what every architecture's state-dict adapter shares.
+"""Hugging Face ``transformers`` interoperability: what every family's state-dict adapter shares.
 
-An adapter (:mod:`megand.models.hf_deepseek_v3`, :mod:`megand.models.hf_llama`, :mod:`megand.models.hf_qwen2`, :mod:`megand.models.hf_qwen3`,
-:mod:`megand.models.hf_mistral` (import only), :mod:`megand.models.hf_gpt2`, :mod:`megand.models.hf_mixtral`,
-:mod:`megand.models.hf_qwen2_moe`, :mod:`megand.models.hf_qwen3_moe`) is the one place that knows how
-megand's full tensors map to one ``transformers`` architecture: its config (both ways) and one
-:class:`Rule` per megand tensor. The fused layouts are not re-encoded here: the rules call the functions
-of the layers that define them (``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work
-one tensor at a time and on meta tensors, so conversion streams and shapes are checked before any data
-is read.
+An adapter (one ``hf_<family>.py`` module, registered in :mod:`megand.models.hf_families`) is the one place
+that knows how megand's full tensors map to one ``transformers`` architecture: its :class:`Family` record
+(the ``model_type`` it reads and writes, the architecture keys it expresses, the ``config.json`` keys it
+reads or knowingly ignores), its config (both ways) and one :class:`Rule` per megand tensor. The fused
+layouts are not re-encoded here: the rules call the functions of the layers that define them
+(``fuse_qkv``/``split_qkv``, ``fuse_swiglu``/``split_swiglu``). Rules work one tensor at a time and on meta
+tensors, so conversion streams and shapes are checked before any data is read.
 """
 
 from __future__ import annotations
@@ -46,6 +45,66 @@ class Rule:
         return {n: tuple(t.shape) for n, t in zip(self.hf, self.to_hf(torch.empty(shape, device="meta")))}
 
 
+@dataclass(frozen=True)
+class When:
+    """The values of a key that a family expresses, as a condition on the whole megand ``model`` config."""
+
+    text: str  # e.g. "model.moe_router=sigmoid": what the refusal names
+    holds: Callable[[Mapping[str, Any]], bool]
+
+
+def equals(key: str, value: Any) -> When:
+    return When(f"model.{key}={value}", lambda m: m.get(key) == value)
+
+
+# the architecture keys every family expresses: the model's size
+SIZE: dict[str, When | None] = dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                              "vocab_size", "tie_embeddings", "norm_eps"))
+# config.json keys of every transformers config that shape no weight nor what the model computes: bookkeeping,
+# generation defaults of older files, the token ids (megand's tokenizer owns them) and the storage dtype
+BOOKKEEPING = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label",
+    "label2id", "problem_type", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "finetuning_task", "max_length",
+    "min_length", "do_sample", "temperature", "top_k", "top_p", "num_beams", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "num_return_sequences", "early_stopping"})
+# config.json keys the converter reads for every family (block-scaled fp8 weights are dequantized on import)
+CONVERTER_READS = frozenset({"quantization_config"})
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture megand reads and writes: the record every reader consults.
+
+    Export takes the one family whose ``expresses`` covers every architecture key the model sets apart from
+    the schema's defaults and whose ``marks`` are all set; import takes the family of ``config.json``'s
+    ``model_type`` and refuses a key of the file outside ``reads``, ``ignores`` and :data:`BOOKKEEPING`."""
+
+    model_type: str
+    model_class: str  # the transformers class export writes (config.json's ``architectures``)
+    expresses: Mapping[str, When | None]  # architecture key -> the values it expresses (None: any)
+    marks: frozenset[str]  # keys that tell this family from the others: each must be set
+    reads: frozenset[str]  # config.json keys model_config reads (and refuses where megand cannot follow)
+    ignores: frozenset[str]  # config.json keys it knowingly leaves: dropout, training-only, derived values
+    hf_config: Callable  # megand ``model`` -> transformers config
+    model_config: Callable  # transformers config -> megand ``model``
+    rules: Callable[..., list[Rule]]  # megand ``model`` -> one Rule per megand tensor
+    mtp_marker: Callable | None = None  # megand ``model`` -> a tensor files with multi-token prediction hold
+
+    def unexpressed(self, keys: Mapping[str, Any], m: Mapping[str, Any], optional=frozenset()) -> list[str]:
+        """What keeps this family from expressing a model whose set architecture keys are ``keys`` (``m``: the
+        whole config; ``optional``: keys a family may leave out): one phrase per key, empty when it fits."""
+        out = [f"needs model.{k}" for k in sorted(self.marks) if k not in keys]
+        for k, v in keys.items():
+            if k not in self.expresses:
+                if k not in optional:
+                    out.append(f"no model.{k}={v}")
+            elif self.expresses[k] is not None and not self.expresses[k].holds(m):
+                out.append(f"model.{k}={v} only with {self.expresses[k].text}")
+        return out
+
+
 def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
     """(hidden, heads, query groups, head dim) of a megand ``model`` config, as the model schema (core's
     TransformerConfig) derives them."""
@@ -53,13 +112,6 @@ def dims(m: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
     shape = TransformerConfig.from_model(m)
     return shape.hidden_size, shape.num_attention_heads, shape.query_groups, shape.head_dim
-
-
-def head_dim_derived(m: Mapping[str, Any]) -> bool:
-    """Whether the head width is the schema's derived one (architectures without a ``head_dim`` of their own)."""
-    from megand.core.transformer.config import resolve_head_dim
-
-    return m.get("head_dim") in (None, resolve_head_dim(m["hidden_size"], m["num_attention_heads"]))
 
 
 def experts_fc1_rule(name: str, gate: list[str], up: list[str]) -> Rule:
@@ -93,45 +145,6 @@ def moe_layer_ids(m: Mapping[str, Any]) -> list[int]:
     return [i for i in range(m["num_layers"]) if is_moe_layer(m, i)]
 
 
-def _adapters():
-    from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
-                               hf_qwen3, hf_qwen3_moe)
-
-    return (hf_llama, hf_qwen2, hf_qwen3, hf_mistral, hf_gpt2, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe, hf_deepseek_v3)
-
-
-def adapter_for(m: Mapping[str, Any]):
-    """The adapter module for a megand ``model`` config, or ValueError naming what does not fit."""
-    for adapter in _adapters():
-        if adapter.matches(m):
-            return adapter
-    if m.get("num_experts"):
-        raise ValueError(
-            f"no Hugging Face architecture for this MoE model: arch={m['arch']} num_experts={m['num_experts']} "
-            f"moe_router={m.get('moe_router', 'softmax')} moe_shared_experts={m.get('moe_shared_experts', 0)} "
-            f"moe_shared_expert_gate={m.get('moe_shared_expert_gate', False)} "
-            f"moe_layer_freq={m.get('moe_layer_freq', 1)} moe_norm_topk_prob={m.get('moe_norm_topk_prob', True)} "
-            f"qkv_bias={m.get('qkv_bias', False)} head_dim={m.get('head_dim')} (mixtral: llama-style, softmax router, renormalised top-k, "
-            "no shared experts, every layer MoE, no q/k/v biases; qwen2_moe: llama-style, softmax router, "
-            "shared experts with their gate, head_dim null; qwen3_moe: qk_norm, softmax router, no shared experts; "
-            "deepseek_v3: latent attention (kv_lora_rank), sigmoid router, ungated shared experts)")
-    raise ValueError(f"no Hugging Face architecture for this model: arch={m['arch']} norm={m['norm']} "
-                     f"activation={m['activation']} position_embedding={m['position_embedding']} "
-                     f"qkv_bias={m.get('qkv_bias', False)} qk_norm={m.get('qk_norm', False)} head_dim={m.get('head_dim')} "
-                     f"(llama: rmsnorm+swiglu+rope, no q/k/v biases; qwen2: llama with q/k/v biases, head_dim null; "
-                     f"qwen3: llama with qk_norm; gpt: layernorm+gelu+learned, multi-head, head_dim null)")
-
-
-def adapter_for_hf(config):
-    """The adapter module for a ``transformers`` config."""
-    for adapter in _adapters():
-        if adapter.MODEL_TYPE == config.model_type:
-            return adapter
-    # the adapters' MODEL_TYPEs, spelled out (the troubleshooting page quotes this line)
-    raise ValueError(f"model_type={config.model_type!r}"
-                     ": only llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe, qwen3_moe, deepseek_v3 can be imported")
-
-
 def _require_transformers():
     try:
         import transformers
@@ -143,8 +156,10 @@ def _require_transformers():
 def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa", experts_implementation: str | None = None):
     """The ``transformers`` config of the same shape (``LlamaConfig``, ``GPT2Config``, ``MixtralConfig`` or
     ``Qwen2MoeConfig``: the mapping that checkpoint export uses too)."""
+    from megand.models.hf_families import family_for_model
+
     _require_transformers()
-    cfg = adapter_for(model).hf_config(dict(model))
+    cfg = family_for_model(model).hf_config(dict(model))
     cfg._attn_implementation = attn_implementation
     if experts_implementation is not None:  # MoE models: "eager" loops over experts with visible matmuls
         cfg._experts_implementation = experts_implementation
@@ -154,6 +169,8 @@ def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa", exper
 def build_hf_model(model: Mapping[str, Any], attn_implementation: str = "sdpa",
                    experts_implementation: str | None = None):
     """A freshly initialised ``transformers`` model of the same shape on the CPU (benchmark baseline)."""
+    from megand.models.hf_families import family_for_model
+
     tf = _require_transformers()
     cfg = hf_config(model, attn_implementation, experts_implementation)
-    return getattr(tf, adapter_for(model).MODEL_CLASS)(cfg)
+    return getattr(tf, family_for_model(model).model_class)(cfg)

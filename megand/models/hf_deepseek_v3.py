@@ -21,20 +21,21 @@ from __future__ import annotations
 
 import torch
 
-from megand.models.hf import Rule, experts_fc1_rule, experts_fc2_rule, is_moe_layer, norm_eps
-from megand.models.hf_llama import mlp_rules, rope_keys, rope_parameters
+from megand.models.hf import Family, Rule, When, equals, experts_fc1_rule, experts_fc2_rule, is_moe_layer, norm_eps
+from megand.models.hf_llama import DROPOUT, LLAMA_MARKS, LLAMA_SHAPE, mlp_rules, rope_keys, rope_parameters
 
-MODEL_TYPE = "deepseek_v3"
-MODEL_CLASS = "DeepseekV3ForCausalLM"
-
-
-def matches(m) -> bool:
-    dense_llama = (m["arch"] == "llama" and m["norm"] == "rmsnorm" and m["activation"] == "swiglu"
-                   and m["position_embedding"] == "rope" and m.get("sliding_window") is None)
-    moe_ok = not m.get("num_experts") or (
-        m.get("moe_router") == "sigmoid" and (m.get("moe_shared_experts") or 0) > 0
-        and (m.get("moe_layer_freq") or 1) == 1 and not m.get("moe_shared_expert_gate"))
-    return dense_llama and m.get("kv_lora_rank") is not None and moe_ok
+# its experts: the sigmoid router with ungated shared experts, group-limited routing, the first layers dense
+DEEPSEEK_MOE = When("model.moe_router=sigmoid and model.moe_shared_experts > 0",
+                    lambda m: m.get("moe_router") == "sigmoid" and (m.get("moe_shared_experts") or 0) > 0)
+EXPRESSES = {**LLAMA_SHAPE, **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                             "v_head_dim", "mtp_layers")),
+             "num_experts": DEEPSEEK_MOE, "moe_router": equals("moe_router", "sigmoid"),
+             **dict.fromkeys(("moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_norm_topk_prob",
+                              "moe_n_group", "moe_topk_group", "moe_routed_scaling_factor",
+                              "moe_first_k_dense_replace"))}
+# config.json keys of DeepSeek's published files that transformers' class does not read but that would change the
+# model: read, and refused where they differ from what that class (and megand) computes
+PUBLISHED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 
 def _interleaved_order(rope: int) -> torch.Tensor:
@@ -93,6 +94,9 @@ def model_config(config) -> dict:
         raise ValueError(f"hidden_act={config.hidden_act!r}: megand's SwiGLU uses silu")
     if getattr(config, "rope_interleave", True) is False:
         raise ValueError("rope_interleave=false: the adapter reads DeepSeek's interleaved RoPE rows only")
+    for key, value in PUBLISHED.items():
+        if getattr(config, key, value) != value:
+            raise ValueError(f"{key}={getattr(config, key)!r}: DeepSeek-V3's model (and megand's) has {key}={value!r}")
     L = config.num_hidden_layers
     m = dict(**rope_keys(config), arch="llama", num_layers=L, hidden_size=config.hidden_size,
              ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
@@ -194,3 +198,21 @@ def _layer_rules(m: dict, p: str, q: str, moe: bool, rope_interleave: bool) -> l
                                    [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
                   experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
                   *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]
+
+
+FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", expresses=EXPRESSES, marks=LLAMA_MARKS | {"kv_lora_rank"},
+                reads=frozenset({
+                    "attention_bias", "hidden_act", "rope_interleave", "rope_parameters", "rope_theta", "rope_scaling",
+                    "partial_rotary_factor", "num_hidden_layers", "hidden_size", "intermediate_size",
+                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "max_position_embeddings", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+                    "initializer_range", "num_nextn_predict_layers", "first_k_dense_replace", "n_group", "topk_group",
+                    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                    "routed_scaling_factor", "norm_topk_prob", *PUBLISHED}),
+                # head_dim, qk_head_dim: derived (the rope and the nope + rope widths); num_key_value_heads: keys and
+                # values come per head from the latent (DeepseekV3Config's default is 128 whatever the heads);
+                # pretraining_tp: unread by transformers; ep_size, seq_aux, aux_loss_alpha: DeepSeek's training
+                # (layout, auxiliary loss); auto_map: DeepSeek's own code, which transformers' class replaces
+                ignores=DROPOUT | {"head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp",
+                                   "output_router_logits", "ep_size", "seq_aux", "aux_loss_alpha", "auto_map"},
+                hf_config=hf_config, model_config=model_config, rules=rules, mtp_marker=mtp_marker)

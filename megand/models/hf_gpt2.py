@@ -10,17 +10,7 @@ from __future__ import annotations
 import torch
 
 from megand.core.transformer.attention import fuse_qkv, split_qkv
-from megand.models.hf import Rule, dims, head_dim_derived, norm_eps
-
-MODEL_TYPE = "gpt2"
-MODEL_CLASS = "GPT2LMHeadModel"
-
-
-def matches(m) -> bool:
-    return (m["arch"] == "gpt" and m["norm"] == "layernorm" and m["activation"] == "gelu"
-            and m["position_embedding"] == "learned"
-            and (m.get("num_query_groups") or m["num_attention_heads"]) == m["num_attention_heads"]
-            and head_dim_derived(m))
+from megand.models.hf import SIZE, Family, Rule, dims, norm_eps
 
 
 def hf_config(m: dict):
@@ -42,6 +32,10 @@ def model_config(config) -> dict:
         raise ValueError(f"activation_function={config.activation_function!r}: megand's GPT uses tanh-GELU")
     if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
         raise ValueError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not getattr(config, "scale_attn_weights", True):
+        raise ValueError("scale_attn_weights=false: megand scales the attention scores by 1/sqrt(head width)")
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("add_cross_attention=true: megand's GPT is a decoder without cross-attention")
     return dict(arch="gpt", num_layers=config.n_layer, hidden_size=h, ffn_hidden_size=config.n_inner or 4 * h,
                 num_attention_heads=heads, num_query_groups=None, seq_length=config.n_positions,
                 vocab_size=config.vocab_size, norm="layernorm", norm_eps=float(config.layer_norm_epsilon),
@@ -90,3 +84,16 @@ def rules(m: dict) -> list[Rule]:
     if not m["tie_embeddings"]:
         out.append(Rule("output_layer.weight", ("lm_head.weight",)))
     return out
+
+
+# megand's defaults (arch gpt, LayerNorm, GELU, learned positions) are GPT-2's: multi-head, the derived head width
+FAMILY = Family("gpt2", "GPT2LMHeadModel", expresses=SIZE, marks=frozenset(),
+                reads=frozenset({"n_embd", "n_head", "n_layer", "n_inner", "n_positions", "vocab_size",
+                                 "layer_norm_epsilon", "activation_function", "scale_attn_by_inverse_layer_idx",
+                                 "reorder_and_upcast_attn", "scale_attn_weights", "add_cross_attention",
+                                 "tie_word_embeddings", "initializer_range"}),
+                # dropout; n_ctx: older files' copy of n_positions; summary_*: GPT2DoubleHeadsModel's classifier
+                ignores=frozenset({"attn_pdrop", "embd_pdrop", "resid_pdrop", "n_ctx", "summary_activation",
+                                   "summary_first_dropout", "summary_proj_to_labels", "summary_type",
+                                   "summary_use_proj", "task_specific_params"}),
+                hf_config=hf_config, model_config=model_config, rules=rules)

@@ -13,22 +13,23 @@ from megand.core.transformer.attention import fuse_qkv, split_qkv
 from megand.core.transformer.config import resolve_head_dim
 from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
 from megand.core.transformer.rope import ROPE_TYPES, RopeScaling
-from megand.models.hf import Rule, dims, norm_eps
+from megand.models.hf import SIZE, Family, Rule, When, dims, equals, norm_eps
 
-MODEL_TYPE = "llama"
-MODEL_CLASS = "LlamaForCausalLM"
-
-
-def llama_like(m) -> bool:
-    """The shape every LLaMA-family architecture shares: RMSNorm, SwiGLU, RoPE, no linear biases, the standard
-    attention (latent attention is DeepSeek's adapter)."""
-    return (m["arch"] == "llama" and m["norm"] == "rmsnorm" and m["activation"] == "swiglu"
-            and m["position_embedding"] == "rope" and m.get("kv_lora_rank") is None)
-
-
-def matches(m) -> bool:
-    return (llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias") and not m.get("qk_norm")
-            and m.get("sliding_window") is None)
+# the architecture keys that mark every LLaMA-family architecture (RMSNorm, SwiGLU, RoPE, no linear biases) ...
+LLAMA_MARKS = frozenset({"arch", "norm", "activation", "position_embedding"})
+LLAMA_SHAPE = {**SIZE, **{k: equals(k, v) for k, v in dict(arch="llama", norm="rmsnorm", activation="swiglu",
+                                                           position_embedding="rope").items()},
+               "rope_theta": None, "rope_scaling": None}
+# ... and those of its standard attention (grouped queries, a head width of its own)
+ATTENTION = dict.fromkeys(("num_query_groups", "head_dim"))
+# the config.json keys llama_like_config reads (rope_theta/rope_scaling: older files' spelling of rope_parameters)
+LLAMA_LIKE_READS = frozenset({
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_act",
+    "intermediate_size", "max_position_embeddings", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+    "initializer_range", "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor"})
+# the config.json keys of a Qwen-family window (qwen_windows; transformers derives layer_types from max_window_layers)
+QWEN_WINDOW_READS = frozenset({"use_sliding_window", "sliding_window", "layer_types", "max_window_layers"})
+DROPOUT = frozenset({"attention_dropout"})  # a training choice: imports as megand's 0.0
 
 
 def rope_parameters(m) -> dict:
@@ -127,6 +128,9 @@ def one_window_size(m) -> bool:
     return isinstance(w, (list, tuple)) and len({x for x in w if x is not None}) <= 1
 
 
+ONE_WINDOW_SIZE = When("one window size for the layers that have one", one_window_size)
+
+
 def qwen_window_keys(m) -> dict:
     """The Qwen-family config keys of ``model.sliding_window`` (:func:`one_window_size` holds): the windowed
     layers in ``layer_types``, and ``max_window_layers`` the first of them (what transformers versions without
@@ -189,3 +193,9 @@ def rules(m: dict) -> list[Rule]:
         p, q = f"layers.{i}.", f"model.layers.{i}."
         out += attention_rules(m, p, q) + mlp_rules(p + "mlp.", q + "mlp.")
     return out + last
+
+
+FAMILY = Family("llama", "LlamaForCausalLM", expresses={**LLAMA_SHAPE, **ATTENTION}, marks=LLAMA_MARKS,
+                reads=LLAMA_LIKE_READS | {"attention_bias", "mlp_bias"},
+                ignores=DROPOUT | {"pretraining_tp"},  # transformers' model no longer reads pretraining_tp
+                hf_config=hf_config, model_config=model_config, rules=rules)

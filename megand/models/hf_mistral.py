@@ -10,18 +10,13 @@ family, so its export writes the equivalent ``LlamaForCausalLM``.
 
 from __future__ import annotations
 
-from megand.models.hf import dims, norm_eps
-from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
+from megand.models.hf import Family, When, dims, norm_eps
+from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, llama_like_config,
+                                    rope_parameters)
 from megand.models.hf_llama import rules as llama_rules
 
-MODEL_TYPE = "mistral"
-MODEL_CLASS = "MistralForCausalLM"
-
-
-def matches(m) -> bool:
-    window = m.get("sliding_window")
-    return (llama_like(m) and not m.get("num_experts") and not m.get("qkv_bias") and not m.get("qk_norm")
-            and isinstance(window, int) and not isinstance(window, bool))
+ONE_WINDOW = When("one window for every layer (an int)",
+                  lambda m: isinstance(m.get("sliding_window"), int) and not isinstance(m.get("sliding_window"), bool))
 
 
 def hf_config(m: dict):
@@ -47,3 +42,8 @@ def model_config(config) -> dict:
 
 def rules(m: dict):
     return llama_rules(m)
+
+
+FAMILY = Family("mistral", "MistralForCausalLM", expresses={**LLAMA_SHAPE, **ATTENTION, "sliding_window": ONE_WINDOW},
+                marks=LLAMA_MARKS | {"sliding_window"}, reads=LLAMA_LIKE_READS | {"sliding_window"}, ignores=DROPOUT,
+                hf_config=hf_config, model_config=model_config, rules=rules)

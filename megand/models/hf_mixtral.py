@@ -10,18 +10,13 @@ layout (what ``save_pretrained`` writes and Mistral's checkpoints use): per laye
 
 from __future__ import annotations
 
-from megand.models.hf import Rule, dims, experts_fc1_rule, experts_fc2_rule, norm_eps
-from megand.models.hf_llama import attention_rules, embedding_rules, llama_like, llama_like_config, rope_parameters
+from megand.models.hf import Family, Rule, dims, experts_fc1_rule, experts_fc2_rule, norm_eps
+from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, attention_rules,
+                                    embedding_rules, llama_like_config, rope_parameters)
 
-MODEL_TYPE = "mixtral"
-MODEL_CLASS = "MixtralForCausalLM"
-
-
-def matches(m) -> bool:
-    return (llama_like(m) and bool(m.get("num_experts")) and not m.get("moe_shared_experts")
-            and m.get("moe_router", "softmax") == "softmax" and m.get("moe_norm_topk_prob", True)
-            and (m.get("moe_layer_freq") or 1) == 1 and not m.get("qkv_bias") and not m.get("qk_norm")
-            and m.get("sliding_window") is None)
+# routed experts behind a softmax router with renormalised top-k, every layer MoE, no shared experts: the schema's
+# MoE defaults, so Mixtral expresses only the experts' number, width and top-k
+MOE = dict.fromkeys(("num_experts", "moe_top_k", "moe_ffn_hidden_size"))
 
 
 def expert_width(m) -> int:
@@ -73,3 +68,11 @@ def rules(m: dict) -> list[Rule]:
             experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{moe}experts.{e}.w2.weight" for e in experts]),
         ]
     return out + last
+
+
+FAMILY = Family("mixtral", "MixtralForCausalLM", expresses={**LLAMA_SHAPE, **ATTENTION, **MOE},
+                marks=LLAMA_MARKS | {"num_experts"},
+                reads=LLAMA_LIKE_READS | {"sliding_window", "router_jitter_noise", "num_local_experts",
+                                          "num_experts_per_tok", "router_aux_loss_coef"},
+                ignores=DROPOUT | {"output_router_logits"},  # a forward option (returns the router's logits)
+                hf_config=hf_config, model_config=model_config, rules=rules)

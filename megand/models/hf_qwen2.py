@@ -3,17 +3,10 @@ the LLaMA layout with biases on the query, key and value projections (``model.qk
 
 from __future__ import annotations
 
-from megand.models.hf import dims, head_dim_derived, norm_eps
-from megand.models.hf_llama import llama_like, llama_like_config, one_window_size, qwen_window_keys, rope_parameters
+from megand.models.hf import Family, dims, norm_eps
+from megand.models.hf_llama import (DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, ONE_WINDOW_SIZE,
+                                    QWEN_WINDOW_READS, llama_like_config, qwen_window_keys, rope_parameters)
 from megand.models.hf_llama import rules as llama_rules
-
-MODEL_TYPE = "qwen2"
-MODEL_CLASS = "Qwen2ForCausalLM"
-
-
-def matches(m) -> bool:
-    return (llama_like(m) and not m.get("num_experts") and bool(m.get("qkv_bias")) and not m.get("qk_norm")
-            and head_dim_derived(m) and one_window_size(m))
 
 
 def hf_config(m: dict):
@@ -36,3 +29,11 @@ def model_config(config) -> dict:
 
 def rules(m: dict):
     return llama_rules(m)
+
+
+# no head_dim of its own: Qwen2Config derives it from hidden/heads
+FAMILY = Family("qwen2", "Qwen2ForCausalLM",
+                expresses={**LLAMA_SHAPE, "num_query_groups": None, "qkv_bias": None,
+                           "sliding_window": ONE_WINDOW_SIZE},
+                marks=LLAMA_MARKS | {"qkv_bias"}, reads=LLAMA_LIKE_READS | QWEN_WINDOW_READS, ignores=DROPOUT,
+                hf_config=hf_config, model_config=model_config, rules=rules)

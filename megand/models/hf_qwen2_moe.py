@@ -14,19 +14,15 @@ layout (``mlp.experts.{e}.gate_proj/up_proj/down_proj``), as ``save_pretrained``
 
 from __future__ import annotations
 
-from megand.models.hf import (Rule, dims, experts_fc1_rule, experts_fc2_rule, head_dim_derived, moe_layer_ids,
-                              norm_eps)
-from megand.models.hf_llama import (attention_rules, embedding_rules, llama_like, llama_like_config, mlp_rules,
-                                    rope_parameters)
+from megand.models.hf import Family, Rule, dims, experts_fc1_rule, experts_fc2_rule, moe_layer_ids, norm_eps
+from megand.models.hf_llama import (DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, QWEN_WINDOW_READS,
+                                    attention_rules, embedding_rules, llama_like_config, mlp_rules, rope_parameters)
 
-MODEL_TYPE = "qwen2_moe"
-MODEL_CLASS = "Qwen2MoeForCausalLM"
-
-
-def matches(m) -> bool:
-    return (llama_like(m) and bool(m.get("num_experts")) and (m.get("moe_shared_experts") or 0) > 0
-            and bool(m.get("moe_shared_expert_gate")) and m.get("moe_router", "softmax") == "softmax"
-            and head_dim_derived(m) and not m.get("qk_norm") and m.get("sliding_window") is None)
+# the MoE keys of Qwen's softmax-routed experts (Qwen2-MoE adds its gated shared experts)
+QWEN_MOE = dict.fromkeys(("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_norm_topk_prob", "moe_layer_freq"))
+# the config.json keys of Qwen's MoE layers
+QWEN_MOE_READS = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                            "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"})
 
 
 def expert_width(m) -> int:
@@ -112,3 +108,13 @@ def rules(m: dict) -> list[Rule]:
     return moe_model_rules(m, lambda p, mlp: [
         *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_expert."),
         Rule(p + "mlp.shared_experts.gate.weight", (mlp + "shared_expert_gate.weight",))])
+
+
+FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM",
+                expresses={**LLAMA_SHAPE, "num_query_groups": None, "qkv_bias": None, **QWEN_MOE,
+                           "moe_shared_experts": None, "moe_shared_expert_gate": None},
+                marks=LLAMA_MARKS | {"num_experts", "moe_shared_experts", "moe_shared_expert_gate"},
+                reads=LLAMA_LIKE_READS | QWEN_WINDOW_READS | QWEN_MOE_READS | {"shared_expert_intermediate_size",
+                                                                               "qkv_bias"},
+                ignores=DROPOUT | {"output_router_logits"},  # a forward option (returns the router's logits)
+                hf_config=hf_config, model_config=model_config, rules=rules)

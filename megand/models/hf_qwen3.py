@@ -4,16 +4,10 @@ own (``model.head_dim``)."""
 
 from __future__ import annotations
 
-from megand.models.hf import dims, norm_eps
-from megand.models.hf_llama import llama_like, llama_like_config, one_window_size, qwen_window_keys, rope_parameters
+from megand.models.hf import Family, dims, norm_eps
+from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, ONE_WINDOW_SIZE,
+                                    QWEN_WINDOW_READS, llama_like_config, qwen_window_keys, rope_parameters)
 from megand.models.hf_llama import rules as llama_rules
-
-MODEL_TYPE = "qwen3"
-MODEL_CLASS = "Qwen3ForCausalLM"
-
-
-def matches(m) -> bool:
-    return llama_like(m) and not m.get("num_experts") and bool(m.get("qk_norm")) and not m.get("qkv_bias") and one_window_size(m)
 
 
 def hf_config(m: dict):
@@ -40,3 +34,9 @@ def model_config(config) -> dict:
 
 def rules(m: dict):
     return llama_rules(m)
+
+
+FAMILY = Family("qwen3", "Qwen3ForCausalLM",
+                expresses={**LLAMA_SHAPE, **ATTENTION, "qk_norm": None, "sliding_window": ONE_WINDOW_SIZE},
+                marks=LLAMA_MARKS | {"qk_norm"}, reads=LLAMA_LIKE_READS | QWEN_WINDOW_READS | {"attention_bias"},
+                ignores=DROPOUT, hf_config=hf_config, model_config=model_config, rules=rules)

@@ -9,18 +9,13 @@ MoE layers of routed SwiGLU experts behind a softmax top-k router (``moe_norm_to
 
 from __future__ import annotations
 
-from megand.models.hf import Rule, dims, moe_layer_ids, norm_eps
-from megand.models.hf_llama import llama_like, llama_like_config, rope_parameters
-from megand.models.hf_qwen2_moe import _layer_freq, expert_width, moe_model_rules
+from megand.models.hf import Family, Rule, When, dims, moe_layer_ids, norm_eps
+from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, QWEN_WINDOW_READS,
+                                    llama_like_config, rope_parameters)
+from megand.models.hf_qwen2_moe import QWEN_MOE, QWEN_MOE_READS, _layer_freq, expert_width, moe_model_rules
 
-MODEL_TYPE = "qwen3_moe"
-MODEL_CLASS = "Qwen3MoeForCausalLM"
-
-
-def matches(m) -> bool:
-    return (llama_like(m) and bool(m.get("num_experts")) and bool(m.get("qk_norm")) and not m.get("moe_shared_experts")
-            and m.get("moe_router", "softmax") == "softmax" and not m.get("qkv_bias")
-            and not isinstance(m.get("sliding_window"), (list, tuple)))
+EVERY_LAYER = When("one window for every layer (an int)",
+                   lambda m: not isinstance(m.get("sliding_window"), (list, tuple)))
 
 
 def hf_config(m: dict):
@@ -58,3 +53,11 @@ def model_config(config) -> dict:
 
 def rules(m: dict) -> list[Rule]:
     return moe_model_rules(m)  # no shared experts
+
+
+FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM",
+                expresses={**LLAMA_SHAPE, **ATTENTION, "qk_norm": None, "sliding_window": EVERY_LAYER, **QWEN_MOE},
+                marks=LLAMA_MARKS | {"qk_norm", "num_experts"},
+                reads=LLAMA_LIKE_READS | QWEN_WINDOW_READS | QWEN_MOE_READS | {"attention_bias", "num_local_experts"},
+                ignores=DROPOUT | {"output_router_logits"},  # a forward option (returns the router's logits)
+                hf_config=hf_config, model_config=model_config, rules=rules)

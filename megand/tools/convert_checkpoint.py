@@ -1,17 +1,15 @@
 """Convert between megand checkpoints (any parallel layout) and Hugging Face ``transformers`` directories.
 
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
-        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> LlamaForCausalLM (llama, with
-        its RoPE scaling and head_dim), Qwen2ForCausalLM (llama + qkv_bias), Qwen3ForCausalLM (llama +
-        qk_norm), MistralForCausalLM (llama + sliding_window), GPT2LMHeadModel (gpt), MixtralForCausalLM,
-        Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (MoE models) or DeepseekV3ForCausalLM (latent attention, with
-        its multi-token prediction modules in DeepSeek's layout): safetensors shards
-        (+ model.safetensors.index.json when there are several) and config.json
+        megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> the one Hugging Face family
+        that expresses every architecture key the model sets ({families}): safetensors shards
+        (+ model.safetensors.index.json when there are several) and config.json; a key no family expresses,
+        or a tensor the family's rules do not cover, is refused before anything is written
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
-        local transformers directory (safetensors; llama, qwen2, qwen3, mistral, gpt2, mixtral, qwen2_moe,
-        qwen3_moe, deepseek_v3 with its multi-token prediction modules)
+        local transformers directory (safetensors) whose config.json's model_type is a family above
         -> megand checkpoint (model only, iteration 0), loadable at any layout with
-        `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model)
+        `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model);
+        a config.json key the family does not read is refused
     python tools/convert_checkpoint.py upgrade-rng --load ckpts/run
         a checkpoint written by a megand whose RNG files were pickles of Python objects (which resume
         refuses to unpickle: a shared file could run code) -> RNG files of plain tensors, in place. Run it
@@ -27,6 +25,7 @@ directory (import) or a non-empty output directory (export) is refused unless --
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -36,7 +35,8 @@ from tqdm import tqdm
 
 from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.config import DTYPES
-from megand.models import full, hf
+from megand.models import full
+from megand.models.hf_families import LEFT_OUT, family_for_hf, family_for_model, family_names, unread_keys
 from megand.tools.safetensors_files import (
     FP8,
     INDEX,
@@ -65,10 +65,16 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"--out {out}: directory is not empty (use --force to write into it)")
     model_cfg = OmegaConf.to_container(full.read_config(load).model, resolve=True)
-    adapter = hf.adapter_for(model_cfg)
+    adapter = family_for_model(model_cfg)
     rules = adapter.rules(model_cfg)
     stored = offline.tensor_shapes(load)
     expected = full.checkpoint_shapes(model_cfg)
+    left_out = [o for o in LEFT_OUT if model_cfg.get(o.key) and o.key not in adapter.expresses]
+    covered = {rule.megand for rule in rules}
+    uncovered = sorted(n for n in stored if n not in covered and not any(n.startswith(o.prefix) for o in left_out))
+    if uncovered:
+        raise CheckpointError(f"{load}: tensor {uncovered[0]} ({len(uncovered)} in all) is not covered by the "
+                              f"{adapter.model_type} adapter's rules: the export would compute another model")
     for rule in rules:
         if rule.megand not in stored:
             raise CheckpointError(f"{load}: tensor {rule.megand} is missing from the checkpoint")
@@ -95,24 +101,31 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
         config.dtype = written.pop()
     config.save_pretrained(out)
     n_params = sum(torch.Size(stored[r.megand][0]).numel() for r in rules)
-    print(f"exported {load} ({adapter.MODEL_TYPE}, {n_params:,} parameters, {writer.total_bytes / 2**30:.2f} GiB "
+    print(f"exported {load} ({adapter.model_type}, {n_params:,} parameters, {writer.total_bytes / 2**30:.2f} GiB "
           f"in {len([s for s in shards if s != INDEX])} safetensors file(s)) to {out}")
-    exported = {r.megand for r in rules}
-    if any(name.startswith("mtp.") and name not in exported for name in expected):
-        print(f"not exported: the {model_cfg['mtp_layers']} multi-token prediction depth(s) (mtp.*, "
-              f"model.mtp_layers): {adapter.MODEL_TYPE} has no such module; the main model's next-token "
-              f"predictions are complete without them")
+    for o in left_out:
+        print(f"not exported: the {model_cfg[o.key]} {o.what} ({o.prefix}*, model.{o.key}): {adapter.model_type} "
+              f"has no such module; the main model's next-token predictions are complete without them")
 
 
 def read_hf_config(hf_dir: str):
-    """The transformers config of a local directory (never a download)."""
+    """The transformers config of a local directory (never a download) and its family; ValueError naming a
+    key of its config.json that the family does not read."""
     from transformers import AutoConfig
 
     if not os.path.isdir(hf_dir):
         raise ValueError(f"--hf {hf_dir}: no such local directory (models are not downloaded)")
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
         raise ValueError(f"--hf {hf_dir}: no config.json (not a transformers model directory)")
-    return AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    family = family_for_hf(config)
+    with open(path) as f:
+        unread = unread_keys(family, json.load(f), type(config).attribute_map)
+    if unread:
+        raise ValueError(f"--hf {hf_dir}: config.json key(s) {', '.join(unread)}: the {family.model_type} adapter "
+                         f"does not read them (megand cannot tell that the model keeps its meaning)")
+    return config, family
 
 
 def fp8_blocks(config) -> tuple[int, int] | None:
@@ -133,8 +146,7 @@ def fp8_blocks(config) -> tuple[int, int] | None:
 def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: bool = False) -> None:
     if _holds_checkpoints(save) and not force:
         raise ValueError(f"--save {save}: already holds checkpoints (use --force to replace `latest` with the import)")
-    config = read_hf_config(hf_dir)
-    adapter = hf.adapter_for_hf(config)
+    config, adapter = read_hf_config(hf_dir)
     block = fp8_blocks(config)
     model_cfg = adapter.model_config(config)
     try:
@@ -142,7 +154,7 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
     except FileNotFoundError as e:
         raise ValueError(f"--hf {hf_dir}: {e}") from None
     present = set(reader.names())
-    marker = getattr(adapter, "mtp_marker", None)
+    marker = adapter.mtp_marker
     if model_cfg.get("mtp_layers") and marker is not None and marker(model_cfg) not in present:
         # e.g. a model saved by transformers, whose class drops DeepSeek's MTP module but keeps the config key
         print(f"note: config.json gives {model_cfg['mtp_layers']} multi-token prediction module(s) but the files "
@@ -179,7 +191,7 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
     ignored = sorted(n for n in present - used
                      if not (n.endswith(IGNORABLE) or (model_cfg["tie_embeddings"] and n == "lm_head.weight")))
     if ignored:
-        raise CheckpointError(f"--hf {hf_dir}: {len(ignored)} tensor(s) that a {adapter.MODEL_TYPE} model of this "
+        raise CheckpointError(f"--hf {hf_dir}: {len(ignored)} tensor(s) that a {adapter.model_type} model of this "
                               f"config does not have, e.g. {ignored[0]}")
 
     by_megand = {rule.megand: rule for rule in rules}
@@ -207,8 +219,6 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
 def upgrade_rng(load: str) -> None:
     """Rewrite the format-1 RNG files of the checkpoint ``load`` (trusted by whoever runs this) as plain
     tensors, and their checksums in the manifest."""
-    import json
-
     from megand.core.checkpointing import rng
     from megand.core.checkpointing.checkpointer import write_torch
 
@@ -238,7 +248,8 @@ def upgrade_rng(load: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.format(families=family_names()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="megand checkpoint -> Hugging Face directory")
     e.add_argument("--load", required=True, help="megand save dir (with `latest`) or iteration dir")
@@ -250,8 +261,7 @@ def main(argv=None) -> int:
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
-    i.add_argument("--hf", required=True, help="local transformers directory (llama, qwen2, qwen3, mistral, gpt2, mixtral, "
-                                                   "qwen2_moe, qwen3_moe or deepseek_v3; safetensors)")
+    i.add_argument("--hf", required=True, help=f"local transformers directory ({family_names()}; safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
     i.add_argument("--dtype", choices=sorted(DTYPES),
                    help="dtype of the checkpoint's tensors (default: the dtype of each tensor in the files)")

@@ -12,7 +12,9 @@
   multiple of 16 bytes: values a rehearsal does not have); ``torch._scaled_grouped_mm``: e4m3 operands,
   the first row-major, the second column-major, their dims multiples of 16, fp32 per-row scales of the
   kernel's shapes, a bf16 result, no 2-D x 2-D form (its groups must be positive multiples of 16); FlexAttention:
-  a block mask made for the query/key lengths and the device of the call);
+  a block mask made for the query/key lengths and the device of the call); the FP8 kernels the rehearsed
+  device lacks (``profile``: FP8 products below SM 8.9, per-row scales below 9.0, the FP8 grouped GEMM
+  outside 9.0 and 10.x, MX block scales below 10.0);
 - runs ``F.scaled_dot_product_attention`` (:meth:`DeviceRules.scaled_dot_product_attention`, patched in
   by the rehearsal: a CPU build does not choose CUDA's backends) with the backend torch's CUDA dispatcher
   chooses (flash, else memory-efficient, else math; cuDNN comes after math in torch's order), so a run
@@ -87,9 +89,10 @@ class DeviceRules(TorchDispatchMode):
     tensors. ``syncs``: ``[(phase, kind, source line)]``; ``backends``: Counter of
     ``(backend, source line)`` of attention calls; ``phase``: set by the rehearsal."""  # noqa
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, profile=None):
         super().__init__()
         self.cuda = device.type == "cuda"
+        self.profile = profile  # the rehearsed GPU (megand.tools.rehearsal_devices): its kernels; None: an SM 9.0
         self.phase = "build"
         self.syncs: list[list] = []  # [phase, kind, source line, count]
         self.backends: Counter = Counter()
@@ -199,14 +202,26 @@ class DeviceRules(TorchDispatchMode):
             self._check_grouped_mm(func, args, kwargs)
             self.kernels[("grouped_mm", source_line())] += 1
         elif func is aten._scaled_grouped_mm.default:
+            self._check_fp8_kernel(func, "grouped", "the FP8 grouped GEMM (SM 9.0 and 10.x)")
             self._check_scaled_grouped_mm(func, args, kwargs)
             self.kernels[("scaled_grouped_mm", source_line())] += 1
         elif func is aten._scaled_mm.default:
+            scale_a = args[2] if len(args) > 2 else kwargs.get("scale_a")
+            if scale_a is not None and scale_a.dtype == torch.float8_e8m0fnu:
+                self._check_fp8_kernel(func, "mx", "FP8 products with MX block scales (SM 10.0+)")
+            elif scale_a is not None and scale_a.numel() > 1:
+                self._check_fp8_kernel(func, "rowwise", "FP8 products with per-row scales (SM 9.0+)")
+            else:
+                self._check_fp8_kernel(func, "tensorwise", "FP8 products (SM 8.9+)")
             self.kernels[(f"scaled_mm {args[0].dtype}", source_line())] += 1
         elif func is aten.mm.dtype:
             self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1
         elif func is aten.addmm.dtype_out:  # the weight-gradient GEMM accumulating into the fp32 buffer
             self.kernels[(f"addmm {args[1].dtype}->{kwargs['out'].dtype}", source_line())] += 1
+
+    def _check_fp8_kernel(self, func, kind: str, what: str) -> None:
+        if self.profile is not None and not getattr(self.profile.fp8, kind):
+            self.fail(func, f"{what}: the {self.profile.name} ({self.profile.sm}) has no such kernel")
 
     def _check_flash(self, func, q, k, v) -> None:
         dtypes = {q.dtype, k.dtype, v.dtype}

@@ -7,7 +7,9 @@ engine asks ATen's CUDA hooks whether CUDA is the accelerator. Two tiny C++ regi
 (a no-op CUDA device guard, torch's own ``FakeGuardImpl``; CUDA hooks that say "8 devices, available"):
 they are compiled once with the system's C++ compiler against the installed torch's headers, cached,
 and loaded into a fresh process before torch initialises its hooks (``run_child``). ATen caches its
-hooks at first use, so the loading process cannot be one that has already imported torch.
+hooks at first use, so the loading process cannot be one that has already imported torch. A CUDA build
+of torch is refused in one line (:func:`refusal`, read from its ``version.py`` without importing it): its
+``libtorch_cuda`` registers the CUDA hooks too, and c10 ends a process that registers them twice.
 
 The Python side of the runtime (``torch.cuda.*``: device queries, streams, events, memory statistics,
 the CUDA random generator, ``synchronize``) is patched by :class:`CudaRuntime`, only while a rehearsal
@@ -20,6 +22,7 @@ Private torch APIs used: the C++ registries ``C10_REGISTER_GUARD_IMPL`` and ``CU
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import hashlib
@@ -57,12 +60,35 @@ LOADED = False  # set in the child once the library is loaded (before torch)
 
 
 class RuntimeUnavailable(RuntimeError):
-    """The stand-in runtime could not be built (no C++ compiler, no torch headers)."""
+    """The stand-in runtime cannot be built or loaded (no C++ compiler, no torch headers, a CUDA build)."""
 
 
 def _torch_dir() -> str:
     spec = importlib.util.find_spec("torch")  # without importing torch (the child must load us first)
     return os.path.dirname(spec.origin)
+
+
+def torch_cuda_version(torch_dir: str | None = None) -> str | None:
+    """The CUDA version the installed torch is built for (``torch.version.cuda``; None on a CPU build),
+    read from its ``version.py`` without importing torch."""
+    with open(os.path.join(torch_dir or _torch_dir(), "version.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(node.value, ast.Constant):
+            return node.value.value
+    return None
+
+
+def refusal(torch_dir: str | None = None) -> str | None:
+    """Why the stand-in runtime cannot load with this torch (None: it can). On a CUDA build libtorch_cuda
+    registers the same CUDA hooks as the stand-in, and a second registration ends the process."""
+    version = torch_cuda_version(torch_dir)
+    if version is None:
+        return None
+    return (f"the CUDA rehearsal runs on a CPU build of torch; this one is built for CUDA {version} (its CUDA "
+            f"hooks and the rehearsal's cannot both be registered): rehearse on a CPU machine, check this one "
+            f"with tools/gpu_check.py")
 
 
 def _cache_dir() -> str:
@@ -73,6 +99,9 @@ def _cache_dir() -> str:
 def library_path() -> str:
     """The compiled stand-in library for the installed torch, built on first use (about a second)."""
     torch_dir = _torch_dir()
+    refused = refusal(torch_dir)
+    if refused:
+        raise RuntimeUnavailable(refused)
     with open(os.path.join(torch_dir, "version.py")) as f:
         version = f.read()
     tag = hashlib.sha256((SOURCE + version + torch_dir).encode()).hexdigest()[:16]
@@ -189,10 +218,13 @@ class CudaRuntime:
     ``sync(what)``: called for every host wait the runtime stands in for (``synchronize``, event and
     stream waits, memory statistics that a real run would only read, not wait for, are not syncs).
     ``live_bytes()`` / ``peak_bytes()`` / ``reset_peak()``: the rehearsal's memory count, served as
-    ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats``."""
+    ``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats``; ``name``,
+    ``total_bytes``, ``capability`` and ``sms``: the device's properties as torch reports them."""
 
-    def __init__(self, name: str, total_bytes: int, sync, live_bytes, peak_bytes, reset_peak, devices: int = 8):
+    def __init__(self, name: str, total_bytes: int, sync, live_bytes, peak_bytes, reset_peak, devices: int = 8,
+                 capability: tuple[int, int] = (9, 0), sms: int = 132):
         self.name, self.total_bytes, self.devices = name, total_bytes, devices
+        self.capability, self.sms = tuple(capability), sms
         self.sync, self.live_bytes, self.peak_bytes, self.reset_peak = sync, live_bytes, peak_bytes, reset_peak
         self.current = 0
         self.states: dict[int, tuple[int, int]] = {}  # device index -> (seed, offset)
@@ -275,14 +307,15 @@ class CudaRuntime:
         import torch
         from unittest import mock
 
+        major, minor = self.capability
         props = type("FakeDeviceProperties", (), {"name": self.name, "total_memory": self.total_bytes,
-                                                  "major": 9, "minor": 0, "multi_processor_count": 132})()
+                                                  "major": major, "minor": minor, "multi_processor_count": self.sms})()
         runtime = self
         patches = {
             "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: self.devices,
             "current_device": lambda: self.current, "set_device": self._set_device,
             "get_device_name": lambda device=None: self.name, "get_device_properties": lambda device=None: props,
-            "get_device_capability": lambda device=None: (9, 0), "is_bf16_supported": lambda *a, **k: True,
+            "get_device_capability": lambda device=None: self.capability, "is_bf16_supported": lambda *a, **k: True,
             "mem_get_info": lambda device=None: (self.total_bytes - self.live_bytes(), self.total_bytes),
             "memory_allocated": lambda device=None: self.live_bytes(),
             "max_memory_allocated": lambda device=None: self.peak_bytes(),

@@ -137,11 +137,10 @@ def steady_microbatches(pp: int, vpp: int | None) -> int:
 
 
 DEVICES_PER_NODE = 8
-DEFAULT_PROFILE = "h100"  # the 80 GB class the GPU presets are sized for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from megand.tools.planner.defaults import DEVICES
+    from megand.tools.rehearsal_devices import DEFAULT, DEVICES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pretrain_gpt.py (key=value, model=NAME)")
@@ -151,16 +150,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="micro-batches per dp rank (default: the fewest that reach the schedule's steady state)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="play the rank on the CPU's kernels or as on a CUDA/NCCL node (fake CUDA tensors)")
-    p.add_argument("--device-profile", choices=sorted(d for d in DEVICES if d != "cpu"), default=DEFAULT_PROFILE,
-                   help=f"the GPU whose memory the fit verdict uses (--device cuda; default {DEFAULT_PROFILE})")
+    p.add_argument("--device-profile", choices=sorted(DEVICES), default=DEFAULT,
+                   help=f"the GPU played (--device cuda): its compute capability, kernels and memory "
+                        f"(default {DEFAULT})")
     p.add_argument("--device-memory-gib", type=float, default=None,
-                   help="the device memory of the fit verdict, GiB (default: the device profile's)")
+                   help="the memory a rank may use on the device, GiB (default: the profile's usable memory: its "
+                        "reported total less the CUDA context); the fit verdict keeps a margin below it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_intermixed_args(argv)
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         p.error(f"--device-memory-gib must be positive, got {args.device_memory_gib}")
     if args.device_memory_gib is None:
-        args.device_memory_gib = float(DEVICES[args.device_profile]["memory_gib"])
+        args.device_memory_gib = DEVICES[args.device_profile].usable_gib
     return args
 
 
@@ -379,10 +380,10 @@ def moe_reads_allowed(cfg, chunks, microbatches: int) -> int:
                               for c in chunks for layer in c.layers.values())
 
 
-def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory_bytes: int = 80 * 2**30,
-             device_name: str = "h100") -> dict:
+def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str = "h100") -> dict:
     """Build rank ``rank`` and run one training step on fake tensors: peak bytes and seconds per phase,
-    and (on ``cuda``) the step's host syncs, the attention kernels and the process groups created."""
+    and (on ``cuda``, as on the GPU ``profile`` of megand.tools.rehearsal_devices) the step's host syncs,
+    the attention kernels, the kernel fallbacks and the process groups created."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -391,8 +392,11 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
     from megand.core.checkpointing.staging import HostStaging
     from megand.core.parallel_state import init_fake_distributed
     from megand.data.mock import MockGPTDataset
-    from megand.tools.device_rules import DeviceRules
+    from megand.tools.device_rules import DeviceRules, RehearsalError
     from megand.tools.fake_nccl import NcclRules
+    from megand.tools.kernel_fallbacks import KernelFallbacks
+    from megand.tools.rehearsal_devices import DEVICES
+    from megand.training.config import ConfigError, check_fp8_device
     from megand.training.core_configs import core_configs
     from megand.training.pretrain import build_topology
 
@@ -402,8 +406,11 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
     device = init_fake_distributed(rank, world)
     if cuda:
         device = torch.device("cuda", rank % DEVICES_PER_NODE)
-    tracker, rules = LiveBytes("cuda" if cuda else None), DeviceRules(device)  # a GPU's memory: its own tensors
+    gpu = DEVICES[profile]
+    # a GPU's memory: its own tensors
+    tracker, rules = LiveBytes("cuda" if cuda else None), DeviceRules(device, gpu if cuda else None)
     clock, nccl, flex = PhaseClock(tracker, rules), NcclRules(), FlexAttentionStandIn(rules)
+    fallbacks = KernelFallbacks(gpu)
     class Fakes(FakeTensorMode):
         # host data given to torch.tensor(..., device=cuda) is made on the CPU and lifted, never asked of
         # the (absent) CUDA backend, even while the runtime stand-in says CUDA is available
@@ -415,10 +422,16 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
             if cuda:
                 from megand.tools.fake_cuda import CudaRuntime
 
-                stack.enter_context(CudaRuntime(f"rehearsed {device_name}", device_memory_bytes, rules.sync,
-                                                lambda: tracker.live, lambda: tracker.peak, tracker.reset_peak))
+                stack.enter_context(CudaRuntime(gpu.name, int(gpu.reported_gib * 2**30), rules.sync,
+                                                lambda: tracker.live, lambda: tracker.peak, tracker.reset_peak,
+                                                capability=gpu.capability, sms=gpu.sms))
+                try:  # what a run's start-up refuses on this GPU (the parent checked the config on its CPU)
+                    check_fp8_device(cfg.train.get("fp8"), device)
+                except ConfigError as e:
+                    raise RehearsalError(str(e))
                 stack.enter_context(nccl)
                 flex.patches(stack)
+                fallbacks.patches(stack)
                 stack.enter_context(mock.patch.object(sharding, "draw_region", first_tile_draw(sharding.draw_region,
                                                                                               rules)))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
@@ -453,6 +466,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", device_memory
                        "checkpoint": rules.sync_table(("checkpoint_state_dict",))},
                 attention=[{"backend": b, "where": w, "calls": n} for (b, w), n in sorted(rules.backends.items())],
                 kernels=[{"kernel": k, "where": w, "calls": n} for (k, w), n in sorted(rules.kernels.items())],
+                warnings=fallbacks.report(rules.kernels),
                 block_masks_created=flex.masks_created, groups_created=nccl.groups_created)
         return result
     finally:
@@ -467,13 +481,6 @@ def fused_attention_ran(result: dict) -> bool:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
-
-
-def fit_verdict(result: dict, device_memory_bytes: int) -> dict:
-    """The largest phase peak against the device's memory."""
-    name, phase = max(result["phases"].items(), key=lambda kv: kv[1]["peak_bytes"])
-    return {"fits": phase["peak_bytes"] <= device_memory_bytes, "phase": name, "peak_bytes": phase["peak_bytes"],
-            "device_memory_bytes": device_memory_bytes}
 
 
 def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> str:
@@ -508,10 +515,15 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
                                                       for k in result["kernels"]) or "none"))
         lines.append(f"FlexAttention block masks created in the step: {result['block_masks_created']}; "
                      f"process groups created: {result['groups_created']}")
+    if "warnings" in result:
+        lines.append("kernel fallbacks: " + ("none" if not result["warnings"] else "(warnings: the rank runs, slower)"))
+        lines += [f"  warning: {w['count']:>4} x {w['warning']} at {w['where']}" for w in result["warnings"]]
     if "fit" in result:
         f = result["fit"]
-        lines.append(f"fit: {'yes' if f['fits'] else 'NO'}: peak {_gib(f['peak_bytes'])} ({f['phase']}) of "
-                     f"{_gib(f['device_memory_bytes'])}")
+        verdict = "yes" if f["fits"] else "NO (within the margin)" if f["within_margin"] else "NO"
+        room = max(f["device_memory_bytes"] - f["margin_bytes"], 0)
+        lines.append(f"fit: {verdict}: peak {_gib(f['peak_bytes'])} ({f['phase']}) of {_gib(f['device_memory_bytes'])} "
+                     f"usable, less a margin of {_gib(f['margin_bytes'])}: {_gib(room)}")
     return "\n".join(lines)
 
 
@@ -525,8 +537,11 @@ def failures(result: dict) -> list[str]:
                      f"{top['kind']} at {top['where']})")
     if "fit" in result and not result["fit"]["fits"]:
         f = result["fit"]
+        room = max(f["device_memory_bytes"] - f["margin_bytes"], 0)
         lines.append(f"rehearse: rank {result['rank']} does not fit: {f['phase']} peaks at {_gib(f['peak_bytes'])} "
-                     f"({f['peak_bytes']:,} bytes), the device holds {_gib(f['device_memory_bytes'])}")
+                     f"({f['peak_bytes']:,} bytes), the device holds {_gib(f['device_memory_bytes'])} usable"
+                     + (f", within the margin of {_gib(f['margin_bytes'])} kept below it (a fit is at most "
+                        f"{_gib(room)})" if f["within_margin"] else ""))
     return lines
 
 
@@ -547,9 +562,11 @@ def main(argv=None) -> None:
     from megand.core.parallel_state import ParallelSizes, rank_coords
     from megand.tools.device_rules import RehearsalError
 
+    from megand.tools.rehearsal_devices import DEVICES, fit_verdict
+
     memory = int(args.device_memory_gib * 2**30)
     try:
-        result = rehearse(cfg, world, args.rank, args.device, memory, args.device_profile)
+        result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
     except RehearsalError as e:
         raise SystemExit(f"rehearse: rank {args.rank} fails on {args.device}: {e}")
     p = cfg.parallel
@@ -557,10 +574,10 @@ def main(argv=None) -> None:
     fused = fused_attention_ran(result)
     estimate = estimator_phases(cfg, world, stage, fused_attention=fused)
     result.update(rank=args.rank, world_size=world, stage=stage, estimator_fused_attention=fused,
-                  device=(f"cuda ({args.device_profile}, {args.device_memory_gib:g} GiB)" if args.device == "cuda"
-                          else "cpu"))
+                  device=(f"cuda ({args.device_profile}, {DEVICES[args.device_profile].sm}, "
+                          f"{args.device_memory_gib:g} GiB usable)" if args.device == "cuda" else "cpu"))
     if args.device == "cuda":
-        result["fit"] = fit_verdict(result, memory)
+        result["fit"] = fit_verdict(result["phases"], memory)
     if args.json:
         print(json.dumps({**result, "estimate_bytes": estimate}))
     else:

@@ -106,12 +106,12 @@ def test_presets_equal_the_model_an_import_of_the_published_config_gives(preset)
     import transformers
 
     from megand.core.transformer.config import MODEL_FIELDS
-    from megand.models import hf
+    from megand.models import hf_families
     from megand.training.checkpoint_model import contradictions
 
     cls, values = PUBLISHED[preset]
     config = getattr(transformers, cls)(**values)
-    imported = hf.adapter_for_hf(config).model_config(config)
+    imported = hf_families.family_for_hf(config).model_config(config)
     run = compose([f"model={preset}"])
     validate(run, 1)
     from omegaconf import OmegaConf

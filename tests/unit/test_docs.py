@@ -27,3 +27,16 @@ def test_every_schema_key_is_in_the_reference():
     table = generated_section("config-reference")
     missing = [key for key in config_reference.keys() if f"| `{key}` |" not in table]
     assert not missing, f"keys of the schema missing from docs/configuration.md: {missing}"
+
+
+def test_the_family_table_lists_the_registered_families():
+    """docs/model-families.md's table has one row per registered Hugging Face family, with its class."""
+    import re
+
+    from megand.models.hf_families import FAMILIES
+
+    text = open(os.path.join(ROOT, "docs", "model-families.md")).read()
+    table = text.split("## What each family supports", 1)[1].split("\n\n| `model_type` |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)`", table, flags=re.M)
+    assert rows == [(f.model_type, f.model_class) for f in FAMILIES.values()], \
+        "docs/model-families.md's family table differs from megand/models/hf_families.py's FAMILIES"

@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 
 from megand.core.checkpointing import offline
-from megand.models import full, hf
+from megand.models import full, hf, hf_families
 from megand.tools import convert_checkpoint
 
 LLAMA = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
@@ -50,7 +50,7 @@ def snapshot(path):
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
 def test_adapter_rules_cover_exactly_the_model_tensors(arch, tied):
     m = dict(MODELS[arch], tie_embeddings=tied)
-    rules = hf.adapter_for(m).rules(m)
+    rules = hf_families.family_for_model(m).rules(m)
     assert sorted(r.megand for r in rules) == sorted(full.full_shapes(m))
     hf_names = [n for r in rules for n in r.hf]
     assert len(hf_names) == len(set(hf_names))
@@ -195,4 +195,4 @@ def test_export_of_a_model_with_mtp_writes_the_main_model_and_says_what_it_left(
     assert "not exported: the 1 multi-token prediction depth(s) (mtp.*, model.mtp_layers)" in capsys.readouterr().out
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert names == {n for r in hf.adapter_for(LLAMA).rules(LLAMA) for n in r.hf}
+    assert names == {n for r in hf_families.family_for_model(LLAMA).rules(LLAMA) for n in r.hf}

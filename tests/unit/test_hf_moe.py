@@ -13,7 +13,7 @@ import transformers
 from safetensors import safe_open
 
 from megand.core.checkpointing import offline
-from megand.models import full, hf
+from megand.models import full, hf, hf_families
 from megand.tools import convert_checkpoint, generate
 
 BASE = dict(arch="llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
@@ -57,8 +57,8 @@ def file_tensors(directory):
 @pytest.mark.parametrize("family", MODELS)
 def test_rules_cover_the_model_and_the_files_transformers_writes(family, tmp_path):
     m = MODELS[family]
-    adapter = hf.adapter_for(m)
-    assert adapter.MODEL_TYPE == family
+    adapter = hf_families.family_for_model(m)
+    assert adapter.model_type == family
     rules = adapter.rules(m)
     assert sorted(r.megand for r in rules) == sorted(full.full_shapes(m))
     ours = {n: s for r in rules for n, s in r.hf_shapes(full.full_shapes(m)[r.megand]).items()}
@@ -148,5 +148,6 @@ def test_export_of_a_moe_model_no_family_expresses_is_one_line(tmp_path, capsys)
     m = dict(BASE, num_experts=4, moe_top_k=2, moe_router="sigmoid", moe_shared_experts=1)
     full.save_random_model(str(tmp_path / "ckpt"), m)
     rc, err = run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
-    assert rc == 2 and len(err) == 1 and "moe_router=sigmoid" in err[0] and "moe_shared_expert_gate=False" in err[0]
+    assert rc == 2 and len(err) == 1 and "model.moe_router=sigmoid" in err[0]
+    assert "needs model.moe_shared_expert_gate" in err[0]
     assert not (tmp_path / "hf").exists()

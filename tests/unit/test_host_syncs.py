@@ -2,6 +2,7 @@
 lines: no per-step `.item()` for the loss, the gradient norm or the batch checksum; no hidden transfers
 (host-to-device copies of host-built tensors, device-to-host copies), which wait for the device too."""
 
+import os
 import traceback
 import weakref
 
@@ -10,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import megand
 from megand.training.config import compose
 from tests.unit.test_trainer_wandb import one_process_world  # noqa: F401  (fixture)
 
@@ -20,11 +22,17 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_lik
 TRANSFERS = {"to", "cpu", "cuda", "copy_"}
 
 
-def _site() -> str:
-    """``path:line`` of the innermost megand frame of the current stack (where the read is written)."""
-    for frame in reversed(traceback.extract_stack()):
-        if "/megand/" in frame.filename:
-            return f"megand/{frame.filename.rsplit('/megand/', 1)[1]}:{frame.lineno}"
+# the package's own folder: a checkout is itself often named megand, and its tests are not package code
+PACKAGE_DIR = os.path.dirname(os.path.abspath(megand.__file__))
+
+
+def _site(stack=None) -> str:
+    """``megand/path:line`` of the innermost frame in the package of the current stack (where the read is
+    written)."""
+    for frame in reversed(stack or traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(PACKAGE_DIR + os.sep):
+            return f"megand/{os.path.relpath(path, PACKAGE_DIR)}:{frame.lineno}"
     return "?"
 
 
@@ -166,6 +174,21 @@ def test_host_read_counter_sees_reads():
         x.tolist()
         torch.ones(2, 2).nonzero()  # no scalar read on CPU: not counted
     assert counter.reads == ["item", "__bool__", "tolist"]
+
+
+def test_read_sites_are_package_lines_in_a_checkout_named_megand(tmp_path):
+    """A clone named ``megand`` holds its tests under ``.../megand/tests/``: a read written in a test (here
+    code compiled as ``<clone>/megand/tests/unit/reads.py``) is not package code (before: reported as
+    ``megand/tests/unit/reads.py:2``, so the layouts' tests failed in such a clone)."""
+    from megand.core.transformer.moe import moe_layers
+
+    test_file = str(tmp_path / "megand" / "tests" / "unit" / "reads.py")
+    scope = {"_site": _site, "moe_layers": moe_layers}
+    exec(compile("def read():\n    return _site()\n", test_file, "exec"), scope)
+    assert scope["read"]() == "?"
+    package_frame = traceback.FrameSummary(moe_layers.__code__.co_filename, 7, "moe_layers")
+    test_frame = traceback.FrameSummary(test_file, 2, "read")
+    assert _site([package_frame, test_frame]) == "megand/core/transformer/moe.py:7"
 
 
 def test_host_read_counter_sees_transfers():

@@ -100,11 +100,11 @@ def test_a_run_with_head_dim_apart_from_hidden_over_heads_validates():
 def test_the_import_refusal_names_every_adapter():
     from types import SimpleNamespace
 
-    from megand.models import hf
+    from megand.models import hf_families
 
     with pytest.raises(ValueError) as e:
-        hf.adapter_for_hf(SimpleNamespace(model_type="gemma3"))
-    assert ", ".join(a.MODEL_TYPE for a in hf._adapters()) in str(e.value)
+        hf_families.family_for_hf(SimpleNamespace(model_type="gemma3"))
+    assert ", ".join(hf_families.FAMILIES) in str(e.value)
 
 
 LATENT = dict(arch="llama", hidden_size=64, num_attention_heads=4, norm="rmsnorm", activation="swiglu",

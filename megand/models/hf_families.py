@@ -1,0 +1,102 @@
+"""The registered Hugging Face families, and the choice of one for export (by the architecture keys a model
+sets) and for import (by ``config.json``'s ``model_type``).
+
+A new family is one adapter module with its :class:`~megand.models.hf.Family` record, added to
+:data:`FAMILIES` here. No family knows another: export takes the one family that expresses every
+architecture key the model sets apart from the schema's defaults (core's ``TransformerConfig``), so a key no
+family expresses is refused by name rather than dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from megand.core.transformer.config import ARCHITECTURE_FIELDS, TransformerConfig, resolve_head_dim
+from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
+                           hf_qwen3, hf_qwen3_moe)
+from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
+    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY)}
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A module a family without it may leave out of an export (the main model computes the same without it):
+    its architecture key, the prefix of its tensors, and what export says it left."""
+
+    key: str
+    prefix: str
+    what: str
+
+
+LEFT_OUT = (LeftOut("mtp_layers", "mtp.", "multi-token prediction depth(s)"),)
+
+_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
+_MOE = frozenset(k for k in ARCHITECTURE_FIELDS if k.startswith("moe_"))
+_LATENT = frozenset({"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
+
+
+def family_names() -> str:
+    return ", ".join(FAMILIES)
+
+
+def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
+    """The architecture keys of a megand ``model`` config set apart from the schema's defaults: a head width or
+    a number of query groups equal to the derived one counts as unset, and so do keys with no effect in this
+    model (MoE keys of a dense model, a shared experts' gate without shared experts, RoPE theta without RoPE,
+    latent widths without latent attention)."""
+    out = {k: m[k] for k in ARCHITECTURE_FIELDS if k in m and m[k] != _DEFAULTS[k]}
+    hidden, heads = (m.get(k, _DEFAULTS[k]) for k in ("hidden_size", "num_attention_heads"))
+    if out.get("num_query_groups") == heads:
+        del out["num_query_groups"]
+    if "head_dim" in out and (m.get("kv_lora_rank") is not None or out["head_dim"] == resolve_head_dim(hidden, heads)):
+        del out["head_dim"]
+    inert = set()
+    if not m.get("num_experts"):
+        inert |= _MOE
+    if not m.get("moe_shared_experts"):
+        inert.add("moe_shared_expert_gate")
+    if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":
+        inert.add("rope_theta")
+    if m.get("kv_lora_rank") is None:
+        inert |= _LATENT
+    return {k: v for k, v in out.items() if k not in inert}
+
+
+def family_for_model(m: Mapping[str, Any]) -> Family:
+    """The one family that expresses the megand ``model`` config ``m``; ValueError naming what no family
+    expresses."""
+    keys = architecture(m)
+    optional = {o.key for o in LEFT_OUT}
+    misses = {name: f.unexpressed(keys, m, optional) for name, f in FAMILIES.items()}
+    fits = [name for name, miss in misses.items() if not miss]
+    if len(fits) == 1:
+        return FAMILIES[fits[0]]
+    if fits:  # the registry's families overlap (tests/unit/test_hf_registry.py keeps them apart)
+        raise ValueError(f"several Hugging Face families express this model: {', '.join(fits)}")
+    orphans = [f"model.{k}={v}" for k, v in keys.items()
+               if k not in optional and not any(k in f.expresses for f in FAMILIES.values())]
+    if orphans:
+        raise ValueError(f"no Hugging Face family expresses {', '.join(orphans)} (families: {family_names()})")
+    fewest = min(len(miss) for miss in misses.values())
+    nearest = ", ".join(f"{name} ({', '.join(miss)})" for name, miss in misses.items() if len(miss) == fewest)
+    raise ValueError(f"no Hugging Face family expresses this model's architecture keys together; nearest: "
+                     f"{nearest}; families: {family_names()}")
+
+
+def family_for_hf(config) -> Family:
+    """The family of a ``transformers`` config (by its ``model_type``)."""
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"model_type={config.model_type!r}: only {family_names()} can be imported")
+    return FAMILIES[config.model_type]
+
+
+def unread_keys(family: Family, config_keys, attribute_map: Mapping[str, str] | None = None) -> list[str]:
+    """The keys of a ``config.json`` (aliases resolved through the config class's ``attribute_map``) that
+    ``family`` neither reads nor knowingly ignores."""
+    known = family.reads | family.ignores | BOOKKEEPING | CONVERTER_READS
+    aliases = attribute_map or {}
+    return sorted(k for k in config_keys if aliases.get(k, k) not in known)
