@@ -36,6 +36,10 @@ import os
 import tempfile
 import time
 
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_names, schedule_record
+
+INTERLEAVED = "interleaved"  # the default schedule run with --vpp chunks per rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_OVERRIDES = [
@@ -72,7 +76,7 @@ def _rank_main(overrides, steps, warmup):
     return dict(stage=trainer.topo.pp_rank, chunks=len(trainer.chunks), **mean)
 
 
-def bench(pp, vpp, m, steps, warmup, extra, schedule="1f1b"):
+def bench(pp, vpp, m, steps, warmup, extra, schedule=DEFAULT_SCHEDULE):
     from megand.tools.spawn import run_distributed
     from megand.training.config import compose
 
@@ -104,17 +108,12 @@ def predicted(ranks, pp, vpp, m, schedule):
 
 
 def formula(pp, vpp, m, schedule, ranks):
-    if schedule in ("zbv", "dualpipev"):  # no closed form printed: the replay is the prediction
+    """The schedule's closed-form idle fraction on the measured mean pass times (its record's), or none."""
+    record = schedule_record(schedule)
+    if record.bubble is None:  # no closed form printed: the replay is the prediction
         return None, "none (the replay's)"
-    if schedule == "zb1p":  # (p-1)(F+B-2W) idle per rank, B the whole backward (I + W)
-        f = sum(r.get("F_s", 0.0) for r in ranks) / len(ranks)
-        i = sum(r.get("I_s", 0.0) for r in ranks) / len(ranks)
-        w = sum(r.get("W_s", 0.0) for r in ranks) / len(ranks)
-        idle = (pp - 1) * max(f + i - w, 0.0)
-        return idle / (m * (f + i + w) + idle), "(p-1)(F+B-2W)/(m(F+B)+(p-1)(F+B-2W))"
-    if vpp > 1:
-        return (pp - 1) / (vpp * m + pp - 1), "(p-1)/(v·m+p-1)"
-    return (pp - 1) / (m + pp - 1), "(p-1)/(m+p-1)"
+    f, i, w = (sum(r.get(key, 0.0) for r in ranks) / len(ranks) for key in ("F_s", "I_s", "W_s"))
+    return record.bubble(pp, vpp if vpp > 1 else None, m, f, i, w)
 
 
 def estimated_memory(cfg, pp):
@@ -136,8 +135,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"],
-                        choices=["1f1b", "interleaved", "zb1p", "zbv", "dualpipev"])
+    names = [DEFAULT_SCHEDULE, INTERLEAVED, *[s for s in schedule_names() if s != DEFAULT_SCHEDULE]]
+    parser.add_argument("--schedules", nargs="+", default=names, choices=names)
     parser.add_argument("--vpp", type=int, default=2, help="model chunks per rank of the interleaved schedule")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -150,16 +149,17 @@ def main():
     print(f"pp={p} m={m}, {args.steps} timed steps after {args.warmup} warm-up; {os.cpu_count()} CPUs for {p} ranks")
     report = {}
     for name in args.schedules:
-        v = args.vpp if name == "interleaved" else 2 if name in ("zbv", "dualpipev") else 1
-        schedule = "1f1b" if name == "interleaved" else name
+        schedule = DEFAULT_SCHEDULE if name == INTERLEAVED else name
+        record = schedule_record(schedule)
+        v = args.vpp if name == INTERLEAVED else record.chunks or 1
         ranks, cfg = bench(p, v, m, args.steps, args.warmup, args.overrides, schedule)
         ranks = sorted(ranks, key=lambda r: r["stage"])
         theory, written = formula(p, v, m, schedule, ranks)
         replay = predicted(ranks, p, v, m, schedule)
         memory = estimated_memory(cfg, p)
         step = max(r["step_s"] for r in ranks)
-        title = {"1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v={v}", "zb1p": "zero bubble ZB-H1 (zb1p)",
-                 "zbv": "zero bubble ZB-V (zbv, v=2)", "dualpipev": "DualPipeV (v=2)"}[name]
+        title = (f"interleaved {record.title}, v={v}" if name == INTERLEAVED
+                 else f"{record.title} ({name}{f', v={v}' if v > 1 else ''})")
         print(f"\n{title}: step {step * 1e3:.0f} ms, formula {written}" + ("" if theory is None else f" = {theory:.3f}"))
         print(" stage | busy ms | idle ms | idle fraction | replay | of which p2p ms | held chunks | estimator | est. act. MiB")
         fractions = []
@@ -174,10 +174,10 @@ def main():
         report[name] = dict(step_ms=step * 1e3, idle_fraction=fractions, mean_idle_fraction=mean, theory=theory,
                             replay_idle_fraction=replay, estimated_chunks=[c for c, _ in memory],
                             estimated_activation_mib=[b for _, b in memory], ranks=ranks)
-    if "1f1b" in report:
+    if DEFAULT_SCHEDULE in report:
         for name in report:
-            if name != "1f1b":
-                ratio = report[name]["step_ms"] / report["1f1b"]["step_ms"]
+            if name != DEFAULT_SCHEDULE:
+                ratio = report[name]["step_ms"] / report[DEFAULT_SCHEDULE]["step_ms"]
                 print(f"step time {name} / 1F1B: {ratio:.3f}")
                 report[name]["step_ratio_vs_1f1b"] = ratio
     if args.json:

@@ -26,8 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DIMS = ("tp", "cp", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-dp-pp"
+from megand.core.parallel_layout import (DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, ParallelSizes,
+                                         check_dp_shard, check_expert_layout, parse_order)
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 # Every group a run needs, as the grid dimensions it spans.
 GROUP_DIMS = {
@@ -49,43 +50,6 @@ EXPERT_GROUP_DIMS = {
 }
 
 
-class LayoutError(ValueError):
-    """An impossible parallel layout; the message names the values."""
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @classmethod
-    def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None):
-        """Sizes for ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
-        for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp if dp is not None else 1)):
-            if not isinstance(size, int) or size < 1:
-                raise LayoutError(f"parallel.{name}={size} must be a positive integer")
-        model_ranks = tp * pp * cp
-        if world_size % model_ranks:
-            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
-        inferred_dp = world_size // model_ranks
-        if dp is not None and dp != inferred_dp:
-            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = {inferred_dp}")
-        return cls(tp=tp, cp=cp, dp=inferred_dp, pp=pp)
-
-
-def parse_order(order: str) -> tuple[str, ...]:
-    dims = tuple(order.split("-"))
-    if sorted(dims) != sorted(DIMS):
-        raise LayoutError(f"parallel.order={order!r} must list each of {'-'.join(DIMS)} exactly once")
-    return dims
-
-
 def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, int]:
     """The grid coordinates of ``rank``: the first dimension of ``order`` varies fastest."""
     coords = {}
@@ -94,17 +58,6 @@ def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> 
         coords[dim] = rank % size
         rank //= size
     return coords
-
-
-def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = None) -> int:
-    """The expert tensor-parallel size (``etp=None``: tp); a :class:`LayoutError` naming the values if
-    ep does not divide dp*cp or etp is neither 1 nor tp."""
-    if not isinstance(ep, int) or ep < 1 or (sizes.dp * sizes.cp) % ep:
-        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = {sizes.dp * sizes.cp}")
-    etp = sizes.tp if etp is None else etp
-    if etp not in (1, sizes.tp):
-        raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
-    return etp
 
 
 def _grid_groups(world: int, dims: tuple[str, ...], size_of: dict[str, int], kinds: dict) -> dict[str, list[list[int]]]:
@@ -172,17 +125,15 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int 
             by_key.setdefault(tuple(coords[r][d] for d in fixed), []).append(r)
         groups[kind] = sorted(by_key.values())
     groups["embedding"] = [sorted({p[0], p[-1]}) for p in groups["pp"]]
-    groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], dp_shard)
+    groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], check_dp_shard(sizes, dp_shard))
     groups.update(expert_rank_groups(sizes, order, ep, etp))
     return groups
 
 
-def shard_groups(dp_cp_groups: list[list[int]], dp_shard: int | None):
-    """``(shard groups, replica groups)`` cut from the dp x cp groups (see :func:`rank_groups`)."""
+def shard_groups(dp_cp_groups: list[list[int]], shard: int):
+    """``(shard groups, replica groups)`` cut from the dp x cp groups into runs of ``shard`` ranks (a
+    divisor of their size: :func:`~megand.core.parallel_layout.check_dp_shard`; see :func:`rank_groups`)."""
     size = len(dp_cp_groups[0])
-    shard = size if dp_shard is None else dp_shard
-    if not isinstance(shard, int) or shard < 1 or size % shard:
-        raise LayoutError(f"parallel.dp_shard={dp_shard} must be a positive divisor of dp*cp = {size}")
     shards = [g[i: i + shard] for g in dp_cp_groups for i in range(0, size, shard)]
     replicas = [g[j::shard] for g in dp_cp_groups for j in range(shard)]
     return sorted(shards), sorted(replicas)
@@ -335,7 +286,7 @@ class TopologyConfig:
     dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = DEFAULT_SCHEDULE
     timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
 
 
@@ -356,7 +307,7 @@ class Topology:
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
-    pp_schedule: str = "1f1b"  # the pipeline schedule; a V (zbv, dualpipev) puts the last stage on pp rank 0
+    pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (its record places the stages: last_stage_rank)
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -364,8 +315,11 @@ class Topology:
         self.local_rank = local_rank()
         if self.world_size != self.sizes.world_size:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
+        s = self.sizes
+        self.layout = ParallelLayout(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, vpp=self.vpp, order=self.order,
+                                     dp_shard=self.dp_shard, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
         self.coords = rank_coords(self.rank, self.sizes, self.order)
-        self.etp = check_expert_layout(self.sizes, self.ep, self.etp)
+        self.etp = self.layout.expert_tp
         lists = rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp)
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
@@ -376,9 +330,16 @@ class Topology:
     @classmethod
     def from_config(cls, config: TopologyConfig, device: torch.device) -> "Topology":
         """Collective: this rank's topology in the default process group, laid out as ``config`` says."""
-        sizes = ParallelSizes.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp)
-        return cls(sizes, order=config.order, vpp=config.vpp, device=device, dp_shard=config.dp_shard, ep=config.ep,
-                   etp=config.etp, timeout_s=config.timeout_s, pp_schedule=config.pp_schedule)
+        layout = ParallelLayout.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp,
+                                      vpp=config.vpp, order=config.order, dp_shard=config.dp_shard, ep=config.ep,
+                                      etp=config.etp, pp_schedule=config.pp_schedule)
+        return cls.from_layout(layout, device, config.timeout_s)
+
+    @classmethod
+    def from_layout(cls, layout: ParallelLayout, device: torch.device, timeout_s: float | None = None) -> "Topology":
+        """Collective: this rank's topology in the default process group, laid out as ``layout``."""
+        return cls(layout.sizes, order=layout.order, vpp=layout.vpp, device=device, dp_shard=layout.dp_shard,
+                   ep=layout.ep, etp=layout.etp, timeout_s=timeout_s, pp_schedule=layout.pp_schedule)
 
     # sizes and ranks within each dimension
     tp_size = property(lambda self: self.sizes.tp)
@@ -431,23 +392,26 @@ class Topology:
         return self.pp_rank == 0
 
     @property
-    def v_shaped(self) -> bool:
-        """The pipeline runs down the ranks and back up (zbv, dualpipev): rank 0 holds the first and the
-        last virtual stage."""
-        from megand.core.pipeline_parallel.actions import V_SCHEDULES
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (the loss): the last rank, or rank 0 of a V."""
+        return self.layout.last_stage_rank
 
-        return self.pp_size > 1 and self.pp_schedule in V_SCHEDULES
+    @property
+    def tied_copies_on_one_rank(self) -> bool:
+        """The first and the last virtual stage live on one pipeline rank (a V): both copies of a tied
+        word embedding are there, summed locally."""
+        return self.pp_size > 1 and self.last_stage_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
         """Holds the last virtual stage (the loss): the last pp rank, or rank 0 of a V."""
-        return self.pp_rank == (0 if self.v_shaped else self.pp_size - 1)
+        return self.pp_rank == self.last_stage_rank
 
     @property
     def in_embedding_group(self) -> bool:
         """Holds one of the two copies of a tied word embedding that the embedding group sums (a V
         holds both on rank 0, summed there: no group)."""
-        return not self.v_shaped and (self.is_first_stage or self.is_last_stage)
+        return not self.tied_copies_on_one_rank and (self.is_first_stage or self.is_last_stage)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -92,7 +92,7 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
     logging_rank = torch.tensor([topo.rank if topo.is_logging_rank else -1], device=device)
     dist.all_reduce(logging_rank, op=dist.ReduceOp.MAX)
     dist.broadcast(losses_t, src=int(logging_rank.item()))
-    trainer.writer.close()
+    trainer.close()
     if topo.rank != 0:
         return None
 

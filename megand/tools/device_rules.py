@@ -17,9 +17,9 @@
   outside 9.0 and 10.x, MX block scales below 10.0);
 - runs ``F.scaled_dot_product_attention`` (:meth:`DeviceRules.scaled_dot_product_attention`, patched in
   by the rehearsal: a CPU build does not choose CUDA's backends) with the backend torch's CUDA dispatcher
-  chooses (flash, else memory-efficient, else math; cuDNN comes after math in torch's order), so a run
-  that falls to the math kernel stores its ``s x s`` probabilities here as on the GPU, and records which
-  backend each call site ran;
+  chooses (:func:`megand.core.sdpa.cuda_sdpa_backend`: cuDNN first on SM 9.0/10.x with torch >= 2.9, then
+  flash, memory-efficient, math), so a run that falls to the math kernel stores its ``s x s``
+  probabilities here as on the GPU, and records which backend each call site ran;
 - counts every host synchronisation: a value read (``.item()``, ``.tolist()``: one per call), a copy
   from the device to the host (but one queued without blocking into pinned memory: its wait is counted
   where the caller synchronises), a blocking host-to-device copy (``non_blocking=False``, or from pageable
@@ -41,6 +41,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from megand.core.sdpa import cuda_sdpa_backend
 
 aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -279,33 +281,32 @@ class DeviceRules(TorchDispatchMode):
         if out_dtype not in (None, torch.bfloat16):
             self.fail(func, f"the FP8 grouped GEMM returns bf16 only, asked for {out_dtype}")
 
-    def sdpa_backend(self, q, k, v, attn_mask=None, enable_gqa=False) -> str:
-        """torch's CUDA SDPA backend choice (sm80+): flash, then memory-efficient, then math (cuDNN comes
-        after math in torch's default order)."""
-        d = q.shape[-1]
-        same_d = k.shape[-1] == d and v.shape[-1] == d
-        gqa = q.shape[-3] != k.shape[-3]
-        if (q.dtype in FLASH_DTYPES and attn_mask is None and same_d and d <= 256 and d % 8 == 0 and q.dim() == 4
-                and (not gqa or (enable_gqa and q.shape[-3] % k.shape[-3] == 0))):
-            return "flash"
-        if (q.dtype in (*FLASH_DTYPES, torch.float32) and same_d and not gqa
-                and d % (4 if q.dtype == torch.float32 else 8) == 0):
-            return "efficient"
-        return "math"
+    def sdpa_backend(self, q, k, v, attn_mask=None, enable_gqa=False, dropout_p=0.0, is_causal=False) -> str:
+        """torch's CUDA SDPA backend choice on this device (:func:`megand.core.sdpa.cuda_sdpa_backend`)."""
+        if q.dim() != 4 or k.shape[-1] != q.shape[-1]:
+            return "math"
+        capability = self.profile.capability if self.profile is not None else None  # None: an SM 9.0
+        return cuda_sdpa_backend(capability, q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+                                 k.shape[2], mask=attn_mask is not None, dropout_p=dropout_p, is_causal=is_causal,
+                                 enable_gqa=enable_gqa, requires_grad=any(t.requires_grad for t in (q, k, v)))
 
     def scaled_dot_product_attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):
         """``F.scaled_dot_product_attention`` as on CUDA: the backend torch would choose, its kernel (the
         meta version: flash and memory-efficient keep a log-sum-exp, math its ``s x s`` probabilities)."""
-        backend = "flash" if self.flex_depth else self.sdpa_backend(q, k, v, attn_mask, enable_gqa)
+        backend = "flash" if self.flex_depth else self.sdpa_backend(q, k, v, attn_mask, enable_gqa, dropout_p, is_causal)
         if not self.flex_depth:
             self.attention(f"sdpa:{backend}")
         self.sdpa_depth += 1
         try:
+            lse = any(t.requires_grad for t in (q, k, v))
+            if backend == "cudnn":
+                return aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, lse, dropout_p, is_causal, False,
+                                                                scale=scale)[0]
             if backend == "flash":
                 return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
             if backend == "efficient":
-                return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, q.requires_grad, dropout_p,
+                return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, lse, dropout_p,
                                                                     is_causal, scale=scale)[0]
             return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                            scale=scale, enable_gqa=enable_gqa)[0]

@@ -82,10 +82,13 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping, Optional
 
-from megand.core.pipeline_parallel.actions import V_SCHEDULES, peak_live_chunks, placement_for
+from megand.core.parallel_layout import ParallelLayout, ParallelSizes
+from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 
@@ -112,7 +115,7 @@ class Layout:
     etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # adamw | muon (the layers' matrices keep one fp32 moment instead of two)
-    pp_schedule: str = "1f1b"          # parallel.pp_schedule (zb1p: W passes hold their operands longer)
+    pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule (zb1p: W passes hold their operands longer)
     fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
     fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
 
@@ -121,16 +124,11 @@ class Layout:
             raise ValueError(f"precision must be fp32|bf16|fp16, got {self.precision!r}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none|selective|full, got {self.recompute!r}")
-        if min(self.tp, self.pp, self.cp, self.dp, self.micro_batch_size) < 1:
-            raise ValueError("parallel sizes and micro batch size must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro batch size {self.micro_batch_size} must be >= 1")
         if self.sharding not in SHARDING_LEVELS:
             raise ValueError(f"sharding must be {'|'.join(SHARDING_LEVELS)}, got {self.sharding!r}")
-        if self.dp_shard is not None and (self.dp_shard < 1 or (self.dp * self.cp) % self.dp_shard):
-            raise ValueError(f"dp_shard={self.dp_shard} must divide dp*cp = {self.dp * self.cp}")
-        if self.ep < 1 or (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp*cp = {self.dp * self.cp}")
-        if self.etp not in (None, 1, self.tp):
-            raise ValueError(f"etp={self.etp} must be 1 or tp={self.tp}")
+        _ = self.parallel  # the parallel sizes' rules: a LayoutError (a ValueError) naming the values
         if self.recompute_layers is not None and len(self.recompute_layers) != self.pp * (self.vpp or 1):
             raise ValueError(f"recompute_layers={list(self.recompute_layers)} needs one entry per virtual stage "
                              f"(pp*vpp = {self.pp * (self.vpp or 1)})")
@@ -144,7 +142,7 @@ class Layout:
         if dp is None:
             if world_size is None:
                 raise ValueError("parallel.dp is null: pass world_size")
-            dp = world_size // (tp * pp * cp)
+            dp = ParallelSizes.infer(world_size, tp=tp, pp=pp, cp=cp).dp
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
         return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
@@ -159,7 +157,8 @@ class Layout:
                    micro_batch_size=micro,
                    num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
-                   optimizer=optim.get("name") or "adamw", pp_schedule=parallel.get("pp_schedule") or "1f1b",
+                   optimizer=optim.get("name") or "adamw",
+                   pp_schedule=parallel.get("pp_schedule") or DEFAULT_SCHEDULE,
                    fp8_gather=None if train.get("compile") else train.get("fp8"),
                    fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
 
@@ -169,18 +168,24 @@ class Layout:
         return "optim" if self.sharding == "none" and self.distributed_optimizer else self.sharding
 
     @property
+    def parallel(self) -> ParallelLayout:
+        """The parallel sizes as megand's one layout value (validated and derived there)."""
+        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, dp_shard=self.dp_shard,
+                               ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
+
+    @property
     def shards(self) -> int:
         """Ranks one state is sharded over (1: replicated)."""
-        return 1 if self.level == "none" else (self.dp_shard or self.dp * self.cp)
+        return 1 if self.level == "none" else self.parallel.shard_size
 
     @property
     def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
+        return self.parallel.expert_tp
 
     @property
     def edp(self) -> int:
         """Ranks holding the same expert shard (expert data parallelism): tp·dp·cp / (ep·etp)."""
-        return self.tp * self.dp * self.cp // (self.ep * self.expert_tp)
+        return self.parallel.edp
 
     @property
     def expert_shards(self) -> int:
@@ -189,12 +194,19 @@ class Layout:
 
     @property
     def interleaved(self) -> bool:
-        return self.pp > 1 and (self.vpp or 1) > 1
+        return self.parallel.interleaved
 
     @property
     def sp(self) -> bool:
         """Sequence parallelism only changes anything with tensor parallelism."""
         return self.sequence_parallel and self.tp > 1
+
+
+@lru_cache(maxsize=4096)
+def parallel_layout(**sizes) -> ParallelLayout:
+    """The :class:`ParallelLayout` of ``sizes``, made (and checked) once per distinct layout: the estimator
+    and the planner ask for the same few layouts many times."""
+    return ParallelLayout(**sizes)
 
 
 def state_bytes_per_param(layout: Layout, shards: Optional[int] = None) -> dict:
@@ -308,13 +320,12 @@ def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:
 
 def _virtual_stages(layout: Layout, stage: int) -> list:
     """The virtual stages pipeline rank ``stage`` holds under its schedule's placement."""
-    placement = placement_for(layout.pp, layout.vpp if layout.interleaved else 1, layout.pp_schedule)
-    return [placement.stage(stage, chunk) for chunk in range(placement.vpp)]
+    return layout.parallel.placement.stages_of(stage)
 
 
 def last_stage(layout: Layout) -> int:
     """The pipeline rank holding the output layer and the loss: the last, or rank 0 of a V schedule."""
-    return 0 if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES else layout.pp - 1
+    return layout.parallel.last_stage_rank
 
 
 def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) -> float:
@@ -328,8 +339,8 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     v = layout.vpp if layout.interleaved else 1
     if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
         m = 2 * pp if v > 1 else pp
-    elif v > 1 and m % pp:  # the executor refuses it; count the next multiple of pp
-        m += pp - m % pp
+    # a count the schedule's rule refuses (the executor would): the next it runs
+    m = layout.parallel.schedule.microbatch_rule(pp, v if v > 1 else None).smallest_at_least(m)
     return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 

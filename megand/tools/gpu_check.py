@@ -50,6 +50,7 @@ runs, about two minutes. The budgets are estimates from the sizes until a GPU ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -109,15 +110,21 @@ def need_cuda():
         raise Skipped("needs CUDA (torch.cuda.is_available() is False here): a CUDA-only path")
 
 
+@contextlib.contextmanager
 def tiny_trainer(overrides):
-    """A tiny LLaMA Trainer in this process (a one-process world), writing under a temp directory."""
+    """A tiny LLaMA Trainer in this process (a one-process world), writing under a temp directory; closed
+    on leaving (its engine and buffers go with it, not with the checks after it)."""
     from megand.training.config import compose
     from megand.training.pretrain import Trainer
 
     run_dir = tempfile.mkdtemp(prefix="megand_gpu_check_")
     precision = ["train.precision=bf16"] if cuda() else []
-    return Trainer(compose(["+experiment=tiny_llama", f"run_dir={run_dir}", "train.eval_iters=0", *precision,
-                            *overrides]))
+    trainer = Trainer(compose(["+experiment=tiny_llama", f"run_dir={run_dir}", "train.eval_iters=0", *precision,
+                               *overrides]))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
 
 
 def steps(trainer, n=2) -> list[float]:
@@ -316,20 +323,20 @@ def _fused_blocks_against_math(device, seq, heads, groups, dim) -> dict:
 
 def check_fused_adamw(args) -> dict:
     need_cuda()
-    trainer = tiny_trainer([])
-    opt = trainer.optimizer
-    if not (opt.fused or opt.use_apex):
-        raise RuntimeError("the optimizer chose neither torch's fused AdamW nor apex's on CUDA")
-    return {"adamw": "apex" if opt.use_apex else "torch fused", "losses": steps(trainer)}
+    with tiny_trainer([]) as trainer:
+        opt = trainer.optimizer
+        if not (opt.fused or opt.use_apex):
+            raise RuntimeError("the optimizer chose neither torch's fused AdamW nor apex's on CUDA")
+        return {"adamw": "apex" if opt.use_apex else "torch fused", "losses": steps(trainer)}
 
 
 def check_memory_stats(args) -> dict:
     need_cuda()
     from megand.training.pretrain import peak_memory_bytes
 
-    trainer = tiny_trainer([])
-    steps(trainer, 1)
-    peak = peak_memory_bytes(trainer.topo.device)
+    with tiny_trainer([]) as trainer:
+        steps(trainer, 1)
+        peak = peak_memory_bytes(trainer.topo.device)
     if peak <= 0:
         raise RuntimeError(f"peak memory {peak} bytes")
     return {"peak_bytes": peak}
@@ -337,9 +344,9 @@ def check_memory_stats(args) -> dict:
 
 def check_async_checkpoint(args) -> dict:
     save = tempfile.mkdtemp(prefix="megand_gpu_check_ckpt_")
-    trainer = tiny_trainer(["train.iters=2", f"checkpoint.save={save}", "checkpoint.interval=1",
-                            "checkpoint.async_save=true", "train.log_interval=2"])
-    trainer.run()
+    with tiny_trainer(["train.iters=2", f"checkpoint.save={save}", "checkpoint.interval=1",
+                       "checkpoint.async_save=true", "train.log_interval=2"]) as trainer:
+        trainer.run()
     saved = sorted(x for x in os.listdir(save) if x.startswith("iter_") and not x.endswith(".tmp"))
     if len(saved) < 1:
         raise RuntimeError(f"no checkpoint written in {save}: {os.listdir(save)}")
@@ -352,14 +359,14 @@ def check_compile(args) -> dict:
     from megand.tools.kernel_probes import compiled_entries
 
     counters.clear()
-    trainer = tiny_trainer(["train.compile=true"])
-    start = time.perf_counter()
-    losses = steps(trainer, 3)
+    with tiny_trainer(["train.compile=true"]) as trainer:
+        start = time.perf_counter()
+        losses = steps(trainer, 3)
     breaks = {str(k): v for k, v in counters["graph_break"].items()}
     versions = {}  # each compiled layer function (shared by identical layers): its compiled versions
     for chunk in trainer.chunks:
-        for layer in chunk.layers.values():
-            fn = getattr(type(layer), "_forward" if layer.cfg.recompute == "full" else "forward")
+        for layer in chunk.layers.values():  # the body each layer compiles (TransformerLayer.compile_body)
+            fn = type(layer)._forward
             versions[fn.__qualname__] = compiled_entries(fn)
     figures = {"losses": losses, "first_steps_s": time.perf_counter() - start,
                "layers_compile_s": trainer.compile_timer.seconds, "graph_breaks": sum(breaks.values()),
@@ -381,12 +388,13 @@ def check_wgrad_fusion(args) -> dict:
     grads = torch.randn(4, 4096, 1024, device="cuda", dtype=torch.bfloat16)  # 4 micro-batches' output grads
     inputs = torch.randn(4, 4096, 2048, device="cuda", dtype=torch.bfloat16)
     main = torch.zeros(1024, 2048, device="cuda")
+    gemm = wgrad.AccumulatingGemm()
     for g, x in zip(grads, inputs):
-        wgrad.add_product(main, g.t(), x)
+        gemm(main, g.t(), x)
     exact = sum(g.double().t() @ x.double() for g, x in zip(grads, inputs))
     relative = ((main.double() - exact).norm() / exact.norm()).item()
-    fp32_result = wgrad._ADDMM_OUT_DTYPE  # the accumulating GEMM: bf16 operands added into fp32 in place
-    if fp32_result and relative > 1e-5:
+    fp32_result = gemm.takes_out_dtype(main, grads)  # the accumulating GEMM: bf16 operands added into fp32 in place
+    if relative > 1e-5:  # either way the products are accumulated at fp32
         raise RuntimeError(f"relative error {relative:.2e} of the fp32-accumulated bf16 products")
     return {"relative_error": relative, "addmm_out_dtype_fp32": fp32_result}
 

@@ -69,14 +69,14 @@ class KernelFallbacks:
             return not fits and x.is_cuda
         expert_loop.warning = EXPERT_LOOP
 
-        def expanded(backend, device, *_, **__):
-            return "expanded" in str(backend)
+        def expanded(expands, *_, **__):  # megand.core.sdpa.expands_kv: the layer's decision, per call
+            return bool(expands)
         expanded.warning = EXPANDED_KV
 
         counting(fp8, "scaled_mm_takes", emulated_fp8)
         counting(fp8_grouped.GroupedFp8, "_grouped_kernel_takes", emulated_grouped)
         counting(moe, "fused_grouped_mm_fits", expert_loop)
-        counting(sdpa, "attention_backend", expanded)
+        counting(sdpa, "expands_kv", expanded)
 
     def report(self, kernels: Counter) -> list[dict]:
         """``[{"warning", "where", "count"}]``, most frequent first; ``kernels``: the device rules' count of

@@ -43,6 +43,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megand.core.pipeline_parallel.registry import schedule_names
 from megand.tools.planner.cluster import ClusterError, load_cluster
 from megand.tools.planner.profile import Profile, ProfileError
 from megand.tools.planner.search import PlanError, Planner, config_validator
@@ -58,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="a device profile from tools/calibrate.py for every group (overrides device:)")
     p.add_argument("--schedules", default=None, metavar="S1,S2",
-                   help="the pipeline schedules to search, comma-separated (default: all of 1f1b, zb1p, zbv, dualpipev)")
+                   help="the pipeline schedules to search, comma-separated (default: all of "
+                        f"{', '.join(schedule_names())})")
     p.add_argument("--verify", action="store_true",
                    help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
     return p.parse_intermixed_args(argv)
@@ -145,13 +147,11 @@ def main(argv=None) -> int:
         return fail(f"--top {args.top} must be >= 1")
     schedules = None
     if args.schedules is not None:
-        from megand.core.pipeline_parallel.actions import SCHEDULES
-
         schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-        unknown = [s for s in schedules if s not in SCHEDULES]
+        unknown = [s for s in schedules if s not in schedule_names()]
         if unknown or not schedules:
             return fail(f"--schedules {args.schedules}: unknown schedule(s) {', '.join(unknown) or '(none given)'}; "
-                        f"choose from {', '.join(SCHEDULES)}")
+                        f"choose from {', '.join(schedule_names())}")
     try:
         profile = Profile.load(args.profile) if args.profile else None
         cluster = load_cluster(args.cluster, profile=profile)

@@ -12,10 +12,6 @@ import time
 
 import torch
 
-from megand.core.sdpa import capability_constant_under_compile
-from megand.core.tensor_parallel.random import run_recompute_eagerly_under_compile
-from megand.core.transformer.moe import attach_losses_eagerly_under_compile
-
 
 class CompileTimer:
     """Wall time of each compiled layer's first forward call (which compiles it)."""
@@ -40,17 +36,14 @@ class CompileTimer:
 
 
 def compile_layers(chunks) -> CompileTimer:
-    """Compile every transformer layer of ``chunks`` in place; return the timer that accumulates their
-    first-call (compilation) time. The module hooks stay outside the compiled code. Activation
-    recomputation runs eagerly (its checkpoint replays the tensor-parallel RNG, which torch.compile
-    cannot trace): under full recomputation the recomputed body of the layer is what is compiled."""
-    run_recompute_eagerly_under_compile()
-    attach_losses_eagerly_under_compile()
-    capability_constant_under_compile()
+    """Compile the body of every transformer layer of ``chunks`` (:meth:`TransformerLayer.compile_body`);
+    return the timer that accumulates their first-call (compilation) time. The module hooks stay outside
+    the compiled code. Activation recomputation runs eagerly (its checkpoint replays the tensor-parallel
+    RNG, which torch.compile cannot trace): under full recomputation the recomputed body of the layer is
+    what is compiled. Nothing outside the layers changes: the choice is each layer's own."""
     timer = CompileTimer()
     for chunk in chunks:  # the main model's layers and each multi-token prediction depth's
         depths = chunk.mtp.depths if getattr(chunk, "mtp", None) is not None else []
         for layer in [*chunk.layers.values(), *(depth.layer for depth in depths)]:
-            name = "_forward" if layer.cfg.recompute == "full" else "forward"
-            setattr(layer, name, timer.wrap(torch.compile(getattr(layer, name))))
+            layer.compile_body(lambda body: timer.wrap(torch.compile(body)), eager=torch.compiler.disable)
     return timer

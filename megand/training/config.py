@@ -256,7 +256,8 @@ def check_fp8_device(fp8, device) -> None:
 
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
-    from megand.core.parallel_state import LayoutError, ParallelSizes, choose_device_and_backend, parse_order
+    from megand.core.parallel_layout import LayoutError, ParallelLayout
+    from megand.core.parallel_state import choose_device_and_backend
     from megand.core.pipeline_parallel.layout import PipelineLayoutError, pipeline_layout
     from megand.core.transformer.config import resolve_head_dim
 
@@ -277,17 +278,13 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
     check_counts(cfg)
     try:
-        parse_order(p.order)
-        sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
+        layout = ParallelLayout.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, vpp=p.vpp, order=p.order,
+                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if p.dp_shard is not None:
-        dp_cp = sizes.dp * sizes.cp
-        if not isinstance(p.dp_shard, int) or p.dp_shard < 1 or dp_cp % p.dp_shard:
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp}"
-                              f" = {dp_cp}")
-        if cfg.optim.sharding == "none" and p.dp_shard != dp_cp:
-            raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
+    sizes = layout.sizes
+    if cfg.optim.sharding == "none" and layout.shard_size != layout.dp_cp:
+        raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     check_expert_parallel(cfg, sizes)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
@@ -308,7 +305,7 @@ def validate(cfg, world_size: int) -> None:
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
          f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
     ]
-    seq_multiple = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel else 1)
+    seq_multiple = layout.sequence_multiple(p.sequence_parallel)
     checks.append((m.seq_length % seq_multiple == 0,
                    f"model.seq_length={m.seq_length} is not divisible by {seq_multiple} "
                    f"(2*cp={2 * p.cp if p.cp > 1 else 1} x tp={p.tp if p.sequence_parallel else 1} under sequence parallelism)"))
@@ -317,13 +314,13 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(message)
     from megand.training.rampup import ramp_error
 
-    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, p.pp, p.vpp is not None)
+    rule = layout.schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
+    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
     if ramp_message:
         raise ConfigError(ramp_message)
     micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
-    schedule_message = pipeline_schedule_error(p.pp_schedule, p.pp, p.vpp, micro_batches,
-                                               f"global batch {t.global_batch_size} / (micro batch "
-                                               f"{t.micro_batch_size} x dp {sizes.dp})")
+    schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro batch "
+                                                 f"{t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
     if schedule_message:
         raise ConfigError(schedule_message)
     try:
@@ -344,36 +341,10 @@ def validate(cfg, world_size: int) -> None:
                           f"{m.attention_dropout}: set it to 0")
     if not m.norm_eps > 0:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
-    validate_moe(cfg, sizes)
+    validate_moe(cfg, layout)
     validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
-
-
-def pipeline_schedule_error(schedule: str, pp: int, vpp, micro_batches: int, batch: str = "") -> Optional[str]:
-    """Why ``parallel.pp_schedule=schedule`` cannot run with ``pp`` stages, ``vpp`` chunks per rank and
-    ``micro_batches`` per step (``batch``: how the micro-batches were counted, for the message), or None.
-    validate() and the layout planner share these rules."""
-    from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
-
-    counted = f"{micro_batches} = {batch}" if batch else f"{micro_batches}"
-    if schedule not in SCHEDULES:
-        return f"parallel.pp_schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}"
-    if schedule in V_SCHEDULES and (pp < 2 or vpp != 2):
-        return (f"parallel.pp_schedule={schedule} runs two chunks per rank in a V: it needs "
-                f"parallel.pp >= 2 and parallel.vpp=2 (got pp={pp}, vpp={vpp})")
-    if schedule == "dualpipev" and micro_batches < 2 * pp:
-        return (f"parallel.pp_schedule=dualpipev needs at least 2*pp = {2 * pp} micro-batches per step "
-                f"({counted})")
-    if schedule == "zb1p" and (pp < 2 or (vpp or 1) > 1):
-        return f"parallel.pp_schedule=zb1p needs parallel.pp >= 2 and one chunk per rank (got pp={pp}, vpp={vpp})"
-    if vpp is not None and schedule == "1f1b":
-        if pp < 2 or vpp < 1:
-            return f"parallel.vpp={vpp} needs parallel.pp >= 2 (got {pp}) and vpp >= 1"
-        if micro_batches % pp:
-            return (f"interleaved pipelining needs the number of micro-batches ({counted}) "
-                    f"to be a multiple of parallel.pp={pp}")
-    return None
 
 
 def validate_mtp(cfg) -> None:
@@ -388,13 +359,9 @@ def validate_mtp(cfg) -> None:
         raise ConfigError(f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
 
 
-def validate_moe(cfg, sizes) -> None:
-    """The Mixture-of-Experts keys and their layout (``sizes``: the inferred parallel sizes)."""
+def validate_moe(cfg, layout) -> None:
+    """The Mixture-of-Experts keys and their layout (``layout``: the run's ParallelLayout, checked)."""
     m, p = cfg.model, cfg.parallel
-    if not isinstance(p.ep, int) or p.ep < 1:
-        raise ConfigError(f"parallel.ep={p.ep} must be a positive integer")
-    if p.etp is not None and p.etp not in (1, p.tp):
-        raise ConfigError(f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp} (or null: tp)")
     if m.num_experts is None:
         if p.ep != 1:
             raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
@@ -420,7 +387,7 @@ def validate_moe(cfg, sizes) -> None:
         if not ok:
             raise ConfigError(message)
     width = m.moe_ffn_hidden_size or m.ffn_hidden_size
-    etp = p.tp if p.etp is None else p.etp
+    etp = layout.expert_tp
     if etp > 1 and width % etp:
         raise ConfigError(f"the routed experts' width {width} (model.moe_ffn_hidden_size, null: ffn_hidden_size) is "
                           f"not divisible by the expert tensor-parallel size parallel.etp={etp}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -28,7 +30,7 @@ from megand.core.parallel_state import (
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
-from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8
+from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8, weights_cached
 from megand.core.timing import device_timer
 from megand.core.transformer import moe
 from megand.core.sdpa import attention_summary
@@ -329,6 +331,13 @@ class Trainer:
             if self.topo.is_logging_rank:
                 print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
 
+    def close(self) -> None:
+        """Let go of what outlives the trainer otherwise: the data-parallel engine's hooks on the model
+        (through them the engine and its gradient buffers stay alive as long as the parameters do) and
+        the metrics file. A process that builds several trainers closes each before the next."""
+        self.ddp.close()
+        self.writer.close()
+
     def limits_reached(self, iteration: int) -> tuple[bool, bool]:
         """``(over_time, over_iters)`` of this rank once ``iteration`` is done."""
         t = self.cfg.train
@@ -441,6 +450,13 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress(self.iteration + 1, phase, timeout_s)
 
+    def fp8_weights(self):
+        """The FP8 layers' weights quantised once for the step's micro-batches (the optimizer steps after
+        it), unless ZeRO-3 frees each gathered weight: an FP8 copy kept for the step would undo it."""
+        if self.configs.fp8 is None or self.configs.data_parallel.sharding == "optim_grads_params":
+            return contextlib.nullcontext()
+        return weights_cached(self.chunks)
+
     def train_step(self):
         """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
         is skipped on every rank together when the loss or the gradient is not finite, or on a spike that
@@ -461,7 +477,8 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
         self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
-        loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
+        with self.fp8_weights():
+            loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
         self.busy.stop()  # before the waits for other ranks' gradients
         self._progress("gradient reduction")
         self.ddp.finish_grad_sync()
@@ -584,8 +601,9 @@ class Trainer:
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = self.valid_feed.get(k * t.global_batch_size, read_ahead=k + 1 < t.eval_iters)
             self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
-            loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
-                                                  forward_only=True))
+            with self.fp8_weights():
+                loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
+                                                      forward_only=True))
             total += float("nan") if loss is None else loss.double()
         return total.item() / max(1, t.eval_iters)  # one read per evaluation
 

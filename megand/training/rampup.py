@@ -60,8 +60,10 @@ def batch_ramp(train) -> BatchRamp | ConstantBatch:
     return BatchRamp(start, increment, samples, int(train.global_batch_size))
 
 
-def ramp_error(train, micro_times_dp: int, pp: int, interleaved: bool) -> str | None:
-    """What is wrong with ``train.rampup_batch_size`` for this layout (a message naming the values), or None."""
+def ramp_error(train, micro_times_dp: int, rule) -> str | None:
+    """What is wrong with ``train.rampup_batch_size`` for this layout (a message naming the values), or None.
+    ``rule``: the pipeline schedule's micro-batch rule (megand/core/pipeline_parallel/record.py), which every
+    batch size of the ramp must meet, not only the final one."""
     ramp = train.get("rampup_batch_size")
     if ramp is None:
         return None
@@ -78,7 +80,7 @@ def ramp_error(train, micro_times_dp: int, pp: int, interleaved: bool) -> str | 
         if size % micro_times_dp:
             return (f"train.rampup_batch_size={list(ramp)} reaches a global batch of {size}, not divisible by "
                     f"train.micro_batch_size x dp = {micro_times_dp}")
-        if interleaved and (size // micro_times_dp) % pp:
-            return (f"train.rampup_batch_size={list(ramp)} reaches a global batch of {size}: {size // micro_times_dp} "
-                    f"micro-batches, not a multiple of parallel.pp={pp} (interleaved pipelining)")
+        message = rule.ramp_error(size // micro_times_dp, size, list(ramp))
+        if message:
+            return message
     return None

@@ -52,9 +52,10 @@ def _executor_traces(run_dir):
 
         def backward(tensors, grad_tensors=None, **kwargs):
             key = roots.pop(id(tensors))
-            if wgrad._deferral:  # the weight-gradient products of this backward are queued: an I
-                deferrals[id(wgrad._deferral[-1])] = key
-            trace.append(("I" if wgrad._deferral else "B", *key))
+            queue = trainer.ddp.weight_grads.queue
+            if queue is not None:  # the weight-gradient products of this backward are queued: an I
+                deferrals[id(queue)] = key
+            trace.append(("I" if queue is not None else "B", *key))
             return real_backward(tensors, grad_tensors=grad_tensors, **kwargs)
 
         def run(deferred):
@@ -77,6 +78,7 @@ def _executor_traces(run_dir):
         trainer.ddp.finish_grad_sync()
         traces[name] = dict(trace=trace, peak_live=stats.peak_live, weight_grad_passes=stats.weight_grad_passes,
                             **posted)
+        trainer.close()
     return traces
 
 

@@ -28,3 +28,21 @@ def test_ramp_resumed_mid_ramp_at_another_dp_equals_the_uninterrupted_run(tmp_pa
     for key in ("global_batch_size", "consumed_samples", "batch_checksum", "lr"):
         assert [r[key] for r in split] == [r[key] for r in whole], key
     assert_parity(whole, split, steps=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, ramp, batches", [
+    ("zbv", "[3,1,15]", [3, 4, 5, 7, 8, 8]),  # odd micro-batch counts: not held to the interleaved rule
+    ("dualpipev", "[4,2,8]", [4, 6, 8, 8, 8, 8]),  # never below its 2*pp micro-batches
+])
+def test_v_schedule_ramp_runs_and_equals_the_one_process_run(tmp_path, schedule, ramp, batches):
+    """A ramp-up under a V schedule: every step runs the schedule's own micro-batch rule (zbv took odd
+    counts refused as interleaved; dualpipev was checked at the final batch only) and equals one process."""
+    common = ["+experiment=tiny_gpt", "train.eval_iters=0", "train.micro_batch_size=1", "model.num_layers=4",
+              f"train.rampup_batch_size={ramp}", "train.iters=6", "optim.warmup_iters=2"]
+    run_pretrain(str(tmp_path / "one"), common)
+    run_pretrain(str(tmp_path / "v"), [*common, "parallel.pp=2", "parallel.vpp=2", f"parallel.pp_schedule={schedule}"],
+                 nproc=2)
+    one, v = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "v"))
+    assert [r["global_batch_size"] for r in v] == batches
+    assert_parity(one, v, steps=6)

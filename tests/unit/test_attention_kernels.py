@@ -1,6 +1,8 @@
 """The attention kernels CUDA runs, checked on CPU: fake CUDA tensors run the fused kernels' meta
 functions, so the exact CUDA code path executes without a GPU."""
 
+from unittest.mock import patch
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +10,6 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megand.core import sdpa
 from megand.core.checkpointing.offline import single_process_topology
 from megand.core.sdpa import attention_backend, causal_attention
 from megand.core.tensor_parallel.random import TensorParallelRNG
@@ -31,36 +32,69 @@ class Shapes(TorchDispatchMode):
         return out
 
 
+def _rules():
+    from megand.tools.device_rules import DeviceRules
+
+    return DeviceRules(torch.device("cuda", 0))
+
+
 @pytest.mark.parametrize("dtype, groups, head_dim, expected", [
-    (torch.float32, 2, 64, "efficient (K/V expanded)"),  # fp32 GQA: was the math kernel
+    (torch.float32, 2, 64, "efficient (K/V expanded)"),  # fp32 GQA: the one fused kernel takes no grouped K/V
     (torch.float32, 8, 64, "efficient"),
-    (torch.bfloat16, 2, 64, "flash"),
+    (torch.bfloat16, 2, 64, "cudnn"),  # SM 9.0 with torch >= 2.9: cuDNN first (was always flash)
+    (torch.bfloat16, 2, 192, "flash"),  # above cuDNN's 128
     (torch.bfloat16, 2, 320, "efficient (K/V expanded)"),  # above flash's head dim limit
 ])
-def test_cuda_attention_never_materialises_scores(dtype, groups, head_dim, expected):
-    s = 128
+def test_cuda_attention_is_sdpas_choice_and_never_materialises_scores(monkeypatch, dtype, groups, head_dim, expected):
+    """On fake CUDA tensors of an SM 9.0 device, with SDPA's CUDA dispatch stood in for by the rehearsal's rules:
+    the layer's call reaches SDPA (bf16 called flash attention's op directly before), with grouped K/V where
+    the kernel takes them, and the kernel SDPA chooses keeps no ``s x s`` scores."""
+    s, calls, rules = 128, [], _rules()
+    sdpa_on_cuda = rules.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append((a, kw)) or sdpa_on_cuda(*a, **kw))
     with FakeTensorMode(), torch.no_grad():
         q = torch.empty(2, 8, s, head_dim, device="cuda", dtype=dtype)
         k, v = (torch.empty(2, groups, s, head_dim, device="cuda", dtype=dtype) for _ in range(2))
-        with Shapes() as shapes:
+        with rules, Shapes() as shapes:
             out = causal_attention(q, k, v)
     assert attention_backend("cuda", dtype, head_dim, 8, groups) == expected
+    kernel, expanded = expected.split()[0], expected.endswith("(K/V expanded)")
+    assert {backend for backend, _ in rules.backends} == {f"sdpa:{kernel}"}, rules.backends
     assert out.shape == q.shape and out.dtype == dtype
+    (args, kwargs), = calls  # one SDPA call
+    assert args[1].shape[1] == (8 if expanded else groups) and kwargs["is_causal"]
+    assert kwargs["enable_gqa"] == (args[1].shape[1] != 8)
     quadratic = [(op, shape) for op, shape in shapes.outputs if shape[-2:] == (s, s)]
     assert not quadratic, quadratic
-    kernel = "flash" if expected == "flash" else "efficient"
     assert any(kernel in op for op, _ in shapes.outputs), shapes.outputs
 
 
 def test_expanded_kv_pairs_each_query_head_with_its_group(monkeypatch):
-    """The K/V expansion for the efficient kernel keeps torch's GQA pairing (query head i reads K/V head
-    i // (heads / groups)); the kernel itself is stood in for by SDPA on CPU."""
-    monkeypatch.setattr(sdpa, "_efficient", lambda q, k, v, p, scale: F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale))
+    """The K/V expansion for the memory-efficient kernel keeps torch's GQA pairing (query head i reads K/V
+    head i // (heads / groups)); on CPU, against SDPA's own grouped attention."""
+    from megand.core import sdpa
+
+    monkeypatch.setattr(sdpa, "_expands", lambda *args: True)
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(causal_attention(q, k, v, backend="efficient (K/V expanded)"), expected)
+    torch.testing.assert_close(causal_attention(q, k, v), expected)
+
+
+def test_cuda_backend_model_follows_torchs_order():
+    from megand.core.sdpa import cuda_sdpa_backend
+
+    bf16 = torch.bfloat16
+    assert cuda_sdpa_backend((9, 0), bf16, 32, 8, 128, enable_gqa=True) == "cudnn"
+    assert cuda_sdpa_backend((10, 0), bf16, 32, 8, 128, enable_gqa=True) == "cudnn"
+    assert cuda_sdpa_backend((8, 0), bf16, 32, 8, 128, enable_gqa=True) == "flash"  # A100: cuDNN after math
+    assert cuda_sdpa_backend((9, 0), bf16, 32, 8, 128) == "math"  # grouped heads without enable_gqa: none takes them
+    assert cuda_sdpa_backend((9, 0), torch.float32, 32, 8, 128, enable_gqa=True) == "math"  # efficient: no GQA
+    assert cuda_sdpa_backend((9, 0), torch.float32, 32, 32, 128) == "efficient"
+    assert cuda_sdpa_backend((9, 0), bf16, 32, 32, 128, mask=True) == "cudnn"
+    assert cuda_sdpa_backend((8, 0), bf16, 32, 32, 128, mask=True) == "efficient"  # flash takes no mask
+    assert cuda_sdpa_backend((8, 6), bf16, 8, 8, 200) == "efficient"  # flash's backward refuses d in (192, 224]
+    assert cuda_sdpa_backend((9, 0), torch.float32, 8, 8, 66) == "math"  # unaligned head dim
 
 
 def test_cpu_backend_is_torchs_choice():
@@ -128,20 +162,22 @@ def test_layer_attention_on_cuda_fp32_gqa_runs_a_fused_kernel(topo):
                             num_query_groups=2, seq_length=128, vocab_size=64, norm="rmsnorm", activation="swiglu",
                             position_embedding="rope")
     attention = Attention(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")), torch.device("cpu")).train()
-    s = 128
-    with FakeTensorMode(), torch.no_grad():
+    s, rules = 128, _rules()
+    with FakeTensorMode(), torch.no_grad(), patch.object(F, "scaled_dot_product_attention",
+                                                         rules.scaled_dot_product_attention):
         q = torch.empty(1, 8, s, 8, device="cuda")
         k, v = torch.empty(1, 2, s, 8, device="cuda"), torch.empty(1, 2, s, 8, device="cuda")
-        with Shapes() as shapes:
+        with rules, Shapes() as shapes:
             attention.core(q, k, v)
     assert not [shape for _, shape in shapes.outputs if shape[-2:] == (s, s)], shapes.outputs
+    assert {backend for backend, _ in rules.backends} == {"sdpa:efficient"}, rules.backends  # on expanded K/V
 
 
 def test_attention_summary_names_the_kernel_of_each_layout():
     from megand.core.sdpa import attention_summary
 
     assert attention_summary("cuda", torch.float32, 128, 32, 8) == "SDPA efficient (K/V expanded)"
-    assert attention_summary("cuda", torch.bfloat16, 128, 32, 8) == "SDPA flash"
+    assert attention_summary("cuda", torch.bfloat16, 128, 32, 8) == "SDPA cudnn"
     assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, documents=True).startswith("FlexAttention")
     assert attention_summary("cuda", torch.bfloat16, 128, 32, 8, cp=2).endswith("on flash blocks")
     assert "explicit fp32 blocks" in attention_summary("cuda", torch.float32, 128, 32, 8, cp=2, cp_comm="all_gather")

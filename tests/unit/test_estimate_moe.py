@@ -59,7 +59,8 @@ def test_expert_data_parallel_group_and_its_sharding():
     assert st.param_bytes == pytest.approx(2 * st.params)
     assert st.grad_bytes == pytest.approx(4 * st.params)
     assert st.optimizer_bytes == pytest.approx(dense * 12 / 16 + experts * 12 / 2)
-    for bad, needle in ((dict(dp=6, ep=4), "ep=4 must divide dp*cp = 6"), (dict(tp=4, dp=2, etp=2), "etp=2")):
+    for bad, needle in ((dict(dp=6, ep=4), "ep=4 must be a positive divisor of dp*cp = 6*1 = 6"),
+                        (dict(tp=4, dp=2, etp=2), "etp=2")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             Layout(**bad)
 

@@ -205,3 +205,74 @@ def test_use_fp8_keeps_the_first_and_last_layers_in_bf16(one_rank):
     names = {name: type(m.gemm).__name__ for name, m in model.named_modules() if hasattr(m, "gemm")}
     assert names and all((kind == "Fp8Policy") == (name.startswith(("layers.1.", "layers.2."))) for name, kind in names.items())
     assert any(".experts." in name and kind == "Fp8Policy" for name, kind in names.items())  # layer 2: MoE
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_quantisation_is_bitwise_the_plain_formula(recipe, src_dtype):
+    """The two-pass quantiser (amax, then the scaled cast) gives the bytes and scales of the plain formula
+    on CPU: the same arithmetic, reordered only where it is exact (|t| and its max
+    taken before widening to fp32)."""
+    torch.manual_seed(0)
+    t = (torch.randn(48, 80) * 3).to(src_dtype)
+    for dim in (0, 1):
+        for dtype in (E4M3, E5M2):
+            src = t.float()
+            amax = src.abs().amax() if recipe == "tensorwise" else src.abs().amax(dim=dim, keepdim=True)
+            scale = amax.clamp(min=1e-12) / torch.finfo(dtype).max
+            data = (src / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+            q = quantize(t, recipe, dtype, dim)
+            assert torch.equal(q.scale, scale)
+            assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+
+
+def _counting_casts(monkeypatch):
+    from megand.core.tensor_parallel import fp8
+
+    casts, cast = [], fp8._cast
+    monkeypatch.setattr(fp8, "_cast", lambda t, *args: casts.append(tuple(t.shape)) or cast(t, *args))
+    return casts
+
+
+def test_tensorwise_weights_are_quantised_once_per_step_until_explicitly_dropped(monkeypatch, one_rank):
+    """Inside ``weights_cached`` a tensorwise layer quantises its weight once for every micro-batch's forward
+    and input gradient (the output gradient once for both gradients), with the products bit-identical to
+    quantising at each use; the cache ends with the block: a weight changed inside it is not seen (the
+    optimizer steps outside), the next block quantises the new values."""
+    from megand.core.tensor_parallel.fp8 import weights_cached
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 96, tp_group=dist.group.WORLD, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_(std=0.1)
+    layer.set_gemm(Fp8Policy(recipe="tensorwise"))
+    xs = [torch.randn(8, 2, 64).bfloat16().requires_grad_() for _ in range(3)]
+    g = torch.randn(8, 2, 96).bfloat16()
+
+    def step():
+        outs, grads = [], []
+        for x in xs:
+            out = layer(x)
+            out.backward(g)
+            outs.append(out.detach())
+            grads.append(x.grad)
+            x.grad = None
+        return outs, grads
+
+    casts = _counting_casts(monkeypatch)
+    plain = step()
+    weight_casts = casts.count((96, 64))
+    assert weight_casts == 6 and casts.count((16, 96)) == 3  # per micro-batch: forward and input gradient
+    casts.clear()
+    with weights_cached([layer]):
+        cached = step()
+        assert casts.count((96, 64)) == 1 and casts.count((16, 96)) == 3, casts
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        stale, _ = step()
+    assert all(torch.equal(a, b) for a, b in zip(plain[0] + plain[1], cached[0] + cached[1]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], stale))  # not seen inside the block
+    with weights_cached([layer]):
+        fresh, _ = step()
+    assert layer.gemm.cache is None
+    assert all(torch.equal(a, 2 * b) for a, b in zip(fresh, plain[0]))  # the doubled weight, quantised anew

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megand.core.tensor_parallel.fp8 import E4M3, Fp8Policy
 from megand.core.tensor_parallel.fp8_grouped import GroupedFp8, GroupedFp8Linear, GroupedOperands, weight_sums
-from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
+from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, WeightGradSink
 
 E, N, K = 3, 16, 32
 COUNTS = [5, 0, 6]  # then 2 rows of no expert
@@ -64,10 +64,11 @@ def test_weight_gradient_is_deferred_into_the_w_pass():
     policy = Fp8Policy(recipe="rowwise")
     ref = w.clone().requires_grad_()
     GroupedFp8Linear.apply(x, ref, None, offsets, policy, None).backward(dy)
-    main, handed = torch.zeros_like(w), []
-    with DeferredWeightGrads() as w_pass:
+    main, handed, sink = torch.zeros_like(w), [], WeightGradSink()
+    with sink.deferring(DeferredWeightGrads()) as w_pass:
         ww = w.clone().requires_grad_()
-        GroupedFp8Linear.apply(x, ww, None, offsets, policy, lambda add: (handed.append(1), add(main))).backward(dy)
+        accumulate = sink.accumulator(lambda add: (handed.append(1), add(main)))
+        GroupedFp8Linear.apply(x, ww, None, offsets, policy, accumulate).backward(dy)
     assert ww.grad is None and len(w_pass) == 1 and not handed  # B ran without it (it used to run there)
     w_pass.run()
     assert handed == [1] and torch.equal(main, ref.grad)

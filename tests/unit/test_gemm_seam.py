@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, add_product
+from megand.core.tensor_parallel.wgrad import AccumulatingGemm, DeferredWeightGrads, WeightGradSink
 from megand.core.transformer.mlp import SwiGLU, SwiGLUColumnParallelLinear
 
 KINDS = {"column": ColumnParallelLinear, "row": RowParallelLinear, "swiglu": SwiGLUColumnParallelLinear}
@@ -32,10 +32,11 @@ def layer(kind):
 
 
 def fake_engine(module):
-    """What the data-parallel engine gives the weight: an fp32 accumulator and ``accumulate_grad``."""
+    """What the data-parallel engine gives the weight: an fp32 accumulator and ``accumulate_grad`` (of the
+    engine's sink, ``w.sink``, which a split schedule defers)."""
     w = module.weight
-    w.main_grad, w.handed = torch.zeros_like(w, dtype=torch.float32), []
-    w.accumulate_grad = lambda add: (w.handed.append(1), add(w.main_grad))
+    w.main_grad, w.handed, w.sink = torch.zeros_like(w, dtype=torch.float32), [], WeightGradSink()
+    w.accumulate_grad = w.sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad)))
     return w
 
 
@@ -77,7 +78,7 @@ def test_deferred_weight_gradient_pass_equals_the_immediate_one(kind):
     w = fake_engine(module)
     x = torch.randn(8, 2, 32, requires_grad=True)
     g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
-    with DeferredWeightGrads() as w_pass:
+    with w.sink.deferring(DeferredWeightGrads()) as w_pass:
         module(x).backward(g)  # B: the input gradient only
     assert x.grad is not None and len(w_pass) == 1 and not w.handed and not w.main_grad.any()
     assert w_pass.run() == 1
@@ -95,7 +96,7 @@ def test_deferred_pass_adds_into_an_accumulator_viewed_without_grad_mode(kind):
         w.main_grad = flat.view(w.shape)
     x = torch.randn(8, 2, 32, requires_grad=True)
     g = torch.randn(8, 2, 24 if kind == "swiglu" else 48)
-    with DeferredWeightGrads() as w_pass:
+    with w.sink.deferring(DeferredWeightGrads()) as w_pass:
         module(x).backward(g)
     assert w_pass.run() == 1  # grad mode is on here, as in the schedule
     torch.testing.assert_close(flat.view(w.shape), reference_grad(kind, x.detach(), g), rtol=1e-5, atol=1e-4)
@@ -130,19 +131,25 @@ def fake_cuda_operands():
 
 
 def test_accumulating_gemm_makes_no_weight_sized_temporary():
+    gemm = AccumulatingGemm()
     with FakeTensorMode():
         out, a, b = fake_cuda_operands()
+        with Ops():
+            assert gemm.takes_out_dtype(out, a)  # the one probe (a 2 x 2 product), answered by Ops
         with Ops() as ops:
-            add_product(out, a, b)
+            gemm(out, a, b)
     assert ops.seen == ["aten.addmm.dtype_out"], ops.seen  # was mm(out_dtype=fp32) into a temporary, then add_
 
 
 def test_out_of_memory_in_the_weight_gradient_propagates():
     """An OOM used to be caught with every RuntimeError and turned into a silent switch to bf16 products."""
+    gemm = AccumulatingGemm()
     with FakeTensorMode():
         out, a, b = fake_cuda_operands()
+        with Ops():
+            assert gemm.takes_out_dtype(out, a)
         with pytest.raises(torch.OutOfMemoryError), Ops(fail_first=True):
-            add_product(out, a, b)
+            gemm(out, a, b)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -174,10 +181,10 @@ def test_fused_grouped_expert_gemm_defers_its_weight_gradient():
     ref_w, ref_x = weight.clone().requires_grad_(), x.clone().requires_grad_()
     grouped_linear(ref_x, ref_w, counts, offsets, fused=True).backward(grad)  # no engine: autograd's gradient
     w = weight.clone().requires_grad_()
-    w.main_grad, w.handed = torch.zeros_like(w), []
-    w.accumulate_grad = lambda add: (w.handed.append(1), add(w.main_grad))
+    w.main_grad, w.handed, sink = torch.zeros_like(w), [], WeightGradSink()
+    w.accumulate_grad = sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad)))
     xx = x.clone().requires_grad_()
-    with DeferredWeightGrads() as w_pass:
+    with sink.deferring(DeferredWeightGrads()) as w_pass:
         grouped_linear(xx, w, counts, offsets, fused=True).backward(grad)  # B
     assert w.grad is None and len(w_pass) == 1 and not w.handed and not w.main_grad.any()
     torch.testing.assert_close(xx.grad, ref_x.grad)
@@ -186,3 +193,33 @@ def test_fused_grouped_expert_gemm_defers_its_weight_gradient():
     loop = weight.clone().requires_grad_()
     grouped_linear(x, loop, counts, offsets, fused=False).backward(grad)
     torch.testing.assert_close(w.main_grad, loop.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulating_gemm_falls_back_where_the_probe_says_no(monkeypatch):
+    """torch 2.8-2.9's CUDA addmm refuses out_dtype=fp32 into an fp32 ``out`` with bf16 operands: where the
+    one probe says so, the product runs as an fp32 GEMM of the converted operands (no accumulating
+    overload called), and the answer is kept (probed once)."""
+    gemm, probes = AccumulatingGemm(), []
+    monkeypatch.setattr(gemm, "probe", lambda out, a: probes.append(1) or False)
+    with FakeTensorMode():
+        out, a, b = fake_cuda_operands()
+        with Ops() as ops:
+            gemm(out, a, b)
+            gemm(out, a, b)
+    assert probes == [1] and gemm.takes == {("cuda", torch.bfloat16, torch.float32): False}
+    assert "aten.addmm.dtype_out" not in ops.seen and ops.seen.count("aten.addmm_.default") == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the accumulating overload is a CUDA kernel")
+def test_accumulating_gemm_fallback_equals_the_accumulating_product():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    start = torch.randn(256, 128, device="cuda", generator=g)
+    accumulating, fallback = AccumulatingGemm(), AccumulatingGemm()
+    fallback.probe = lambda out, a: False
+    outs = [start.clone(), start.clone()]
+    accumulating(outs[0], a, b)
+    fallback(outs[1], a, b)
+    assert accumulating.takes_out_dtype(outs[0], a) and not fallback.takes_out_dtype(outs[1], a)
+    torch.testing.assert_close(outs[1], outs[0])

@@ -209,9 +209,10 @@ def test_host_read_counter_sees_transfers():
 # MoE: every routing path (capacity, the sigmoid router's bias update, shared experts) keeps its
 # statistics on the device
 MOE = ["model=moe_tiny", "model.moe_router=sigmoid", "model.moe_capacity_factor=1.0", "model.moe_shared_experts=1"]
-# where the loop over experts (CPU, and fp32/fp16 on a GPU) reads its split points: once per MoE layer and
-# micro-batch, for both GEMMs (the fused grouped GEMM reads nothing)
-SPLIT_SIZE_READ = "megand/core/transformer/moe.py"
+# where the loop over experts (CPU, and fp32/fp16 on a GPU) reads its split points (through the one seam of
+# the model's host reads): once per MoE layer and micro-batch, for both GEMMs (the fused grouped GEMM reads
+# nothing)
+SPLIT_SIZE_READ = "megand/core/host_reads.py"
 
 
 @pytest.mark.parametrize("experiment, extra", [("tiny_llama", []), ("tiny_gpt", []), ("tiny_llama", MOE)],

@@ -8,7 +8,11 @@ batch that is itself running; waiting for a batch holds the rank (its compute st
 complete, and a batch posted afterwards runs after that compute. A send may not complete before its
 receive is posted (small messages may, into NCCL's buffers; large ones cannot: the simulator takes the
 strict case, so what completes here completes with either). Communicators of different groups run
-independently (their own streams).
+independently (their own streams), unless the device serialises its kernels (``CUDA_DEVICE_MAX_CONNECTIONS=1``:
+one queue per rank, where a batch holds every batch posted after it): :func:`simulate` models both, and
+the executor completes under both (before its global posting order, each stage posted a step's send and
+receive in its own order: with serialised kernels 27 of the 32 cases deadlocked, every schedule once a
+stage has a steady state).
 
 :func:`simulate` runs those rules over what each rank posts and waits for, recorded from the executor
 itself (megand/core/pipeline_parallel/schedules.py and p2p.py, run in this process with the compute and
@@ -46,10 +50,13 @@ CASES = [(name, vpp, schedule, pp, m) for name, vpp, schedule, ms in SCHEDULES f
 
 # -- NCCL's point-to-point rules -------------------------------------------------------------------------
 
-def simulate(programs):
+def simulate(programs, serialised=False):
     """Run every rank's program under NCCL's rules. ``programs[r]``: rank r's events in order,
     ``("post", batch, group, [(op, peer), ...])`` (op "send" or "recv", peer a pipeline rank) or
-    ``("wait", batch)``. Returns ``(True, None)`` when every rank reaches its end, else ``(False, where)``
+    ``("wait", batch)``. ``serialised``: the device runs one kernel at a time in the order they are
+    queued (``CUDA_DEVICE_MAX_CONNECTIONS=1``), so a rank's batches run one after the other whatever
+    their communicators: a batch holds every batch posted after it on that rank until it is complete.
+    Returns ``(True, None)`` when every rank reaches its end, else ``(False, where)``
     with each stuck rank's position and the operations it waits on."""
     ops, group_of = {}, {}  # (rank, batch) -> [(op, key)], key = (group, sender, receiver, position)
     for rank, program in enumerate(programs):
@@ -77,9 +84,12 @@ def simulate(programs):
         return all((rank, op, key) in done for op, key in ops[(rank, batch)])
 
     def running(rank):
-        """The batches of ``rank`` that run now: per group, the first one posted and not complete."""
+        """The batches of ``rank`` that run now: per group (serialised: on the rank), the first one posted
+        and not complete."""
         busy, now = set(), []
         for batch in posted[rank]:
+            if serialised and not complete(rank, batch):
+                return [batch]
             if group_of[(rank, batch)] not in busy and not complete(rank, batch):
                 busy.add(group_of[(rank, batch)])
                 now.append(batch)
@@ -129,6 +139,12 @@ def test_simulator_finds_the_classic_deadlock_and_passes_a_matched_exchange():
     split = [[("post", 0, "out", [("send", 1)]), ("post", 1, "in", [("recv", 1)]), ("wait", 1), ("wait", 0)],
              [("post", 0, "in", [("send", 0)]), ("post", 1, "out", [("recv", 0)]), ("wait", 1), ("wait", 0)]]
     assert simulate(split) == (True, None)
+    # ... unless the device serialises its kernels: each rank's send then holds its receive (posted after it)
+    assert not simulate(split, serialised=True)[0]
+    # posting the two communicators' batches in the same order at both peers completes there too
+    same_order = [[("post", 0, "out", [("send", 1)]), ("post", 1, "in", [("recv", 1)]), ("wait", 1), ("wait", 0)],
+                  [("post", 0, "out", [("recv", 0)]), ("post", 1, "in", [("send", 0)]), ("wait", 0), ("wait", 1)]]
+    assert simulate(same_order, serialised=True) == (True, None)
 
 
 # -- what the executor posts (recorded in this process) ------------------------------------------------
@@ -193,8 +209,9 @@ def _recorded(monkeypatch, name, vpp, schedule, pp, m, forward_only=False):
 def test_every_schedule_completes_under_nccls_rules(monkeypatch, name, vpp, schedule, pp, m):
     for forward_only in (False, True):
         recorded = _recorded(monkeypatch, name, vpp, schedule, pp, m, forward_only)
-        ok, stuck = simulate([events for events, _ in recorded])
-        assert ok, (forward_only, stuck)
+        for serialised in (False, True):
+            ok, stuck = simulate([events for events, _ in recorded], serialised)
+            assert ok, (forward_only, serialised, stuck)
         # each batch holds the operations of one group; a batch waited for before the next compute holds a
         # receive (sends never hold the stage: only the end of the step waits for them)
         for events, _ in recorded:

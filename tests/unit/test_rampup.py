@@ -50,3 +50,31 @@ def test_estimator_uses_the_final_batch_and_says_so(capsys):
 
     assert main(["+experiment=tiny_gpt", "train.rampup_batch_size=[2,2,12]", "--world-size", "1"]) == 0
     assert "estimated at the final global batch 8" in capsys.readouterr().err
+
+
+def _v_ramp(schedule, ramp):
+    return compose(["+experiment=tiny_gpt", "model.num_layers=4", "parallel.pp=2", "parallel.vpp=2",
+                    f"parallel.pp_schedule={schedule}", "train.micro_batch_size=1", f"train.rampup_batch_size={ramp}"])
+
+
+def test_dualpipev_ramp_is_checked_at_every_batch_size():
+    """dualpipev needs 2*pp micro-batches at every step: a ramp starting below that is refused before any
+    work (it passed, checked at the final batch only, and stopped at step 1 in the executor)."""
+    with pytest.raises(ConfigError, match=r"reaches a global batch of 2: 2 micro-batches, fewer than the 2\*pp = 4 "
+                                          r"that parallel.pp_schedule=dualpipev needs"):
+        validate(_v_ramp("dualpipev", "[2,2,10]"), 2)
+    validate(_v_ramp("dualpipev", "[4,2,10]"), 2)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedule_ramp_is_not_held_to_the_interleaved_rule(schedule):
+    """A V runs any micro-batch count its record allows (odd ones too): its ramp is not refused as if it
+    interleaved, and every step of it has an action list."""
+    from megand.core.pipeline_parallel.actions import schedule_actions
+    from megand.training.rampup import batch_ramp
+
+    cfg = _v_ramp(schedule, "[5,1,10]" if schedule == "dualpipev" else "[3,1,10]")
+    validate(cfg, 2)
+    for size in batch_ramp(cfg.train).sizes():
+        for rank in range(2):
+            assert schedule_actions(2, 2, size, rank, schedule=schedule)

@@ -118,7 +118,7 @@ def test_dense_preset_rank_runs_as_on_its_gpus(rehearsed, name):
     peak = {n: ph["peak_bytes"] for n, ph in report["phases"].items()}
     est = report["estimate_bytes"]
     assert report["fit"]["fits"] and report["fit"]["device_memory_bytes"] == int(78.2 * 2**30)  # h100: 79.6 - 1.4
-    assert {a["backend"] for a in report["attention"]} == {"flash (aten op)"}, report["attention"]
+    assert {a["backend"] for a in report["attention"]} == {"sdpa:cudnn"}, report["attention"]  # SM 9.0: cuDNN first
     assert report["estimator_fused_attention"]
     assert any(k["kernel"] == "addmm torch.bfloat16->torch.float32" for k in report["kernels"])  # wgrad fusion
     # the estimator counts the states exactly and the activations within 10% (1.02 on llama8b, 1.04 on
@@ -158,8 +158,8 @@ def test_tiny_layout_runs_as_on_a_gpu_node(rehearsed, name):
         assert backends == {"flex"} and report["block_masks_created"] > 0, report["attention"]
     elif name in ("cp2_ring", "cp2_all_gather"):
         assert backends == {"flash (aten op)"} and where == {"megand/core/context_parallel/block_kernels.py"}
-    else:  # the layer calls the kernel it chose (megand/core/sdpa.py)
-        assert backends == {"flash (aten op)"} and where == {"megand/core/sdpa.py"}, report["attention"]
+    else:  # the layer calls SDPA, which chooses cuDNN on an SM 9.0 device (megand/core/sdpa.py)
+        assert backends == {"sdpa:cudnn"} and where == {"megand/core/sdpa.py"}, report["attention"]
 
 
 def test_fp8_experts_run_the_grouped_fp8_kernels(rehearsed):
@@ -216,7 +216,7 @@ def test_a_rank_that_does_not_fit_exits_with_one_line(rehearsed):
 
 def test_fp32_gqa_attention_runs_a_fused_kernel(rehearsed):
     report = _ok(rehearsed["fp32_gqa"])  # memory-efficient attention on expanded K/V, not SDPA's s x s math
-    assert {a["backend"] for a in report["attention"]} == {"efficient (aten op)"}, report["attention"]
+    assert {a["backend"] for a in report["attention"]} == {"sdpa:efficient"}, report["attention"]
     assert report["estimator_fused_attention"] is True
     # the expansion is a fallback: warned, once per attention call (4 layers, 2 micro-batches)
     assert [(w["warning"].split(" (")[0], w["where"].split(":")[0], w["count"]) for w in report["warnings"]] == [
@@ -376,8 +376,12 @@ def test_sdpa_backend_choice_follows_cuda():
     with _fake():
         def q(dtype, heads=4, d=64):
             return torch.empty(1, heads, 16, d, device="cuda:0", dtype=dtype)
-        assert rules.sdpa_backend(q(torch.bfloat16), q(torch.bfloat16, 2), q(torch.bfloat16, 2), enable_gqa=True) == "flash"
+        # an SM 9.0 device under torch >= 2.9: cuDNN first (the rules had flash first, cuDNN after math)
+        assert rules.sdpa_backend(q(torch.bfloat16), q(torch.bfloat16, 2), q(torch.bfloat16, 2), enable_gqa=True) == "cudnn"
+        assert rules.sdpa_backend(q(torch.bfloat16, d=192), q(torch.bfloat16, 2, 192), q(torch.bfloat16, 2, 192),
+                                  enable_gqa=True) == "flash"  # above cuDNN's head dim
         assert rules.sdpa_backend(q(torch.float32), q(torch.float32), q(torch.float32)) == "efficient"
+        # the memory-efficient kernel takes no grouped K/V (the layer expands them for it: megand/core/sdpa.py)
         assert rules.sdpa_backend(q(torch.float32), q(torch.float32, 2), q(torch.float32, 2), enable_gqa=True) == "math"
         assert rules.sdpa_backend(q(torch.bfloat16, d=288), q(torch.bfloat16, d=288), q(torch.bfloat16, d=288)) == "efficient"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from megand.core.checkpointing.pieces import Piece, flat_range_boxes
+from megand.core.host_reads import holds_values
 from megand.core.sharding import ParamMeta
 
 
@@ -90,7 +91,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     DCP's file writer copies every tensor whose storage is larger than the tensor (any view into our
     flat buffers) and keeps the copies until the rank's file is written: a second copy of everything the
     rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. the fake tensors of a rehearsal: no numpy view
+    if not holds_values(t):  # e.g. the fake tensors of a rehearsal: no numpy view
         return t
     if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
         return t

@@ -124,11 +124,16 @@ def bucket_layout(numels, bucket_size: int, pad_to: int = 1, own_bucket=(), star
     return offsets, buckets
 
 
+# what the modules told a parameter about itself, carried over to the parameter that replaces it: its
+# sharding tag (megand/core/sharding.py) and the policy of its GEMMs (megand/core/tensor_parallel/gemm.py)
+CARRIED = ("meta", "gemm_policy")
+
+
 class ParamAndGradBuffer:
     """The flat buffers of all parameters of one dtype; owns the memory the parameters view.
 
     A parameter on the meta device (a model built without allocating) is replaced by a new parameter
-    that views the buffer (zeros; nothing copied), with the same sharding tag: ``replaced`` maps
+    that views the buffer (zeros; nothing copied), with the same attributes (sharding tag, GEMM policy): ``replaced`` maps
     ``id(old)`` to it, for the owner to put into its modules; initialise it afterwards (``init_parameters``;
     under ZeRO-3 the parameters view freed storage: initialise the packed slices of :meth:`shard_ranges`
     with ``init_flat_range``, so the full parameters are never allocated).
@@ -169,8 +174,9 @@ class ParamAndGradBuffer:
                         # the values it saved for backward
                         new = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
                         new.data = view
-                        if hasattr(p, "meta"):
-                            new.meta = p.meta
+                        for name in CARRIED:
+                            if hasattr(p, name):
+                                setattr(new, name, getattr(p, name))
                         self.replaced[id(p)] = self.params[index[id(p)]] = new
                         bucket.params[j] = (new, off)
                         p = new

@@ -89,6 +89,7 @@ from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.fp8 import MX_BLOCK, Fp8Policy
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
+from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, WeightGradSink
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,12 @@ def fp8_weights(chunks) -> dict:
 def last_backward(grad_sync):
     """``grad_sync.last_backward()``, or nothing when the schedule was given no engine."""
     return grad_sync.last_backward() if grad_sync is not None else contextlib.nullcontext()
+
+
+def deferring_weight_grads(grad_sync, queue: DeferredWeightGrads):
+    """``grad_sync.deferring(queue)``, or nothing when the schedule was given no engine (then no layer
+    fuses its weight gradient: autograd's gradients arrive in the backward itself)."""
+    return grad_sync.deferring(queue) if grad_sync is not None else contextlib.nullcontext(queue)
 
 
 class DataParallel:
@@ -199,10 +206,12 @@ class DataParallel:
         self._grad_handles, self._param_handles = {}, {}
         # bytes this rank sent per collective kind (ring volume: (n-1)/n of the full buffer; all-reduce twice)
         self.traffic = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.weight_grads = WeightGradSink()  # where the layers' W passes go: now, or a split schedule's queue
+        self._hooks = []  # every hook this engine registered: close() removes them
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             # layers that compute their own weight gradient add it straight into the fp32 accumulator
-            p.accumulate_grad = functools.partial(self.accumulate_grad, p)
+            p.accumulate_grad = self.weight_grads.accumulator(functools.partial(self.accumulate_grad, p))
         if self.overlap_param_gather:
             for chunk in chunks:
                 for module in chunk.modules():
@@ -210,9 +219,24 @@ class DataParallel:
                     if own:
                         indices = {self.bucket_of[p].index for p in own}
                         indices = [i for i in self.forward_order if i in indices]
-                        module.register_forward_pre_hook(lambda m, args, ix=indices: self._wait_params(ix))
+                        self._hooks.append(module.register_forward_pre_hook(
+                            lambda m, args, ix=indices: self._wait_params(ix)))
         self.gatherer = ParamGatherer(self, chunks, chunk_of) if self.shard_params else None
+        if self.gatherer is not None:
+            self._hooks.extend(self.gatherer.hooks)
         self.zero_grad()
+
+    def close(self) -> None:
+        """Detach the engine from the model: its hooks removed, the parameters' ``accumulate_grad`` and
+        ``main_grad`` dropped, so that nothing the model holds keeps the engine or its buffers alive (a
+        model that trains on needs a new engine). Idempotent."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for p in self.params:
+            for name in ("accumulate_grad", "main_grad"):
+                if name in p.__dict__:
+                    delattr(p, name)
 
     # -- gradients ---------------------------------------------------------------------------------
     def zero_grad(self):
@@ -242,6 +266,11 @@ class DataParallel:
         now instead of holding them until the W pass."""
         if self.gatherer is not None:
             self.gatherer.release_held()
+
+    def deferring(self, queue: DeferredWeightGrads):
+        """The weight-gradient products the layers hand over inside go to ``queue`` (yielded), run later
+        by its owner (a split schedule's W); autograd's gradients still arrive at once."""
+        return self.weight_grads.deferring(queue)
 
     @contextlib.contextmanager
     def last_backward(self):

@@ -58,7 +58,8 @@ def all_reduce_layout_grads(params, topo):
     if topo.pp_size > 1 and topo.in_embedding_group:
         for same_dtype in _by_dtype([g for p, g in grads if p.meta.embedding_group_grad]):
             _all_reduce_coalesced(same_dtype, topo.embedding_group)
-    tied_here = [g for p, g in grads if p.meta.embedding_group_grad] if getattr(topo, "v_shaped", False) else []
+    tied_local = getattr(topo, "tied_copies_on_one_rank", False)
+    tied_here = [g for p, g in grads if p.meta.embedding_group_grad] if tied_local else []
     if tied_here:  # a V: the word embedding (first stage) and the output layer's copy (last) both on this rank
         word, output = tied_here
         if word.shape != output.shape:

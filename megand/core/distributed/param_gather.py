@@ -40,6 +40,7 @@ class ParamGatherer:
         self._users = {b.index: set() for b in self.buckets}  # modules whose forward reads the bucket
         self._module_buckets = {}
         self._prefetch_forward = {}  # module -> the bucket to gather while it runs
+        self.hooks = []  # the module hooks registered here (the engine's close() removes them)
         for chunk in chunks:
             first_use, users = {}, []  # bucket -> position of its first user in forward; users in order
             for module in chunk.modules():
@@ -53,8 +54,8 @@ class ParamGatherer:
                 self._module_buckets[module] = indices
                 for i in indices:
                     self._users[i].add(module)
-                module.register_forward_pre_hook(self.before_forward)
-                module.register_forward_hook(self.after_forward)
+                self.hooks.append(module.register_forward_pre_hook(self.before_forward))
+                self.hooks.append(module.register_forward_hook(self.after_forward))
             # forward prefetches the bucket first read next after this module: not merely the next one in
             # forward order, which a later user of an earlier bucket (a norm between FP8 linears, whose
             # weights live in another buffer) would gather again after its forward was over

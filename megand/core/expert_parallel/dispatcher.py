@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.expert_parallel.mappings import all_to_all
+from megand.core.host_reads import even_split, host_list
 from megand.core.tensor_parallel.mappings import all_gather_flat
 
 
@@ -85,29 +86,28 @@ class AllToAllDispatcher:
     def _over_tp(self, x, send, recv):
         return all_to_all(x, self.tp_group, send, recv, lambda t, s: self._count_bytes(t, s, self.tp_rank))
 
+    def _even_counts(self) -> list[int]:
+        """Every rank's assignments spread evenly over the experts: the stand-in for the counts where
+        they hold no values (a rehearsal's fake tensors)."""
+        return even_split(self._assignments, self.num_experts)
+
     def _count_matrix(self, counts):
         """``[source][expert]`` host counts: per ep rank of this rank's ep group (rows ``[ep]``), or with
         the tp gather per rank of the (etp x ep) group (rows ``[ep][tp]``); and the rows each local expert
         receives in all, summed on the device ``[E/ep]``."""
         e = self.num_experts
         lo, hi = self.ep_rank * self.local_experts, (self.ep_rank + 1) * self.local_experts
-        if type(counts) is not torch.Tensor:  # fake tensors (a rehearsal) hold no counts: assume even routing
-            n = self._assignments
-            even = [n // e + (1 if i < n % e else 0) for i in range(e)]
-            per_expert = counts.new_zeros(self.local_experts)
-            if self.tp_group is None:
-                return even, [even[lo:hi]] * self.ep_size, None, per_expert
-            return even, [even[lo:hi]] * self.ep_size, [[even[lo:hi]] * self.ep_size] * self.tp_size, per_expert
         if self.tp_group is None:
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=self.group)  # [source ep rank][local expert]
-            host = torch.cat([counts, received]).tolist()  # the one host read (see the module docstring)
+            host = host_list(torch.cat([counts, received]),  # the one host read (see the module docstring)
+                             lambda: self._even_counts() + self._even_counts()[lo:hi] * self.ep_size)
             mine, local = host[:e], host[e:]
             return (mine, [local[q * self.local_experts:(q + 1) * self.local_experts] for q in range(self.ep_size)],
                     None, received.view(self.ep_size, self.local_experts).sum(0))
         everyone = counts.new_empty(self.tp_size * self.ep_size * e)
         all_gather_flat(everyone, counts, group=self.tp_ep_group)
-        host = everyone.tolist()  # the one host read
+        host = host_list(everyone, lambda: self._even_counts() * (self.tp_size * self.ep_size))  # the one host read
         rows = [[host[(t + self.tp_size * q) * e:(t + self.tp_size * q + 1) * e] for t in range(self.tp_size)]
                 for q in range(self.ep_size)]  # rows[q][t]: what rank (tp t, ep q) sends to each expert
         mine = rows[self.ep_rank][self.tp_rank]

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from megand.core.pipeline_parallel.actions import placement_for
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 
 class PipelineLayoutError(ValueError):
@@ -33,11 +34,12 @@ class ChunkSpec:
     post_process: bool  # holds the final norm, output layer and loss
 
 
-def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
+def chunk_specs(layers_per_stage: list[int], pp_size: int, pp_rank: int,
+                schedule: str = DEFAULT_SCHEDULE) -> list[ChunkSpec]:
     """The model chunks of pipeline rank ``pp_rank``. With v = len(layers_per_stage) / pp virtual stages
     per rank, chunk ``c`` of rank ``r`` is the virtual stage the schedule's placement gives it: ``c*pp + r``
-    (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V schedule
-    (``zbv``, ``dualpipev``) stage r for chunk 0 and ``2·pp - 1 - r`` for chunk 1."""
+    (Megatron's interleaving: consecutive virtual stages on consecutive ranks), or for a V stage r for
+    chunk 0 and ``2·pp - 1 - r`` for chunk 1."""
     num_stages = len(layers_per_stage)
     placement = placement_for(pp_size, num_stages // pp_size, schedule)
     starts = [sum(layers_per_stage[:i]) for i in range(num_stages)]
@@ -77,6 +79,6 @@ class PipelinePlan:
     layers_per_stage: tuple
     recompute_ids: frozenset | None = None
 
-    def chunks(self, pp_size: int, pp_rank: int, schedule: str = "1f1b") -> list[ChunkSpec]:
+    def chunks(self, pp_size: int, pp_rank: int, schedule: str = DEFAULT_SCHEDULE) -> list[ChunkSpec]:
         """The model chunks of pipeline rank ``pp_rank`` (see :func:`chunk_specs`)."""
         return chunk_specs(list(self.layers_per_stage), pp_size, pp_rank, schedule)

@@ -18,6 +18,15 @@ takes only later (a deadlock; interleaved 1F1B had it too once messages exceed N
 test of this module's schedules (tests/unit/test_pipeline_p2p_deadlock.py) replays what each rank
 posts under those rules for every schedule.
 
+The order of posting. Where the device runs one kernel at a time in the order queued
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``, common in Megatron recipes), communicators no longer run
+independently: an unmatched send or receive holds everything posted after it on the rank, so two peers
+posting the operations they share in opposite orders (stage s: an activation send then a gradient
+receive; stage s+1: the gradient send then the activation receive, on other groups) wait for each other
+for ever. Every rank therefore posts its messages in one global order (:func:`posting_order`, computed
+by every rank from every rank's action list): a call posts what it asks for and, before it, every
+receive the order puts earlier (taken by later calls).
+
 The pipeline wraps around (the last rank's next is the first rank): interleaved schedules pass the
 last rank's chunk ``c`` output to the first rank's chunk ``c+1``. A V placement (zbv, dualpipev) sends
 each way on both links (chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
@@ -48,6 +57,61 @@ import torch.distributed as dist
 from megand.core.timing import device_timer
 
 ACTIVATION, GRADIENT = 0, 1  # the two kinds of message
+
+
+def posting_order(every, rank) -> list:
+    """The order in which pipeline rank ``rank`` posts its sends and receives, given every pipeline
+    rank's action list (``every[r]``, megand/core/pipeline_parallel/actions.py): ``[(op, peer, kind)]``
+    with op ``"send"`` or ``"recv"`` and peer a pipeline rank.
+
+    Every rank posts its messages in one global order (the same for all ranks: by the time their
+    sending action runs in an as-soon-as-possible replay of all the lists with unit durations, then
+    by sender), so any two peers post the messages they share in the same order and no cycle of ranks
+    can wait on each other: the earliest message not yet through is at the head of both its ends'
+    queues. That holds on a device that runs one kernel at a time in the order queued
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``), where a send or receive holds everything posted after it on
+    the rank until its peer's matching one runs. The order never puts a send before the action that
+    computes it: the time of a receive's message is below its action's, so every message earlier than
+    an action's receive, or than its send, comes from an action already run (sends) or is a receive,
+    which may be posted early."""
+    from megand.core.pipeline_parallel.actions import FORWARD, WEIGHT_GRAD
+
+    def kind(a):
+        return ACTIVATION if a.kind == FORWARD else GRADIENT
+
+    def received(a):  # the message an action takes from another rank: (kind, its stage, micro-batch)
+        return (kind(a), a.stage, a.microbatch) if a.kind != WEIGHT_GRAD and a.recv_from not in (None, r) else None
+
+    def sent(a):  # the message it sends to another rank
+        if a.kind == WEIGHT_GRAD or a.send_to in (None, r):
+            return None
+        return kind(a), a.stage + 1 if a.kind == FORWARD else a.stage - 1, a.microbatch
+
+    at = {}  # message -> (time of its sending action, sender)
+    times = [[] for _ in every]  # per rank, each action's time
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(every):
+            while len(times[r]) < len(actions):
+                a = actions[len(times[r])]
+                message = received(a)
+                if message is not None and message not in at:
+                    break
+                start = max(times[r][-1] if times[r] else -1, at[message][0] if message is not None else -1)
+                times[r].append(start + 1)
+                if sent(a) is not None:
+                    at[sent(a)] = (start + 1, r)
+                progress = True
+    if any(len(t) < len(actions) for t, actions in zip(times, every)):
+        raise RuntimeError("pipeline p2p: the action lists wait on each other (no order runs them)")
+    r, posts = rank, []
+    for a in every[rank]:
+        if received(a) is not None:
+            posts.append((at[received(a)], "recv", a.recv_from, kind(a)))
+        if sent(a) is not None:
+            posts.append((at[sent(a)], "send", a.send_to, kind(a)))
+    return [post[1:] for post in sorted(posts)]
 
 
 def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
@@ -83,6 +147,18 @@ class PipelineP2P:
         # (request, tensor); how many receives this step still has to post (absent: unknown, no prefetch)
         self._prefetched = defaultdict(deque)
         self._to_post = {}
+        self._plan = None  # the posting order (see :meth:`plan`), or None: each call's batches in the groups' order
+
+    def plan(self, order) -> None:
+        """Post this step's sends and receives in ``order`` (:func:`posting_order`, peers as global
+        ranks): each call posts, in that order, every operation up to the last it asks for (receives due
+        earlier are posted then and taken by later calls)."""
+        self._plan = list(order)
+        self._next = 0
+        self._indices = defaultdict(deque)  # (op, peer, kind) -> positions in the plan not yet posted
+        for index, post in enumerate(self._plan):
+            self._indices[post].append(index)
+        self._outside = defaultdict(int)  # (peer, kind) -> receives posted by prefetch, ahead of the plan
 
     def group(self, sender, receiver, kind):
         """The group of a message of ``kind`` from ``sender`` to ``receiver`` (global ranks): one per kind
@@ -114,68 +190,113 @@ class PipelineP2P:
         for (peer, kind), left in self._to_post.items():
             if not self._prefetched[(peer, kind)] and left:
                 tensor = self._empty()
-                (request,) = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, kind)])
-                self._prefetched[(peer, kind)].append((request, tensor))
+                requests = dist.batch_isend_irecv([self._op(dist.irecv, tensor, peer, kind)])
+                self._prefetched[(peer, kind)].append((requests, tensor))
                 self._to_post[(peer, kind)] -= 1
+                if self._plan is not None:
+                    self._outside[(peer, kind)] += 1
         self.timer.stop()
 
     @property
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
-    def _receive(self, kind, peer, ops, waits):
-        """The tensor of the next receive from ``peer`` of ``kind``: the prefetched one (its request added
-        to ``waits``) or a new one (its operation added to ``ops``)."""
-        channel = (peer, kind)
-        if self._prefetched[channel]:
-            request, tensor = self._prefetched[channel].popleft()
-            waits.append(request)
-            return tensor
-        tensor = self._empty()
-        ops.append((self._op(dist.irecv, tensor, peer, kind), None))
-        if self._to_post.get(channel) is not None:
-            self._to_post[channel] -= 1
-        return tensor
-
     def exchange(self, items):
-        """Post every send and receive of ``items`` at once: ``("send", tensor, peer, kind)`` or
-        ``("recv", peer, kind)`` (a receive already posted by :meth:`prefetch` is taken instead), one
-        batch per group; wait for the receives; return the received tensors, in order. The sends
+        """Post every send and receive of ``items``: ``("send", tensor, peer, kind)`` or ``("recv", peer,
+        kind)`` (a receive already posted, by :meth:`prefetch` or by an earlier call, is taken instead);
+        wait for the receives; return the received tensors, in order. Under a :meth:`plan`, the
+        operations go in its order, with every operation due before them (receives of later calls);
+        else in the groups' order. Consecutive operations of one group go in one batch. The sends
         complete while the caller computes (an activation's storage is released once sent)."""
-        ops, waits, received = [], [], []  # ops: (operation, the activation to release once sent, or None)
+        sends, asked = defaultdict(deque), []  # per channel (peer, kind): the tensors to send; receives asked
         for item in items:
             if item[0] == "send":
-                _, tensor, peer, kind = item
-                # an activation's memory: released once sent (``sent`` shares it when contiguous)
-                release = tensor if kind == ACTIVATION and tensor.is_contiguous() else None
-                ops.append((self._op(dist.isend, self._checked(tensor), peer, kind), release))
+                sends[item[2:]].append(item[1])
             else:
-                _, peer, kind = item
-                received.append(self._receive(kind, peer, ops, waits))
+                asked.append(item[1:])
+        ops = self._planned(sends, asked) if self._plan is not None else self._unplanned(sends, asked)
         self.timer.start()
         self._release_sent()
-        batches = defaultdict(list)  # one batch per group: a batch's operations must share their group
-        for op, release in ops:
-            batches[id(op.group)].append((op, release))
-        for batch in batches.values():
-            requests = dist.batch_isend_irecv([op for op, _ in batch])
-            if len(requests) == len(batch):  # one request per operation (gloo): only receives are waited for
-                for (op, release), request in zip(batch, requests):
-                    if op.op is dist.isend:
-                        self._in_flight.append((request, op.tensor, release))
-                    else:
-                        waits.append(request)
-            else:  # coalesced into one request (NCCL): waited for only where it holds a receive
-                sends = [(op.tensor, release) for op, release in batch if op.op is dist.isend]
-                if len(sends) < len(batch):
-                    waits.extend(requests)
-                for request in requests:
-                    self._in_flight.extend((request, tensor, release) for tensor, release in sends)
+        batch = []
+        for op in ops + [None]:
+            if batch and (op is None or op[0].group is not batch[0][0].group):
+                self._post(batch)
+                batch = []
+            batch.append(op)
+        waits, received = [], []
+        for channel in asked:
+            requests, tensor = self._prefetched[channel].popleft()
+            waits.extend(requests)
+            received.append(tensor)
         for request in waits:
             request.wait()
         self._release_sent()
         self.timer.stop()
         return received
+
+    def _send(self, tensor, peer, kind):
+        """A send's operation (with the activation to release once sent: an activation's memory is
+        released once sent, as ``sent`` shares it when contiguous) or a receive's (with its channel)."""
+        release = tensor if kind == ACTIVATION and tensor.is_contiguous() else None
+        return self._op(dist.isend, self._checked(tensor), peer, kind), release
+
+    def _recv(self, peer, kind):
+        if self._to_post.get((peer, kind)) is not None:
+            self._to_post[(peer, kind)] -= 1
+        return self._op(dist.irecv, self._empty(), peer, kind), (peer, kind)
+
+    def _unplanned(self, sends, asked):
+        """The operations of one call without a plan: its sends, then the receives not yet posted, in
+        the order of their groups (the same at every peer)."""
+        ops = [self._send(tensor, *channel) for channel, tensors in sends.items() for tensor in tensors]
+        for channel in dict.fromkeys(asked):
+            ops += [self._recv(*channel) for _ in range(asked.count(channel) - len(self._prefetched[channel]))]
+        return sorted(ops, key=lambda op: self.channel_groups.index(op[0].group))
+
+    def _planned(self, sends, asked):
+        """The operations of one call under the plan: every one up to the last it asks for, in order."""
+        last = self._next - 1
+        for channel, tensors in sends.items():
+            due = self._indices[("send", *channel)]
+            if len(due) < len(tensors):
+                raise RuntimeError(f"pipeline p2p: a send to {channel} the step's order does not hold")
+            last = max(last, due[len(tensors) - 1])
+        for channel in dict.fromkeys(asked):
+            missing = asked.count(channel) - len(self._prefetched[channel])
+            if missing > 0:
+                due, k = self._indices[("recv", *channel)], self._outside[channel] + missing
+                if len(due) < k:
+                    raise RuntimeError(f"pipeline p2p: a receive from {channel} the step's order does not hold")
+                last = max(last, due[k - 1])
+        ops = []
+        while self._next <= last:
+            post = self._plan[self._next]
+            self._next += 1
+            self._indices[post].popleft()
+            op, channel = post[0], post[1:]
+            if op == "send":
+                if not sends[channel]:
+                    raise RuntimeError(f"pipeline p2p: a send to {channel} is due before it is computed")
+                ops.append(self._send(sends[channel].popleft(), *channel))
+            elif self._outside[channel]:  # posted already by prefetch
+                self._outside[channel] -= 1
+            else:
+                ops.append(self._recv(*channel))
+        return ops
+
+    def _post(self, batch):
+        """Post one batch (operations of one group): its sends stay in flight, its receives are queued
+        per channel for the calls that take them."""
+        requests = dist.batch_isend_irecv([op for op, _ in batch])
+        if len(requests) != len(batch):  # coalesced into one request (NCCL): each operation has them all
+            requests = [requests] * len(batch)
+        else:
+            requests = [[request] for request in requests]
+        for (op, extra), request in zip(batch, requests):
+            if op.op is dist.isend:
+                self._in_flight.extend((r, op.tensor, extra) for r in request)
+            else:
+                self._prefetched[extra].append((request, op.tensor))
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
         """Neighbour exchange: every given send and receive at once; return ``(from_prev, from_next)``."""

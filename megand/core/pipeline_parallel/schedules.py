@@ -16,7 +16,8 @@ It returns the summed loss (detached) on the last stage, ``None`` elsewhere.
   through chunk 0, then chunk 1, ...; the bubble shrinks by v;
 - zero bubble (``zb1p``, ZB-H1): each backward split into its input-gradient pass ``I`` (run with the
   weight-gradient products of the parallel linear layers queued in a
-  :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`) and its weight-gradient pass ``W``
+  :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads` of its own, which the engine's
+  parameters hand them to while the I runs: ``grad_sync.deferring``) and its weight-gradient pass ``W``
   (the queue run later, where the rank would otherwise wait).
 
 ``grad_sync`` (the data-parallel engine, or None) sees the last backward of the step of each chunk run
@@ -35,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megand.core.distributed import last_backward
-from megand.core.pipeline_parallel.actions import (BACKWARD, FORWARD, INPUT_GRAD, V_SCHEDULES, WEIGHT_GRAD,
-                                                   schedule_actions)
-from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, tensor_shape
+from megand.core.distributed import deferring_weight_grads, last_backward
+from megand.core.pipeline_parallel.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, schedule_actions
+from megand.core.pipeline_parallel.p2p import ACTIVATION, GRADIENT, PipelineP2P, posting_order, tensor_shape
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
 from megand.core.tensor_parallel.wgrad import DeferredWeightGrads
 from megand.core.timing import device_timer
 
@@ -119,7 +120,8 @@ class _Steps:
         queued in the returned :class:`DeferredWeightGrads`, for :meth:`weight_grad`."""
         if self.p2p is not None:
             self.p2p.prefetch()
-        with self.timed(INPUT_GRAD), DeferredWeightGrads() as deferred:
+        deferred = DeferredWeightGrads()  # this backward's W pass, owned here until weight_grad runs it
+        with self.timed(INPUT_GRAD), deferring_weight_grads(self.grad_sync, deferred):
             torch.autograd.backward(output, grad_tensors=output_grad)
         if self.grad_sync is not None:
             self.grad_sync.input_grads_done()  # ZeRO-3: W reads no parameter, the backward's buckets may go
@@ -145,8 +147,11 @@ class _Steps:
         return self.timers.get(kind) or nullcontext()
 
 
-def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
-    """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``.
+def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None,
+                every=None):
+    """Run this rank's action list (megand/core/pipeline_parallel/actions.py) over ``microbatches``;
+    ``every``: every pipeline rank's list (``actions`` is ``every[topo.pp_rank]``), from which the p2p
+    takes the order to post its messages in (:func:`~megand.core.pipeline_parallel.p2p.posting_order`).
 
     Each action's receive is posted with the previous action's send, in one call (the first action's
     alone), so a stage that sends one way and receives the other at once cannot deadlock against its
@@ -158,7 +163,7 @@ def run_actions(actions, chunks, microbatches, forward_step, topo, forward_only=
     """
     split = any(a.kind == WEIGHT_GRAD for a in actions)
     steps = _Steps(chunks, forward_step, topo, forward_only, stats, len(microbatches), grad_sync, split)
-    p2p = _p2p(chunks, microbatches, topo, steps, actions) if topo.pp_size > 1 else None
+    p2p = _p2p(chunks, microbatches, topo, steps, actions, every) if topo.pp_size > 1 else None
     links = _Links(p2p, topo)
     inputs, outputs = {}, {}  # (chunk, micro-batch) -> the forward's input and output, kept for its backward
     deferred = {}  # (chunk, micro-batch) -> the weight-gradient products its I queued, for its W
@@ -225,10 +230,13 @@ class _Links:
         return received[0] if received else local_input
 
 
-def _actions(chunks, microbatches, topo, forward_only, fill_drain=False, schedule="1f1b"):
-    """This rank's action list."""
-    return schedule_actions(topo.pp_size, len(chunks), len(microbatches), topo.pp_rank, fill_drain=fill_drain,
-                            forward_only=forward_only, schedule=schedule)
+def _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, fill_drain=False,
+         schedule=DEFAULT_SCHEDULE):
+    """Run this rank's action list, with every pipeline rank's (the order of the messages)."""
+    every = [schedule_actions(topo.pp_size, len(chunks), len(microbatches), rank, fill_drain=fill_drain,
+                              forward_only=forward_only, schedule=schedule) for rank in range(topo.pp_size)]
+    return run_actions(every[topo.pp_rank], chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync,
+                       every)
 
 
 def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
@@ -238,9 +246,10 @@ def forward_backward_no_pipelining(chunks, microbatches, forward_step, topo, for
     return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
 
 
-def _p2p(chunks, microbatches, topo, steps, actions):
-    """The stage's p2p, told what it receives this step from each peer: an activation for every forward
-    that has a sender on another rank, a gradient for every backward that has one."""
+def _p2p(chunks, microbatches, topo, steps, actions, every=None):
+    """The stage's p2p, told what it receives this step from each peer (an activation for every forward
+    that has a sender on another rank, a gradient for every backward that has one) and, given every
+    rank's actions, the order to post its messages in."""
     cfg = chunks[0].cfg
     p2p = PipelineP2P(topo, tensor_shape(cfg, microbatches[0], topo), cfg.params_dtype)
     me, peers = topo.pp_rank, topo.ranks["pp"]
@@ -250,6 +259,8 @@ def _p2p(chunks, microbatches, topo, steps, actions):
             channel = (peers[a.recv_from], _kind(a))
             counts[channel] = counts.get(channel, 0) + 1
     p2p.expect(counts)
+    if every is not None:
+        p2p.plan([(op, peers[peer], kind) for op, peer, kind in posting_order(every, me)])
     steps.p2p = p2p
     return p2p
 
@@ -262,69 +273,42 @@ def _finish(p2p, steps, topo, stats, chunks):
     return total if any(chunk.post_process for chunk in chunks) else None
 
 
-def forward_backward_pipelining_without_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
-                                                     stats=None, grad_sync=None):
-    """1F1B (one chunk per rank)."""
-    (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
-
-
 def forward_backward_fill_drain(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
                                 grad_sync=None):
     """GPipe: every forward, then every backward; stage 0 holds all m micro-batches (for comparison)."""
     (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only, fill_drain=True)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+    return _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, fill_drain=True)
 
 
-def forward_backward_pipelining_with_interleaving(chunks, microbatches, forward_step, topo, forward_only=False,
-                                                  stats=None, grad_sync=None):
-    """Interleaved 1F1B over v = len(chunks) model chunks per rank; chunk c of rank r is virtual stage c*pp + r."""
-    actions = _actions(chunks, microbatches, topo, forward_only)
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+_RUNNERS = {}
 
 
-def forward_backward_zero_bubble_h1(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
-                                    grad_sync=None):
-    """ZB-H1 (one chunk per rank): 1F1B's forwards with each backward split into I and W, the W passes
-    run where the rank would wait for a gradient (megand/core/pipeline_parallel/actions.py)."""
-    (_,) = chunks
-    actions = _actions(chunks, microbatches, topo, forward_only, schedule="zb1p")
-    return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
+def pipelined(schedule=DEFAULT_SCHEDULE):
+    """The runner of ``parallel.pp_schedule=schedule`` (one per schedule): this rank's action list from
+    the schedule's record (actions.py), run by :func:`run_actions`."""
+    if schedule not in _RUNNERS:
+        def forward_backward(chunks, microbatches, forward_step, topo, forward_only=False, stats=None,
+                             grad_sync=None):
+            return _run(chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync, schedule=schedule)
+
+        forward_backward.__name__ = f"forward_backward_{schedule}"
+        _RUNNERS[schedule] = forward_backward
+    return _RUNNERS[schedule]
 
 
-def v_schedule(name):
-    """ZB-V (``zbv``) or DualPipeV (``dualpipev``): two chunks per rank on the V placement (chunk 0 of
-    rank r is virtual stage r, chunk 1 stage 2·pp-1-r; the loss on pipeline rank 0), backwards split into
-    I and W (megand/core/pipeline_parallel/actions.py)."""
-
-    def forward_backward_v(chunks, microbatches, forward_step, topo, forward_only=False, stats=None, grad_sync=None):
-        actions = _actions(chunks, microbatches, topo, forward_only, schedule=name)
-        return run_actions(actions, chunks, microbatches, forward_step, topo, forward_only, stats, grad_sync)
-
-    forward_backward_v.__name__ = f"forward_backward_{name}"
-    return forward_backward_v
+# 1F1B, interleaved over the chunks when a rank holds more than one: one runner under both names
+forward_backward_pipelining_without_interleaving = forward_backward_pipelining_with_interleaving = pipelined()
 
 
-def get_schedule(topo, fill_drain=False, schedule="1f1b"):
-    """The schedule for this layout: no pipelining (pp=1), 1F1B, interleaved 1F1B (vpp > 1), or the one
-    ``schedule`` (``parallel.pp_schedule``) names."""
+def get_schedule(topo, fill_drain=False, schedule=DEFAULT_SCHEDULE):
+    """The runner for this layout: no pipelining (pp=1), fill-drain (``fill_drain``), or the one
+    ``schedule`` (``parallel.pp_schedule``) names, whose record refuses a layout it cannot run."""
     if topo.pp_size == 1:
         return forward_backward_no_pipelining
-    if schedule == "zb1p":
-        if fill_drain or (topo.vpp or 1) > 1:
-            raise ValueError(f"pipeline schedule zb1p runs one chunk per rank (got vpp={topo.vpp})")
-        return forward_backward_zero_bubble_h1
-    if schedule in V_SCHEDULES:
-        if topo.vpp != 2 or fill_drain:
-            raise ValueError(f"pipeline schedule {schedule} runs two chunks per rank in a V (got vpp={topo.vpp})")
-        return v_schedule(schedule)
-    if schedule != "1f1b":
-        schedule_actions(topo.pp_size, topo.vpp, topo.pp_size, 0, schedule=schedule)  # its one-line refusal
     if fill_drain:
         return forward_backward_fill_drain
-    if topo.vpp is not None and topo.vpp > 1:
-        return forward_backward_pipelining_with_interleaving
-    return forward_backward_pipelining_without_interleaving
-
+    vpp = topo.vpp if (topo.vpp or 1) > 1 else None
+    error = schedule_record(schedule).layout_error(topo.pp_size, vpp)
+    if error:
+        raise ValueError(error)
+    return pipelined(schedule)

@@ -31,6 +31,7 @@ where torch._scaled_mm runs tensorwise and rowwise as a slow reference kernel).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -93,26 +94,57 @@ def mx_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(amax), exponent)
 
 
+def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``|t|``'s maximum, in fp32: of the whole tensor (``dim`` None) or along ``dim`` (kept)."""
+    magnitude = t.abs()
+    return (magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
+
+
+def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    """``(data, scale)``: ``t`` divided by the scale ``amax / fmax``, saturated and rounded to ``dtype``."""
+    scale = amax.clamp(min=_TINY) / fmax(dtype)
+    return (t.float() / scale).clamp(-fmax(dtype), fmax(dtype)).to(dtype), scale
+
+
+# the quantiser's two passes compiled (on a GPU; made at first use): shapes dynamic, so what recompiles
+# them is only the axis (3 of _amax), the format and the scale's rank (6 of _cast), within dynamo's limit
+_FUSED = {}
+
+
+def _fused(fn):
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _FUSED[fn]
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s quantisation runs compiled: a real CUDA tensor outside a compiled region (fake CUDA
+    tensors of a rehearsal, and the CPU, run the same functions eagerly)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t)
+
+
 def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None) -> Quantized:
     """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
-    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales."""
-    src = t.float()
-    if recipe == "tensorwise":
-        scale = _agreed_max(src.abs().amax(), group).clamp(min=_TINY) / fmax(dtype)
-        expanded = scale
-    elif recipe == "rowwise":
-        scale = _agreed_max(src.abs().amax(dim=dim, keepdim=True), group).clamp(min=_TINY) / fmax(dtype)
-        expanded = scale
-    elif recipe == "mxfp8":
-        length = src.shape[dim]
-        blocks = -(-length // MX_BLOCK)
-        padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
-                                         else (0, 0, 0, blocks * MX_BLOCK - length))
-        shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
-        scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
-        expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
-    else:
+    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales. Tensorwise and rowwise read
+    ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each pass compiled on a GPU
+    (its elementwise steps fused) and eager elsewhere, with the same arithmetic."""
+    if recipe in ("tensorwise", "rowwise"):
+        amax_of, cast = (_fused(_amax), _fused(_cast)) if _on_gpu(t) else (_amax, _cast)
+        amax = _agreed_max(amax_of(t, None if recipe == "tensorwise" else dim), group)
+        data, scale = cast(t, amax, dtype)
+        return Quantized(data, scale, dim, recipe)
+    if recipe != "mxfp8":
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    src = t.float()
+    length = src.shape[dim]
+    blocks = -(-length // MX_BLOCK)
+    padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
+                                     else (0, 0, 0, blocks * MX_BLOCK - length))
+    shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
+    scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
+    expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
     data = (src / expanded).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
     return Quantized(data, scale, dim, recipe)
 
@@ -166,24 +198,33 @@ def mx_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
     return padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4).reshape(-1)
 
 
-def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` of the operands: ``b`` column-major; rowwise scales ``[m, 1]`` and ``[1, n]``
-    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout."""
+    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout.
+    ``fast_accum``: Hopper's faster fp32 accumulation (partial sums kept at a lower precision between
+    promotions), for tensorwise and rowwise forward products only (torchao's recipe; never gradients)."""
     column_major = b.data.t().contiguous().t()
     scale_a, scale_b = a.scale, b.scale
     if a.recipe == "rowwise":
         scale_a, scale_b = scale_a.reshape(-1).view(-1, 1), scale_b.reshape(-1).view(1, -1)
     elif a.recipe == "mxfp8":  # a's blocks run along its rows, b's along its columns ([n, k / 32] once turned)
         scale_a, scale_b = mx_blocked_scales(scale_a), mx_blocked_scales(scale_b.t())
-    return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum and a.recipe != "mxfp8")
 
 
-def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS) -> torch.Tensor:
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS,
+              fast_accum: bool = False, widen: bool = True) -> torch.Tensor:
     """``a @ b`` (``a [m, k]`` scaled along dim 1, ``b [k, n]`` along dim 0), accumulated in fp32: the
     kernel where the device has it and it takes the operands, else the emulation (dequantised operands,
-    an fp32 product)."""
+    an fp32 product). An fp32 result the kernel does not return (rowwise: bf16 only) comes from its bf16
+    result (it accumulates in fp32 inside the kernel either way), widened, or with ``widen=False`` as is
+    (for a caller that adds it into fp32, which widens it in the same pass)."""
     if scaled_mm_takes(a, b, out_dtype, kernels):
-        return scaled_mm_kernel(a, b, out_dtype)
+        return scaled_mm_kernel(a, b, out_dtype, fast_accum)
+    if out_dtype == torch.float32 and scaled_mm_takes(a, b, torch.bfloat16, kernels):
+        out = scaled_mm_kernel(a, b, torch.bfloat16, fast_accum)
+        return out.float() if widen else out
     return (a.dequantize() @ b.dequantize()).to(out_dtype)
 
 
@@ -201,6 +242,10 @@ class Fp8Policy(GemmPolicy):
         # the weight's operands as gathered in FP8 by ZeRO-3 (keyed by the view a GEMM reads, see
         # megand.core.distributed.fp8_gather): used in place of quantising the weight while it is gathered
         self.gathered = {}
+        # the weight's operands quantised this step (keyed as ``gathered``, and by axis but under
+        # tensorwise), while :func:`weights_cached` holds the weights fixed; None: quantised at each use
+        self.cache = None
+        self._grad = None  # tensorwise: (the output gradient, its FP8) of the input gradient, for the weight's
 
     def _split_over_tp(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
@@ -224,16 +269,25 @@ class Fp8Policy(GemmPolicy):
         """The weight's rows of ``part`` (of ``parts`` interleaved) in FP8 along ``dim``: as gathered (found
         by the view's place in the storage: a gathered weight has no high-precision values to view), or
         quantised now."""
-        if self.gathered and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if (self.gathered or self.cache is not None) and not compiling:
             n, k = weight.shape
             key = (weight.storage_offset() + part * weight.stride(0), (parts * weight.stride(0), weight.stride(1)),
                    (n // parts, k), dim)
             q = self.gathered.get(key)
             if q is not None:
                 return q
+        if self.cache is not None and not compiling:  # tensorwise: the same bytes serve either axis
+            cached = (*key[:3], None if self.name == "tensorwise" else dim)  # a policy serves one weight
+            q = self.cache.get(cached)
+            if q is not None:
+                return q if q.dim == dim else Quantized(q.data, q.scale, dim, q.recipe)
         if parts > 1:
             weight = weight.view(-1, parts, weight.shape[-1])[:, part]
-        return self._q(weight, E4M3, dim, "nk", contraction)
+        q = self._q(weight, E4M3, dim, "nk", contraction)
+        if self.cache is not None and not compiling:
+            self.cache[cached] = q
+        return q
 
     # -- communication ----------------------------------------------------------------------------
     def gather_input(self, x, group):
@@ -261,7 +315,7 @@ class Fp8Policy(GemmPolicy):
     def forward(self, x, weight, bias=None):
         a = x if isinstance(x, Quantized) else self.input_operand(x)
         b = self._weight_q(weight, 1, "k").t()
-        out = scaled_mm(a, b, weight.dtype, self.kernels)
+        out = scaled_mm(a, b, weight.dtype, self.kernels, fast_accum=True)
         return out if bias is None else out + bias
 
     def forward_parts(self, x, weight, bias, parts):
@@ -269,28 +323,35 @@ class Fp8Policy(GemmPolicy):
         biases = bias.view(-1, parts) if bias is not None else None
         outs = []
         for part in range(parts):
-            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype, self.kernels)
+            out = scaled_mm(a, self._weight_q(weight, 1, "k", part, parts).t(), weight.dtype, self.kernels,
+                            fast_accum=True)
             outs.append(out if biases is None else out + biases[:, part])
         return outs
 
     def input_grad(self, grad, weight):
         a = self._q(grad, self.grad_dtype, 1, "mn", "n")
+        if self.name == "tensorwise" and not torch.compiler.is_compiling():  # the weight gradient's too
+            self._grad = (grad, grad._version, a)
         b = self._weight_q(weight, 0, "n")
         return scaled_mm(a, b, grad.dtype, self.kernels)
 
-    def _weight_product(self, grad, x, out_dtype):
-        a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
+    def _weight_product(self, grad, x, out_dtype, widen=True):
+        stashed, self._grad = self._grad, None
+        if stashed is not None and stashed[0] is grad and stashed[1] == grad._version:  # tensorwise: the same bytes
+            a = Quantized(stashed[2].data, stashed[2].scale, 0, self.name).t()
+        else:
+            a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
         if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
             b = self._q(x, E4M3, 0, "mk", "m")
-        return scaled_mm(a, b, out_dtype, self.kernels)
+        return scaled_mm(a, b, out_dtype, self.kernels, widen=widen)
 
     def weight_grad(self, grad, x):
         return self._weight_product(grad, x, grad.dtype)
 
     def add_weight_grad(self, main, grad, x):
-        main.add_(self._weight_product(grad, x, main.dtype))
+        main.add_(self._weight_product(grad, x, main.dtype, widen=False))
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):
@@ -298,6 +359,24 @@ class Fp8Policy(GemmPolicy):
 
         target = weight_grad_target(weight)
         return GroupedFp8Linear.apply(x, weight, bias, offsets, self, None if target is True else target)
+
+
+@contextlib.contextmanager
+def weights_cached(modules):
+    """Within the block, each tensorwise FP8 layer of ``modules`` quantises each of its weights once and
+    reuses the FP8 bytes (one byte per weight, serving either axis) for every micro-batch, recomputation
+    and input gradient: the weights must not change inside it (the training step wraps its forward and
+    backward; the optimizer steps outside). Leaving the block drops them: the next step quantises the
+    updated weights. (Rowwise scales differ per axis: two copies per weight; not cached.)"""
+    policies = [m.gemm for module in modules for m in module.modules()
+                if isinstance(getattr(m, "gemm", None), Fp8Policy) and m.gemm.name == "tensorwise"]
+    for policy in policies:
+        policy.cache = {}
+    try:
+        yield
+    finally:
+        for policy in policies:
+            policy.cache = None
 
 
 @dataclasses.dataclass(frozen=True)

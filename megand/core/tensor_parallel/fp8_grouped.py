@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import torch
 
+from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel import fp8 as recipes
 from megand.core.tensor_parallel.fp8 import E4M3, _TINY, fmax
 from megand.core.tensor_parallel.wgrad import hand_over
 
 
 def expert_row_splits(x: torch.Tensor, offsets, experts: int) -> list[torch.Tensor]:
-    """The rows of each expert (then the rows of no expert), split at ``offsets`` read on the host (fake
-    tensors of a rehearsal hold no counts: an even split has the same sizes)."""
-    if type(offsets) is torch.Tensor:
-        return list(torch.tensor_split(x, offsets.to(device="cpu", dtype=torch.int64)))
-    rows = x.shape[0]
-    return list(torch.tensor_split(x, [rows * (e + 1) // experts for e in range(experts)]))
+    """The rows of each expert (then the rows of no expert), split at ``offsets`` read on the host
+    (:func:`~megand.core.host_reads.host_list`: an even split where they hold no values)."""
+    return list(torch.tensor_split(x, host_list(offsets, lambda: even_offsets(x.shape[0], experts))))
 
 
 class GroupedOperands:

@@ -10,8 +10,9 @@ A linear layer ``y = x W^T`` has three products, on 2-D operands (tokens flatten
   :meth:`GemmPolicy.add_weight_grad` into an fp32 accumulator).
 
 The layers call :func:`weight_grad_pass` for W: it adds the product into the data-parallel engine's fp32
-accumulator (now, or queued when a :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads` is
-active: a zero-bubble schedule's split of backward into B and W), or returns it for autograd.
+accumulator (now, or queued in a :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads` while
+the engine's sink defers: a zero-bubble schedule's split of backward into B and W), or returns it for
+autograd.
 Sequence-parallel layers gather their input through :meth:`GemmPolicy.gather_input`, so a recipe may
 gather in its own format (FP8 bytes with their scales).
 """
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.tensor_parallel.mappings import _gather_first
-from megand.core.tensor_parallel.wgrad import COMPILED_FUSION, add_product, fused_accumulator, hand_over, register_policy
+from megand.core.tensor_parallel.wgrad import COMPILED_FUSION, AccumulatingGemm, fused_accumulator, hand_over
 
 
 class GemmPolicy:
@@ -31,20 +32,21 @@ class GemmPolicy:
 
     ``group`` and ``split`` say how the layer's weight is split over tensor parallelism (``"column"``: its
     rows, ``"row"``: its columns, None: not split); a recipe whose scales must not depend on the layout
-    agrees them over ``group``."""
+    agrees them over ``group``. ``accumulating``: the fp32-accumulating GEMM (and its one probe of the
+    device), shared by the policies bound from one template."""
 
     name = None  # the recipe's name; None: the operands' dtype
 
-    def __init__(self, group=None, split: str | None = None):
+    def __init__(self, group=None, split: str | None = None, accumulating: AccumulatingGemm | None = None):
         self.group, self.split = group, split
-        self.index = register_policy(self)  # how a compiled backward names it
+        self.accumulating = accumulating or AccumulatingGemm()
 
     def __repr__(self):
         return f"{type(self).__name__}(split={self.split!r})"
 
     def bind(self, group, split):
         """This policy for a layer of the given tp group and split (the layers bind a shared policy)."""
-        return type(self)(group, split)
+        return type(self)(group, split, self.accumulating)
 
     # -- communication ----------------------------------------------------------------------------
     def gather_input(self, x: torch.Tensor, group):
@@ -85,13 +87,20 @@ class GemmPolicy:
 
     def add_weight_grad(self, main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
         """``main += dy^T x`` at ``main``'s precision (the engine's fp32 accumulator)."""
-        add_product(main, grad.t(), x)
+        self.accumulating(main, grad.t(), x)
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):
         """Rows of ``x`` grouped by expert times each expert's ``weight[e] [out, in]``; None: the
         experts' own grouped GEMM runs (the operands' dtype needs nothing else)."""
         return None
+
+
+def use_policy(weight: torch.Tensor, policy: GemmPolicy) -> GemmPolicy:
+    """``policy``, now the one that runs ``weight``'s products; the weight names it too
+    (``weight.gemm_policy``), which is how a compiled backward's W pass finds it at run time."""
+    weight.gemm_policy = policy
+    return policy
 
 
 def weight_grad_target(weight: torch.Tensor, fuse: bool = True):
@@ -109,12 +118,12 @@ def weight_grad_target(weight: torch.Tensor, fuse: bool = True):
 
 def weight_grad_pass(policy: GemmPolicy, weight: torch.Tensor, grad: torch.Tensor, x, target) -> torch.Tensor | None:
     """The W pass of one layer: ``dy^T x`` added into the engine's fp32 accumulator (``target`` from
-    :func:`weight_grad_target`; now or, inside :class:`DeferredWeightGrads`, later) and None returned, or
+    :func:`weight_grad_target`; now or, while its sink defers, later) and None returned, or
     returned as autograd's gradient (``target`` None)."""
     if target is None:
         return policy.weight_grad(grad, x)
     if target is True:  # compiled: x is a tensor here (a recipe gathers high precision when compiled)
-        torch.ops.megand.weight_grad_pass(weight, grad, x, policy.index)
+        torch.ops.megand.weight_grad_pass(weight, grad, x)
     else:
         hand_over(target, lambda main: policy.add_weight_grad(main, grad, x))
     return None

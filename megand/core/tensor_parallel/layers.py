@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.sharding import ParamMeta, split_by_tokens, tag
-from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, weight_grad_target, weight_grad_pass
+from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy, use_policy, weight_grad_target, weight_grad_pass
 from megand.core.vocab_padding import padded_vocab_size
 from megand.core.tensor_parallel.mappings import (
     _reduce_scatter_first,
@@ -104,7 +104,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def set_gemm(self, policy: GemmPolicy):
         """Run this layer's products under ``policy`` (a precision recipe)."""
-        self.gemm = policy.bind(self.tp_group, "column")
+        self.gemm = use_policy(self.weight, policy.bind(self.tp_group, "column"))
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
@@ -131,7 +131,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def set_gemm(self, policy: GemmPolicy):
         """Run this layer's products under ``policy`` (a precision recipe)."""
-        self.gemm = policy.bind(self.tp_group, "row")
+        self.gemm = use_policy(self.weight, policy.bind(self.tp_group, "row"))
 
     def forward(self, x):
         y = ParallelLinear.apply(x, self.weight, None, self.tp_group, False, True, self.gemm)

@@ -73,19 +73,9 @@ def seed_random_streams(seed: int, topo) -> TensorParallelRNG:
 
 def checkpoint(fn, *args, rng: TensorParallelRNG | None = None):
     """Activation recompute that also replays the tensor-parallel stream, so recomputed dropout masks
-    equal the original ones (torch's checkpoint only replays the default generator)."""
-    return _recompute(fn, *args, rng=rng)
-
-
-def run_recompute_eagerly_under_compile() -> None:
-    """Make :func:`checkpoint` opaque to ``torch.compile`` (which cannot trace its ``context_fn``): a
-    compiled caller breaks its graph there and runs the checkpoint eagerly. Called when layers are
-    compiled (importing the compiler costs seconds, so not at import time)."""
-    global _recompute
-    _recompute = torch.compiler.disable(_eager_recompute)
-
-
-def _eager_recompute(fn, *args, rng: TensorParallelRNG | None = None):
+    equal the original ones (torch's checkpoint only replays the default generator). torch.compile cannot
+    trace its ``context_fn``: a compiled caller calls it through ``torch.compiler.disable`` (see
+    ``keep_eager`` of the attention blocks)."""
     if rng is None:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     stash = {}
@@ -104,6 +94,3 @@ def _eager_recompute(fn, *args, rng: TensorParallelRNG | None = None):
             rng.state = current
 
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (on_forward(), on_recompute()))
-
-
-_recompute = _eager_recompute

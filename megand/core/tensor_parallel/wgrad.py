@@ -4,22 +4,68 @@ gradient-accumulation fusion), now, later (a deferred W pass), or from inside a 
 Left to autograd, a layer's weight gradient is first made as ``p.grad`` in the parameter's dtype and then
 added by the engine's hook into the fp32 ``main_grad``: in a bf16 model every micro-batch's gradient is
 rounded to bf16 before it is summed, and a full-size gradient tensor is written and read once more. A
-layer that computes its own weight gradient instead hands the product to ``p.accumulate_grad`` (set by the
-engine), which adds it into the accumulator at fp32.
+layer that computes its own weight gradient instead hands the product to ``p.accumulate_grad`` (an
+:class:`Accumulator` the engine gives each of its parameters), which adds it into the accumulator at fp32.
+
+Deferral belongs to whoever runs the backward: a zero-bubble schedule runs a micro-batch's input-gradient
+pass inside :meth:`WeightGradSink.deferring` of the engine's sink, with a :class:`DeferredWeightGrads` of
+its own that it runs later as the W pass. Nothing here is process-wide.
 
 Under torch.compile the hand-over is an opaque operator with an ordered side effect (:func:`weight_grad_op`):
 the compiled backward keeps it (no dead-code elimination, no reordering past another hand-over) and it runs
-the same Python at run time, so a compiled layer fuses as the eager one does.
+the same Python at run time, so a compiled layer fuses as the eager one does. Its only arguments are
+tensors: the weight names its own policy (``weight.gemm_policy``), so every layer runs the same graph.
 """
 
 import contextlib
-import itertools
-import weakref
 
 import torch
 
-# torch.addmm(..., out_dtype=, out=): a bf16 GEMM accumulating into an fp32 matrix in place (beta = 1)
-_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+class AccumulatingGemm:
+    """``out += a @ b`` at ``out``'s precision. On CUDA, one accumulating GEMM: a bf16 GEMM whose fp32
+    result is added in place by the GEMM itself (``torch.addmm(out_dtype=, out=)``, no product-sized
+    temporary), where the device's kernel takes it: torch 2.8-2.9's CUDA kernel refuses an fp32 ``out``
+    with bf16 operands (2.10 takes it), so it is probed once per device type and dtypes and the answer
+    kept here (:attr:`takes`). Elsewhere, and where the probe says no, an fp32 GEMM of the operands
+    converted to ``out``'s dtype: the same fp32-accumulated product of the same values (on CPU the bf16
+    GEMM would round its result to bf16). Errors of the product itself (out of memory included)
+    propagate: there is no silent switch to a product rounded to bf16."""
+
+    def __init__(self):
+        self.takes: dict[tuple, bool] = {}  # (device type, operand dtype, out dtype) -> the probe's answer
+
+    def takes_out_dtype(self, out: torch.Tensor, a: torch.Tensor) -> bool:
+        """Whether ``addmm(out_dtype=out.dtype, out=out)`` on operands of ``a``'s dtype runs on ``out``'s
+        device (CUDA only; probed on first use)."""
+        if not out.is_cuda:
+            return False
+        key = (out.device.type, a.dtype, out.dtype)
+        if key not in self.takes:
+            self.takes[key] = self.probe(out, a)
+        return self.takes[key]
+
+    @staticmethod
+    def probe(out: torch.Tensor, a: torch.Tensor) -> bool:
+        """One 2 x 2 accumulating GEMM on ``out``'s device: whether this torch's kernel takes it."""
+        if "dtype_out" not in torch.ops.aten.addmm.overloads():
+            return False
+        small = torch.zeros(2, 2, dtype=out.dtype, device=out.device)
+        operand = torch.ones(2, 2, dtype=a.dtype, device=out.device)
+        try:
+            with torch.no_grad():
+                torch.addmm(small, operand, operand, out_dtype=out.dtype, out=small)
+        except RuntimeError:  # the kernel refuses the dtypes (NotImplementedError is one too)
+            return False
+        return True
+
+    def __call__(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dtype == out.dtype:
+            out.addmm_(a, b)
+        elif self.takes_out_dtype(out, a):
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
 def fused_accumulator(weight: torch.Tensor, fuse: bool = True):
@@ -30,44 +76,22 @@ def fused_accumulator(weight: torch.Tensor, fuse: bool = True):
     return getattr(weight, "accumulate_grad", None)
 
 
-def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` at ``out``'s precision, in one accumulating GEMM: on CUDA a bf16 GEMM whose fp32
-    result is added in place by the GEMM itself (no product-sized temporary); on CPU (whose bf16 GEMM
-    rounds its result to bf16) an fp32 GEMM of the operands, converted. Errors (out of memory included)
-    propagate: there is no silent switch to a product rounded to bf16."""
-    if a.dtype == out.dtype:
-        out.addmm_(a, b)
-    elif out.is_cuda and _ADDMM_OUT_DTYPE:
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    elif out.is_cuda:  # a torch without the accumulating overload: the product rounded as p.grad would be
-        out.add_(torch.mm(a, b))
-    else:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-
-
 # ------------------------------------------------------------------------------- deferred W passes
-_deferral: list["DeferredWeightGrads"] = []
-
-
 class DeferredWeightGrads:
-    """A context in which the fused weight-gradient products (the W pass) of the layers are queued
-    instead of run; :meth:`run` runs them, in the order they arrived. A zero-bubble pipeline schedule runs
-    a micro-batch's backward inside one (B: input gradients only) and calls :meth:`run` where the schedule
-    places W. A weight whose gradient autograd returns (no engine, or not fused) is not deferred: its
-    product runs in B. Each queued pass holds its two operands until it runs."""
+    """The fused weight-gradient products (the W pass) of one input-gradient pass, queued instead of run
+    (see :meth:`WeightGradSink.deferring`); :meth:`run` runs them, in the order they arrived. A zero-bubble
+    pipeline schedule makes one per split backward and calls :meth:`run` where the schedule places W. A
+    weight whose gradient autograd returns (no engine, or not fused) is not deferred: its product runs in
+    the backward. Each queued pass holds its two operands until it runs."""
 
     def __init__(self):
         self.passes = []
 
-    def __enter__(self):
-        _deferral.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _deferral.remove(self)
-
     def __len__(self):
         return len(self.passes)
+
+    def append(self, accumulate, add) -> None:
+        self.passes.append((accumulate, add))
 
     def run(self) -> int:
         """Run the queued passes (each adds into its weight's accumulator); returns how many ran. Outside
@@ -80,38 +104,67 @@ class DeferredWeightGrads:
         return len(passes)
 
 
+class WeightGradSink:
+    """Where the W passes of a set of parameters (an engine's) go: each parameter's ``accumulate_grad`` is
+    :meth:`accumulator` of it; inside :meth:`deferring` the passes handed to them are queued instead."""
+
+    def __init__(self):
+        self.queue: DeferredWeightGrads | None = None
+
+    def accumulator(self, receive) -> "Accumulator":
+        return Accumulator(self, receive)
+
+    @contextlib.contextmanager
+    def deferring(self, queue: DeferredWeightGrads):
+        """W passes handed over inside go to ``queue`` (yielded), to be run by its owner."""
+        previous, self.queue = self.queue, queue
+        try:
+            yield queue
+        finally:
+            self.queue = previous
+
+
+class Accumulator:
+    """A parameter's ``accumulate_grad``: ``accumulate_grad(add)`` gives ``add(main)`` to ``receive`` (the
+    engine's accumulation), which adds one backward's gradient into the fp32 ``main``."""
+
+    __slots__ = ("sink", "receive")
+
+    def __init__(self, sink: WeightGradSink, receive):
+        self.sink, self.receive = sink, receive
+
+    def __call__(self, add) -> None:
+        self.receive(add)
+
+
+def deferral_of(accumulate) -> DeferredWeightGrads | None:
+    """The queue a W pass handed to ``accumulate`` goes to now, or None (it runs at once)."""
+    return accumulate.sink.queue if isinstance(accumulate, Accumulator) else None
+
+
 def hand_over(accumulate, add) -> None:
-    """Give ``add(main)`` to the engine's accumulator now, or queue it when a W pass is being deferred."""
-    if _deferral:
-        _deferral[-1].passes.append((accumulate, add))
-    else:
+    """Give ``add(main)`` to the engine's accumulator now, or queue it while its sink defers W passes."""
+    queue = deferral_of(accumulate)
+    if queue is None:
         accumulate(add)
+    else:
+        queue.append(accumulate, add)
 
 
 # ----------------------------------------------------------------------------- under torch.compile
-# the policies a compiled hand-over names by number (an operator takes no Python objects)
-_policies = weakref.WeakValueDictionary()
-_numbers = itertools.count()
-
-
-def register_policy(policy) -> int:
-    number = next(_numbers)
-    _policies[number] = policy
-    return number
-
-
 @torch.library.custom_op("megand::weight_grad_pass", mutates_args=())
-def weight_grad_op(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, policy: int) -> None:
+def weight_grad_op(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
     """Run time of a compiled backward's W pass: ``weight.accumulate_grad`` gets ``main += grad^T x`` (the
-    policy's product), exactly as in eager mode. Only called where the layer decided to fuse."""
-    gemm = _policies[policy]
-    if _deferral:  # queued past this call: the compiled graph may reuse its buffers once the op returns
+    product of the weight's own policy, ``weight.gemm_policy``), exactly as in eager mode. Only called where
+    the layer decided to fuse."""
+    gemm, accumulate = weight.gemm_policy, weight.accumulate_grad
+    if deferral_of(accumulate) is not None:  # queued past this call: the compiled graph may reuse its buffers
         grad, x = grad.clone(), x.clone()
-    hand_over(weight.accumulate_grad, lambda main: gemm.add_weight_grad(main, grad, x))
+    hand_over(accumulate, lambda main: gemm.add_weight_grad(main, grad, x))
 
 
 @weight_grad_op.register_fake
-def _(weight, grad, x, policy):
+def _(weight, grad, x):
     return None
 
 

@@ -50,6 +50,13 @@ class AttentionCore(torch.nn.Module):
         self.cfg, self.rng = cfg, rng
         self.window = cfg.window(layer_id)  # sliding-window attention of this layer (None: full causal)
         self.cp_group = topo.cp_group if topo.cp_size > 1 else None
+        self.checkpoint = checkpoint  # selective recomputation's checkpoint (see keep_eager)
+
+    def keep_eager(self, eager) -> None:
+        """This block is compiled: its selective recomputation runs through ``eager``
+        (``torch.compiler.disable``: the compiled caller breaks its graph there), since the checkpoint
+        replays the tensor-parallel RNG, which torch.compile cannot trace."""
+        self.checkpoint = eager(checkpoint)
 
     def core(self, q, k, v, documents=None):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
@@ -71,7 +78,7 @@ class AttentionCore(torch.nn.Module):
     def attend(self, q, k, v, documents=None):
         """``core``, recomputed in backward under selective recomputation."""
         if self.cfg.recompute == "selective":
-            return checkpoint(self.core, q, k, v, documents, rng=self.rng)
+            return self.checkpoint(self.core, q, k, v, documents, rng=self.rng)
         return self.core(q, k, v, documents)
 
 

@@ -26,6 +26,17 @@ class TransformerLayer(torch.nn.Module):
         self.attention = attention(cfg, topo, rng, device, layer_id)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
+        self.compiled = None  # the compiled body (compile_body), else the body runs eagerly
+
+    def compile_body(self, compiler, eager) -> None:
+        """Run this layer's body (under full recomputation: the body its checkpoint recomputes) as
+        ``compiler(body)`` (``torch.compile``), and what the compiler cannot trace through ``eager``
+        (``torch.compiler.disable``). What runs around the body (the module hooks, the checkpoint of full
+        recomputation) stays eager."""
+        for block in (self.attention, self.mlp):
+            if hasattr(block, "keep_eager"):
+                block.keep_eager(eager)
+        self.compiled = compiler(self._forward)
 
     def dropout(self, x):
         if not self.training or self.cfg.hidden_dropout == 0.0:
@@ -44,6 +55,7 @@ class TransformerLayer(torch.nn.Module):
         ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents)."""
         if cache is not None:
             return self._forward(x, rope, cache)
+        body = self._forward if self.compiled is None else self.compiled
         if self.cfg.recompute == "full":
-            return checkpoint(self._forward, x, rope, None, documents, rng=self.rng)
-        return self._forward(x, rope, None, documents)
+            return checkpoint(body, x, rope, None, documents, rng=self.rng)
+        return body(x, rope, None, documents)

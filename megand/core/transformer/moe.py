@@ -29,8 +29,9 @@ from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.metrics import MAX, MEAN, SUM, Metric
 from megand.core.sharding import ParamMeta, retag, split_by_tokens, tag
-from megand.core.tensor_parallel.gemm import weight_grad_target
-from megand.core.tensor_parallel.wgrad import add_product, hand_over
+from megand.core.host_reads import even_offsets, host_list
+from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
+from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
@@ -149,16 +150,17 @@ class HostOffsets:
     def __init__(self, offsets: torch.Tensor, host: list[int] | None = None):
         self.offsets, self._host = offsets, host
 
-    def get(self) -> list[int] | None:
-        """The offsets, or None for fake tensors (a rehearsal), which hold no values."""
-        if self._host is None and type(self.offsets) is torch.Tensor:
-            self._host = self.offsets.tolist()  # the split-size read
+    def get(self, rows: int) -> list[int]:
+        """The offsets (where the device offsets hold no values, a rehearsal's fake tensors: ``rows``
+        split evenly over the experts)."""
+        if self._host is None:
+            self._host = host_list(self.offsets, lambda: even_offsets(rows, self.offsets.shape[0]))  # the split-size read
         return self._host
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                    bias: torch.Tensor | None = None, fused: bool | None = None,
-                   host_offsets: HostOffsets | None = None) -> torch.Tensor:
+                   host_offsets: HostOffsets | None = None, accumulating: AccumulatingGemm | None = None) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts[e]`` rows for expert e, then rows of no expert: dropped
     assignments) times each expert's ``weight[e]`` ``[out, in]`` (+ ``bias[e]``). ``offsets``: the
     cumulative counts (int32). The rows of no expert come out as zeros (loop) or as something finite that
@@ -166,7 +168,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     once masked, never uninitialised memory).
 
     ``fused`` (default :func:`fused_grouped_mm_fits`): torch's grouped GEMM, one kernel; otherwise a loop
-    over the experts, the reference."""
+    over the experts, the reference. ``accumulating``: the GEMM that adds the loop's weight gradients into
+    the engine's fp32 accumulator (the layer's policy's)."""
     if fused is None:
         fused = fused_grouped_mm_fits(x, weight)
     rows = x.shape[0]
@@ -182,19 +185,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             counts = torch.cat([counts[:-1], counts[-1:] + tail])
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
         return out
-    split_points = (host_offsets or HostOffsets(offsets)).get()
+    split_points = (host_offsets or HostOffsets(offsets)).get(rows)
     target = weight_grad_target(weight)
-    if split_points is not None and target is not None and target is not True:
-        out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target)
+    if target is not None and target is not True:
+        out = ExpertLoopLinear.apply(x, weight, tuple(split_points), target, accumulating or AccumulatingGemm())
         if bias is None:
             return out
         rows_per_expert = torch.cat([counts, (rows - offsets[-1:]).to(counts.dtype)])  # the last: no expert
         zero = bias.new_zeros(1, bias.shape[-1])
         return out + torch.repeat_interleave(torch.cat([bias, zero]), rows_per_expert, dim=0, output_size=rows)
-    if split_points is not None:
-        parts = torch.tensor_split(x, split_points)
-    else:  # fake tensors (a rehearsal) hold no counts: an even split has the same activation sizes
-        parts = torch.tensor_split(x, [rows * (e + 1) // weight.shape[0] for e in range(weight.shape[0])])
+    parts = torch.tensor_split(x, split_points)
     outs = []
     for e in range(weight.shape[0]):  # every expert takes part, also with no rows: its gradient is zero
         outs.append(F.linear(parts[e], weight[e], None if bias is None else bias[e]))
@@ -207,12 +207,12 @@ class ExpertLoopLinear(torch.autograd.Function):
     """The loop over experts (rows of ``x`` split at ``split_points``, the rows after the last expert's
     coming out as zeros) whose weight gradient goes through the GEMM seam like a dense layer's: each
     expert's ``dy_e^T x_e`` added into the engine's fp32 accumulator (``target``), now or, inside a
-    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+    a zero-bubble schedule's W pass (:class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`).
     Used where the engine fuses the weight gradient (else autograd differentiates the loop)."""
 
     @staticmethod
-    def forward(ctx, x, weight, split_points, target):
-        ctx.split_points, ctx.target = split_points, target
+    def forward(ctx, x, weight, split_points, target, accumulating):
+        ctx.split_points, ctx.target, ctx.accumulating = split_points, target, accumulating
         ctx.save_for_backward(x, weight)
         parts = torch.tensor_split(x, split_points)
         outs = [F.linear(parts[e], weight[e]) for e in range(weight.shape[0])]
@@ -230,21 +230,21 @@ class ExpertLoopLinear(torch.autograd.Function):
             grad_x = torch.cat([grads[e].matmul(weight[e]) for e in range(experts)]
                                + [rest.new_zeros(rest.shape)])
         if ctx.needs_input_grad[1]:
-            pairs = [(grads[e], inputs[e]) for e in range(experts)]
+            pairs, accumulating = [(grads[e], inputs[e]) for e in range(experts)], ctx.accumulating
 
             def add(main):
                 for e, (g, inp) in enumerate(pairs):
-                    add_product(main[e], g.t(), inp)
+                    accumulating(main[e], g.t(), inp)
 
             hand_over(ctx.target, add)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 class GroupedExpertGemm(torch.autograd.Function):
     """torch's grouped GEMM ``x_e W_e^T`` (the rows of expert e: ``offs[e-1]:offs[e]``) whose weight gradient
     goes through the GEMM seam like a dense layer's: one grouped GEMM ``dy_e^T x_e`` for every expert, added
     into the engine's fp32 accumulator (``target``) now or, inside a
-    :class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`, in a zero-bubble schedule's W pass.
+    a zero-bubble schedule's W pass (:class:`~megand.core.tensor_parallel.wgrad.DeferredWeightGrads`).
 
     The operand layouts are the ones the kernel takes without further conditions: the input gradient
     ``dy W_e`` reads ``W [E, out, in]`` row-major; the weight gradient reads ``dy^T`` column-major and ``x``
@@ -300,12 +300,15 @@ class GroupedLinear(torch.nn.Module):
     def set_gemm(self, policy: GemmPolicy):
         """Run the experts' products under ``policy`` (a precision recipe); the default runs
         :func:`grouped_linear`."""
-        self.gemm = policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim])
+        self.gemm = use_policy(self.weight, policy.bind(self.tp_group, {None: None, 1: "column", 2: "row"}[self.split_dim]))
 
     def forward(self, x, counts, offsets, add_bias=True, host_offsets=None):
         bias = self.bias if add_bias else None
         out = self.gemm.grouped(x, self.weight, counts, offsets, bias)
-        return grouped_linear(x, self.weight, counts, offsets, bias, host_offsets=host_offsets) if out is None else out
+        if out is not None:
+            return out
+        return grouped_linear(x, self.weight, counts, offsets, bias, host_offsets=host_offsets,
+                              accumulating=self.gemm.accumulating)
 
 
 class Experts(torch.nn.Module):
@@ -417,15 +420,6 @@ class AddLossGradient(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-_attach_loss = AddLossGradient.apply
-
-
-def attach_losses_eagerly_under_compile() -> None:
-    """Keep :class:`AddLossGradient` out of ``torch.compile``d code (a compiled caller breaks its graph
-    there): traced, torch 2.13 drops the gradient it sends to ``loss`` (an input its forward does not
-    use) and the balancing losses silently stop training the router. Called when layers are compiled."""
-    global _attach_loss
-    _attach_loss = torch.compiler.disable(AddLossGradient.apply)
 
 
 def in_recompute() -> bool:
@@ -485,6 +479,14 @@ class MoE(torch.nn.Module):
         # experts split over tp apply the capacity to the tp group's tokens, identically on every tp rank:
         # one of them counts the drops
         self.counts_dropped = not self.split_experts or topo.tp_rank == 0
+        self.attach_loss = AddLossGradient.apply
+
+    def keep_eager(self, eager) -> None:
+        """This block is compiled: :class:`AddLossGradient` runs through ``eager`` (``torch.compiler.disable``:
+        the compiled caller breaks its graph there). Traced, torch 2.13 drops the gradient it sends to
+        ``loss`` (an input its forward does not use) and the balancing losses silently stop training the
+        router."""
+        self.attach_loss = eager(AddLossGradient.apply)
 
     def borrowed_parameters(self):
         """fc2's bias, added here after the tp reduction when the experts are split over tp."""
@@ -501,7 +503,7 @@ class MoE(torch.nn.Module):
         balancing_loss = self._balance(logits, scores, experts)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            out = _attach_loss(out, balancing_loss, self.loss_scale)
+            out = self.attach_loss(out, balancing_loss, self.loss_scale)
         out = out.view(s, b, h)
         if split_here:
             out = gather_from_sp(out, topo.tp_group, to_model_parallel=False)

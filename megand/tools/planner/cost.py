@@ -34,7 +34,6 @@ from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, 
 from megand.tools.estimate_memory import Layout, estimate_memory, muon_step_cost, stage_params
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
-from megand.core.pipeline_parallel.actions import placement_for
 from megand.tools.planner.simulate import simulate
 from megand.training.peak import mixed_peak
 
@@ -233,8 +232,8 @@ class StageTimes:
 def rank_virtual_stages(c: Candidate) -> list:
     """Per pipeline rank, the virtual stages it holds under its schedule's placement (interleaved:
     ``r, r + pp, ...``; a V: ``r`` and ``2·pp - 1 - r``)."""
-    placement = placement_for(c.pp, c.vpp, c.pp_schedule)
-    return [[placement.stage(r, chunk) for chunk in range(placement.vpp)] for r in range(c.pp)]
+    placement = c.parallel.placement
+    return [placement.stages_of(r) for r in range(c.pp)]
 
 
 def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
@@ -242,7 +241,7 @@ def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups)
     m = global_batch_size // (c.micro_batch_size * c.dp)
     stages = c.pp * (c.vpp or 1)
     placement, links = _placement_and_links(c, tuple(stage_groups))
-    where = placement_for(c.pp, c.vpp, c.pp_schedule).location  # virtual stage -> (rank, chunk)
+    where = c.parallel.placement.location  # virtual stage -> (rank, chunk)
     layers = virtual_stage_layers(shape.layers, c)
     recomputed = recomputed_per_stage(layers, c)
     elem = _elem(c.precision)

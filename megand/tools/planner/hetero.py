@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from megand.core.pipeline_parallel.actions import V_SCHEDULES
+from megand.core.pipeline_parallel.registry import schedule_record
 from megand.tools.planner.cost import rank_virtual_stages, stage_memory_gib, stage_times
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
@@ -64,30 +64,33 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
 
 def hetero_schedules(planner, pp: int) -> list:
     """``[(vpp, schedule), ...]`` a heterogeneous pipeline of ``pp`` stages tries: one chunk per rank
-    (1f1b, zb1p), and the V schedules with two (pruned where a rank could not hold a layer per chunk)."""
+    (1f1b, zb1p), and with two the schedules whose record fixes two chunks per rank (the V ones; pruned
+    where a rank could not hold a layer per chunk). Interleaving (a free vpp) is not searched here."""
     vpps = planner._dom("parallel.vpp", [None, 2] if 2 * pp <= planner.shape.layers else [None])
     return [(vpp, s) for vpp in vpps for s in planner.schedules(pp, vpp)
-            if vpp is None or s in V_SCHEDULES]
+            if vpp is None or schedule_record(s).chunks == vpp]
 
 
 def chunk_layout(c: Candidate, per_rank) -> tuple:
     """Layers per virtual stage from layers per rank: the same for one chunk per rank; a V rank's layers
     split over its two chunks (the first chunk taking the odd one)."""
-    if c.pp_schedule not in V_SCHEDULES:
+    ranks = rank_virtual_stages(c)
+    if len(ranks[0]) == 1:
         return tuple(per_rank)
-    out = [0] * (2 * c.pp)
-    for r, stages in enumerate(rank_virtual_stages(c)):
-        for s, n in zip(stages, spread(per_rank[r], [per_rank[r]] * 2)):
+    out = [0] * (len(ranks[0]) * c.pp)
+    for r, stages in enumerate(ranks):
+        for s, n in zip(stages, spread(per_rank[r], [per_rank[r]] * len(stages))):
             out[s] = n
     return tuple(out)
 
 
 def chunk_recompute(c: Candidate, layout, per_rank) -> tuple:
     """Recomputed layers per virtual stage from per-rank counts (spread over each rank's chunks)."""
-    if c.pp_schedule not in V_SCHEDULES:
+    ranks = rank_virtual_stages(c)
+    if len(ranks[0]) == 1:
         return tuple(per_rank)
     out = [0] * len(layout)
-    for r, stages in enumerate(rank_virtual_stages(c)):
+    for r, stages in enumerate(ranks):
         for s, k in zip(stages, spread(per_rank[r], [layout[j] for j in stages])):
             out[s] = k
     return tuple(out)
@@ -151,9 +154,9 @@ def _split(planner, c: Candidate, stage_groups) -> list:
 
 
 def _least_layers(c: Candidate) -> int:
-    """The fewest layers a rank holds: one per chunk of a V (a chunk of no layers is allowed by
-    ``parallel.pipeline_layout`` but only makes a V's turn longer), else one."""
-    return 2 if c.pp_schedule in V_SCHEDULES else 1
+    """The fewest layers a rank holds: one per chunk it holds (a chunk of no layers is allowed by
+    ``parallel.pipeline_layout`` but only makes a V's turn longer)."""
+    return len(rank_virtual_stages(c)[0])
 
 
 def balanced_layout(planner, c: Candidate, stage_groups):

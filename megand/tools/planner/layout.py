@@ -7,7 +7,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.parallel_state import DEFAULT_ORDER, ParallelSizes, rank_coords, rank_groups
+from megand.tools.estimate_memory import parallel_layout
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class Candidate:
     micro_batch_size: int = 1
     recompute: str = "none"
     recompute_layers: Optional[tuple] = None  # per virtual stage: how many of its first layers recompute; None: all
-    pp_schedule: str = "1f1b"  # the pipeline schedule (1f1b: interleaved with vpp)
+    pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (1f1b: interleaved with vpp)
     cp_comm: str = "p2p"
     precision: str = "bf16"
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage; None: even
@@ -42,6 +45,12 @@ class Candidate:
     @property
     def fused(self) -> bool:
         return self.precision != "fp32" if self.fused_attention is None else self.fused_attention
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        """The candidate's parallel sizes as megand's one layout value (a LayoutError if they break its rules)."""
+        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, order=self.order,
+                               dp_shard=self.dp_shard, pp_schedule=self.pp_schedule)
 
     @property
     def world_size(self) -> int:

@@ -5,9 +5,10 @@ pp (dividing what is left of the devices), vpp, the micro-batch size, the shardi
 sharding (one node's ranks per shard group), sequence parallelism (on with tp), cp_comm and the least
 recompute that fits (and, unless ``train.recompute_layers`` is pinned, each rank recomputing only the
 fewest of its layers that fit its memory: ranks with fewer micro-batches in flight recompute less), the
-pipeline schedule (``SCHEDULES``: 1F1B, interleaved with vpp; zb1p with one chunk per rank; zbv and dualpipev
-with vpp=2, each replayed on its own action list and counted with its own activations in flight; the
-rules of which schedule runs with which vpp and micro-batch count are the training config's own); dp takes the devices left (the largest that divides the batch). Every pinned key
+pipeline schedule (every registered one, megand/core/pipeline_parallel/orders/, each replayed on its own
+action list and counted with its own activations in flight; which schedule runs with which vpp and
+micro-batch count is its record's rule, the one the training config checks); dp takes the devices left
+(the largest that divides the batch). Every pinned key
 (a ``parallel.*``, ``optim.*`` or ``train.*`` override the user gave) keeps its value. Candidates that
 do not fit the device memory on every stage (megand/tools/estimate_memory.py) are dropped before any
 timing; the rest are timed in order of a lower bound (the busiest rank's compute) until no remaining
@@ -23,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megand.core.pipeline_parallel.actions import SCHEDULES, V_SCHEDULES
+from megand.core.parallel_layout import LayoutError
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_names
 from megand.models.flops import Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
 from megand.tools.planner.cost import (GIB, Prediction, memory_layout, predict, rank_virtual_stages,
@@ -36,8 +38,6 @@ CP_COMM = ("p2p", "all_gather", "a2a")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VPP = (2, 3, 4, 6, 8)
 CP = (1, 2, 4, 8, 16, 32)
-# the pipeline schedules searched with pp > 1 (parallel.pp_schedule; 1f1b runs interleaved with vpp):
-# actions.SCHEDULES, every schedule megand runs
 
 # the config keys the planner chooses (a pinned one keeps the user's value)
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
@@ -141,11 +141,12 @@ class Planner:
         """The schedules searched: ``schedules`` (or all); a pinned ``parallel.pp_schedule`` alone. An
         unknown name: PlanError."""
         pinned = self.pinned.get("parallel.pp_schedule")
-        asked = (pinned,) if pinned is not None else tuple(schedules) if schedules is not None else SCHEDULES
-        unknown = [s for s in asked if s not in SCHEDULES]
+        known = schedule_names()
+        asked = (pinned,) if pinned is not None else tuple(schedules) if schedules is not None else known
+        unknown = [s for s in asked if s not in known]
         if unknown or not asked:
             raise PlanError(f"unknown pipeline schedule(s) {', '.join(map(str, unknown)) or '(none given)'}: "
-                            f"choose from {', '.join(SCHEDULES)}")
+                            f"choose from {', '.join(known)}")
         return asked
 
     # --- domains of each key --------------------------------------------------------------------
@@ -234,11 +235,11 @@ class Planner:
         return self._memory[key]
 
     def fits(self, c: Candidate, stage_groups) -> bool:
-        """Every stage within its device memory. On one group with an even split only the first and last
-        stages need checking: the others hold fewer micro-batches than the first and no embedding or
-        output layer."""
+        """Every stage within its device memory. On one group with an even split and the output layer on
+        the last rank only the first and last stages need checking: the others hold fewer micro-batches
+        than the first and no embedding or output layer."""
         if (len({g.name for g in stage_groups}) == 1 and c.pipeline_layout is None and c.recompute_layers is None
-                and c.pp_schedule not in V_SCHEDULES):
+                and c.parallel.last_stage_rank == c.pp - 1):
             stages = sorted({0, c.pp - 1})
             return all(x <= stage_groups[0].memory_gib for x in self.memory(c, stages))
         return all(x <= g.memory_gib for x, g in zip(self.memory(c), stage_groups))
@@ -297,13 +298,12 @@ class Planner:
 
     def schedules(self, pp: int, vpp) -> list:
         """The pipeline schedules to try for ``pp`` stages of ``vpp`` chunks per rank (of
-        :attr:`schedule_domain`, those that take this vpp: 1f1b any, zb1p none, the V ones 2; the
-        micro-batch rules are checked per candidate)."""
-        if pp == 1:  # no pipeline: any schedule restriction allows it, a pinned schedule does not
-            return ["1f1b"] if self.pinned.get("parallel.pp_schedule", "1f1b") == "1f1b" else []
-        from megand.training.config import pipeline_schedule_error
-
-        return [s for s in self.schedule_domain if pipeline_schedule_error(s, pp, vpp, 2 * pp) is None]
+        :attr:`schedule_domain`, those whose record takes this vpp; the micro-batch rules are checked per
+        candidate)."""
+        if pp == 1:  # no pipeline: the default, unless a pinned schedule cannot run without one
+            pinned = self.pinned.get("parallel.pp_schedule", DEFAULT_SCHEDULE)
+            return [DEFAULT_SCHEDULE] if schedule_error(pinned, 1, None, 1) is None else []
+        return [s for s in self.schedule_domain if schedule_error(s, pp, vpp, 2 * pp) is None]
 
     # --- homogeneous ----------------------------------------------------------------------------
     def homogeneous_candidates(self, group):
@@ -333,20 +333,23 @@ class Planner:
                                             yield from self._fitting(c, [group] * pp)
 
     def _quick_valid(self, c: Candidate) -> bool:
-        """The divisibility rules of validate(), in arithmetic (validate() itself runs on the plans kept)."""
+        """The rules of validate(): the parallel layout's own (megand's layout value), the model's and the
+        batch's in arithmetic (validate() itself runs on the plans kept)."""
+        try:
+            layout = c.parallel
+        except LayoutError:
+            return False
         s = self.shape
         if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
             return False
-        if s.seq % ((2 * c.cp if c.cp > 1 else 1) * (c.tp if c.sequence_parallel else 1)):
+        if s.seq % layout.sequence_multiple(c.sequence_parallel):
             return False
-        if c.dp_shard is not None and c.sharding == "none" and c.dp_shard != c.dp * c.cp:
+        if c.sharding == "none" and layout.shard_size != layout.dp_cp:
             return False
         if self.gbs % (c.micro_batch_size * c.dp):
             return False
-        from megand.training.config import pipeline_schedule_error
-
         m = self.gbs // (c.micro_batch_size * c.dp)
-        return pipeline_schedule_error(c.pp_schedule, c.pp, c.vpp, m) is None
+        return layout.schedule.microbatch_rule(c.pp, c.vpp).error(m) is None
 
     def best(self, scored, top: int) -> list:
         """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
@@ -464,7 +467,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
                      order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)),
-                     pp_schedule=p.get("pp_schedule") or "1f1b")
+                     pp_schedule=p.get("pp_schedule") or DEFAULT_SCHEDULE)
 
 
 def predict_config(cfg, cluster, world_size: int):

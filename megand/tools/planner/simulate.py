@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megand.core.pipeline_parallel.actions import placement_for, schedule_actions
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 
-def rank_operations(pp: int, vpp: int | None, m: int, rank: int, schedule: str = "1f1b") -> list:
+def rank_operations(pp: int, vpp: int | None, m: int, rank: int, schedule: str = DEFAULT_SCHEDULE) -> list:
     """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F, B, or
     I and W): the keys of the action list megand's executor runs (megand/core/pipeline_parallel/actions.py)."""
     return [action.key for action in schedule_actions(pp, vpp, m, rank, schedule=schedule)]
@@ -46,7 +47,8 @@ class Timeline:
 WEIGHT_GRAD_SHARE = 0.5  # of a layer's backward: the weight-gradient GEMMs (dW = dy^T x), as many FLOPs as dx
 
 
-def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None, schedule: str = "1f1b",
+def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None,
+             schedule: str = DEFAULT_SCHEDULE,
              weight_grad: list | None = None) -> Timeline:
     """Replay the schedule. ``forward[s]``/``backward[s]``: seconds of one micro-batch on virtual stage
     ``s`` (``pp * vpp`` entries); ``p2p[s]``: seconds to send an activation (or its gradient) across

@@ -1,0 +1,189 @@
+"""The parallel layout: the sizes of every parallel dimension, validated and derived once.
+
+:class:`ParallelLayout` is the one immutable value of a layout (tp, pp, cp, dp, vpp, the rank order,
+the shard groups, the expert grid and the pipeline schedule whose placement lays the virtual stages on
+the ranks). Every rule between the sizes (dp inferred from the world size, dp_shard and ep dividing
+dp x cp, etp being 1 or tp, the chunks per rank the schedule runs) is checked here, when the value is
+made, and every derived size (the shard group, the expert data-parallel size, the rank holding the
+loss) is read from it: ``Topology`` builds its groups from it, the memory estimator and the planner
+take it. A :class:`LayoutError` names the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
+
+DIMS = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the values."""
+
+
+def check_sizes(**sizes) -> None:
+    """Each of ``sizes`` (name -> value) a positive integer."""
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise LayoutError(f"parallel.{name}={size} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @classmethod
+    def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None):
+        """Sizes for ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
+        check_sizes(tp=tp, pp=pp, cp=cp, dp=dp if dp is not None else 1)
+        model_ranks = tp * pp * cp
+        if world_size % model_ranks:
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
+        inferred_dp = world_size // model_ranks
+        if dp is not None and dp != inferred_dp:
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = "
+                              f"{inferred_dp}")
+        return cls(tp=tp, cp=cp, dp=inferred_dp, pp=pp)
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(order.split("-"))
+    if sorted(dims) != sorted(DIMS):
+        raise LayoutError(f"parallel.order={order!r} must list each of {'-'.join(DIMS)} exactly once")
+    return dims
+
+
+def check_dp_shard(sizes: ParallelSizes, dp_shard: int | None) -> int:
+    """The ranks of one shard group (``dp_shard=None``: the whole dp x cp group); a :class:`LayoutError`
+    unless ``dp_shard`` divides dp*cp."""
+    dp_cp = sizes.dp * sizes.cp
+    if dp_shard is None:
+        return dp_cp
+    if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1 or dp_cp % dp_shard:
+        raise LayoutError(f"parallel.dp_shard={dp_shard} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp}"
+                          f" = {dp_cp}")
+    return dp_shard
+
+
+def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = None) -> int:
+    """The expert tensor-parallel size (``etp=None``: tp); a :class:`LayoutError` naming the values if
+    ep does not divide dp*cp or etp is neither 1 nor tp."""
+    if not isinstance(ep, int) or ep < 1 or (sizes.dp * sizes.cp) % ep:
+        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = "
+                          f"{sizes.dp * sizes.cp}")
+    etp = sizes.tp if etp is None else etp
+    if etp not in (1, sizes.tp):
+        raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
+    return etp
+
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """One parallel layout, checked when made (see the module docstring); ``etp=None`` and
+    ``dp_shard=None`` are resolved by :attr:`expert_tp` and :attr:`shard_size`."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vpp: int | None = None  # model chunks per pipeline rank; None: one
+    order: str = DEFAULT_ORDER
+    dp_shard: int | None = None  # ranks of dp x cp per shard group; None: all
+    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
+    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
+    pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule: its record places the virtual stages
+
+    def __post_init__(self):
+        check_sizes(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
+        parse_order(self.order)
+        check_dp_shard(self.sizes, self.dp_shard)
+        check_expert_layout(self.sizes, self.ep, self.etp)
+        error = self.schedule.layout_error(self.pp, self.vpp)
+        if error:
+            raise LayoutError(error)
+
+    @classmethod
+    def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None,
+              **options) -> "ParallelLayout":
+        """The layout of ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
+        sizes = ParallelSizes.infer(world_size, tp=tp, pp=pp, cp=cp, dp=dp)
+        return cls(tp=tp, pp=pp, cp=cp, dp=sizes.dp, **options)
+
+    def with_(self, **changes) -> "ParallelLayout":
+        return replace(self, **changes)
+
+    @property
+    def schedule(self):
+        """The pipeline schedule's record (megand/core/pipeline_parallel/record.py); an unknown name is a
+        :class:`LayoutError`."""
+        try:
+            return schedule_record(self.pp_schedule)
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
+
+    @property
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of one shard group (sharded data parallelism): ``dp_shard``, or all of dp x cp."""
+        return self.dp_shard or self.dp_cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same expert shard (expert data parallelism): tp·dp·cp / (ep·etp)."""
+        return self.stage_size // (self.ep * self.expert_tp)
+
+    def sequence_multiple(self, sequence_parallel: bool) -> int:
+        """What the sequence length must be a multiple of: 2·cp load-balanced chunks under context
+        parallelism, times tp under sequence parallelism."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if sequence_parallel else 1)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank."""
+        return self.placement.vpp if self.pp > 1 else 1
+
+    @property
+    def interleaved(self) -> bool:
+        """More than one model chunk per pipeline rank."""
+        return self.pp > 1 and (self.vpp or 1) > 1
+
+    @cached_property
+    def placement(self):
+        """Where the virtual stages live (the schedule's placement over pp ranks)."""
+        return self.schedule.placement(self.pp, self.vpp)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (the loss): the last, or rank 0 of a V."""
+        return self.placement.last_rank if self.pp > 1 else 0
