@@ -9,7 +9,10 @@ Modules, one job each:
 - ``gpt_dataset``: fixed-length samples across document boundaries (document/sample/shuffle indices).
 - ``blended_dataset``: weighted mixture with Megatron's greedy assignment.
 - ``index_cache``: the on-disk cache of those indices, keyed by a hash of their inputs.
+- ``source``: ``DATA_KINDS``, one record per ``data.kind`` (its builder, random access or stream, its paths).
 - ``builder``: ``build_datasets(data_cfg, ...)`` -> (train, valid, test), validating inputs first.
+- ``stream``: JSON lines and Parquet read in order lane by lane, tokenized on the fly (``data.kind=stream``).
+- ``hf_disk``: ``datasets`` ``save_to_disk`` directories, streamed (``data.kind=hf_disk``).
 - ``quickstart``: an offline corpus from the standard library's pydoc topics.
 - ``mock``: synthetic samples that need no files.
 """

@@ -15,7 +15,7 @@ from megand.data.errors import DataError
 from megand.data.gpt_dataset import GPTDataset, samples_per_epoch
 from megand.data.indexed_dataset import IndexedDataset
 from megand.data.mock import MockGPTDataset
-from megand.data.source import builder_of, register_kind
+from megand.data.source import data_kind
 from megand.data.token_range import check_token_ids
 from megand.data.tokenizer import build_tokenizer
 
@@ -68,19 +68,15 @@ def build_datasets(data_cfg, seq_length: int, vocab_size: int, seed: int,
                    num_samples: tuple[int, int, int]):
     """Return ``(train, valid, test)``; a split asked for 0 samples is ``None``. ``data.kind`` names the
     builder (:data:`megand.data.source.DATA_KINDS`)."""
-    import megand.data.stream  # noqa: F401  (registers data.kind=stream)
-
-    return builder_of(data_cfg.get("kind", "mock"))(data_cfg, seq_length, vocab_size, seed, num_samples)
+    return data_kind(data_cfg.get("kind", "mock")).build(data_cfg, seq_length, vocab_size, seed, num_samples)
 
 
-@register_kind("mock")
 def build_mock(data_cfg, seq_length, vocab_size, seed, num_samples):
     """``MockGPTDataset``s on disjoint index ranges."""
     return tuple(MockGPTDataset(seq_length, vocab_size, seed, n, offset=off) if n else None
                  for n, off in zip(num_samples, MOCK_OFFSETS))
 
 
-@register_kind("quickstart")
 def build_quickstart(data_cfg, seq_length, vocab_size, seed, num_samples):
     """The offline corpus, built once (cached): then an indexed dataset."""
     from megand.data.quickstart import prepare_quickstart_corpus
@@ -90,7 +86,6 @@ def build_quickstart(data_cfg, seq_length, vocab_size, seed, num_samples):
     return build_indexed(data_cfg, seq_length, vocab_size, seed, num_samples)
 
 
-@register_kind("indexed")
 def build_indexed(data_cfg, seq_length, vocab_size, seed, num_samples):
     """One ``GPTDataset`` per path and split (documents split by ``data.split``), blended by weight when
     there are several."""

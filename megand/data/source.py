@@ -1,72 +1,53 @@
-"""What a run trains on: a data source, and the registry that maps ``data.kind`` to its builder.
+"""What a run trains on: the registry of data sources, one record per ``data.kind``.
 
-Two kinds of source sit behind one small interface, :class:`DataSource`:
+A source is one of two kinds of access, and the trainer reads either through the same feed interface
+(``megand.training.feeds``):
 
 - random access (indexed datasets, mock data, blends): sample ``j`` of the global stream is
-  ``dataset[j]``, whatever reads it; the state is the next global sample to read;
-- streaming (:mod:`megand.data.stream`): samples come out in order and the position cannot be computed
-  from a sample number; the state says where every reader stands.
+  ``dataset[j]``, whatever reads it; the position is the number of samples consumed;
+- streaming (:class:`megand.data.stream.StreamSource` and its subclasses): samples come out in order, one
+  lane per slot of the global batch, and the position cannot be computed from a sample number; the state
+  says where every lane stands and which files it read.
 
 Either way the state is a dict of plain Python values (numbers, strings, lists, dicts) that a checkpoint
-stores as it is and :meth:`DataSource.load_state_dict` takes back, also at another data-parallel size.
+stores as it is. Adding a source is one module with its builder, and one :class:`DataKind` line below.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+import importlib
+from dataclasses import dataclass
 
 from megand.data.errors import DataError
 
-
-class DataSource(ABC):
-    """A source of fixed-length token samples whose position a checkpoint keeps."""
-
-    is_stream: bool = False
-
-    @abstractmethod
-    def state_dict(self) -> dict: ...
-
-    @abstractmethod
-    def load_state_dict(self, state: dict) -> None: ...
+RANDOM_ACCESS, STREAM = "random_access", "stream"
 
 
-class RandomAccessSource(DataSource):
-    """A map-style dataset (``len``, ``dataset[j]`` -> ``seq_length + 1`` tokens) and the next global sample
-    to read. Reading by index needs no other state, so any layout resumes it exactly."""
+@dataclass(frozen=True)
+class DataKind:
+    """One ``data.kind``: how its splits are built and how they are read."""
 
-    def __init__(self, dataset, next_sample: int = 0):
-        self.dataset, self.next_sample = dataset, int(next_sample)
+    name: str
+    builder: str  # "module:function", (data_cfg, seq_length, vocab_size, seed, num_samples) -> (train, valid, test)
+    access: str  # RANDOM_ACCESS: dataset[j] is sample j; STREAM: a StreamSource, read in order lane by lane
+    paths: str | None = None  # what X names in a data.paths entry [weight, X]; None: data.paths is not read
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int):
-        return self.dataset[idx]
-
-    def state_dict(self) -> dict:
-        return {"kind": "random_access", "next_sample": self.next_sample}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "random_access":
-            raise DataError(f"the checkpoint's data state is of kind {state.get('kind')!r}, this run reads a "
-                            f"random-access dataset (data.kind changed since the checkpoint?)")
-        self.next_sample = int(state["next_sample"])
+    def build(self, data_cfg, seq_length: int, vocab_size: int, seed: int, num_samples: tuple[int, int, int]):
+        """``(train, valid, test)``; a split asked for 0 samples is ``None``."""
+        module, function = self.builder.split(":")
+        return getattr(importlib.import_module(module), function)(data_cfg, seq_length, vocab_size, seed, num_samples)
 
 
-# data.kind -> builder(data_cfg, seq_length, vocab_size, seed, num_samples) -> (train, valid, test)
-DATA_KINDS: dict[str, Callable] = {}
+DATA_KINDS: dict[str, DataKind] = {kind.name: kind for kind in (
+    DataKind("mock", "megand.data.builder:build_mock", RANDOM_ACCESS),
+    DataKind("indexed", "megand.data.builder:build_indexed", RANDOM_ACCESS, "prefix"),
+    DataKind("quickstart", "megand.data.builder:build_quickstart", RANDOM_ACCESS),
+    DataKind("stream", "megand.data.stream:build_stream", STREAM, "directory or glob"),
+    DataKind("hf_disk", "megand.data.hf_disk:build_hf_disk", STREAM, "directory written by save_to_disk"),
+)}
 
 
-def register_kind(name: str):
-    """Register the builder of ``data.kind=name`` (a decorator)."""
-    def add(builder):
-        DATA_KINDS[name] = builder
-        return builder
-    return add
-
-
-def builder_of(kind: str) -> Callable:
-    if kind not in DATA_KINDS:
-        raise DataError(f"data.kind={kind!r}: expected one of {', '.join(map(repr, sorted(DATA_KINDS)))}")
-    return DATA_KINDS[kind]
+def data_kind(name: str) -> DataKind:
+    if name not in DATA_KINDS:
+        raise DataError(f"data.kind={name!r}: expected one of {', '.join(map(repr, DATA_KINDS))}")
+    return DATA_KINDS[name]

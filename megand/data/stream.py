@@ -26,11 +26,17 @@ input of the next, as for indexed data). Its state is where the document it is i
 cursors and characters read of every source before it) and the token offset there.
 
 A reader tokenizes its lanes' documents in ``data.workers`` worker processes.
+
+The state also identifies the files: every file of every source with its size and modification time,
+and a hash of the rows of every unit read. A resume on files that changed since (a file added, removed,
+grown, or modified where it was read) is refused before training, naming the file and the change: the
+lanes' positions would otherwise point at other documents, repeating or skipping some.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import multiprocessing as mp
 import os
 from collections import OrderedDict, deque
@@ -41,13 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from megand.data.errors import DataError
-from megand.data.source import DataSource, register_kind
 
 TOKENIZE_AHEAD = 4  # samples per lane tokenized in one round trip to the worker processes
 UNIT_CACHE = 4  # units (decoded rows) a reader keeps beyond one per lane (neighbouring lanes share small units)
 CHUNK_BYTES = 32 << 20  # a .jsonl file is read in units of at most this many bytes (a .jsonl.gz one whole)
-TEXT_KEY = "text"
-STATE_VERSION = 2  # of the lane state's meaning (2: whole units per lane)
+TEXT_KEY = "text"  # the default field / column of each document's text (data.text_key)
+STATE_VERSION = 3  # of the state's meaning (2: whole units per lane; 3: the files read are identified)
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,12 @@ class Unit:
     start: int = 0  # JSON lines: the unit holds the lines that start in bytes [start, end) of the file
     end: int | None = None  # None: to the end of the file
     size: int = 0  # bytes read from storage to read the unit (compressed: the file's or column chunk's size)
+    column: str = TEXT_KEY  # the JSON field or column holding the text
 
 
-def list_units(spec: str) -> list[Unit]:
-    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable. Only file
-    sizes and Parquet footers are read."""
+def list_units(spec: str, column: str = TEXT_KEY) -> list[Unit]:
+    """The units of one ``data.paths`` entry (a directory, a glob or a file), checked readable, whose text
+    is the field or column ``column``. Only file sizes and Parquet footers are read."""
     from megand.data.preprocess import expand_inputs
 
     units = []
@@ -77,23 +83,23 @@ def list_units(spec: str) -> list[Unit]:
                 names = meta.schema.to_arrow_schema().names
             except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a corrupt or non-Parquet file
                 raise DataError(f"{path}: cannot read Parquet ({' '.join(str(e).split())})") from e
-            if TEXT_KEY not in names:
-                raise DataError(f"{path}: no column {TEXT_KEY!r} (columns: {', '.join(names)})")
+            if column not in names:
+                raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)}; data.text_key names it)")
             leaves = meta.schema.names  # the column chunk of `text` is what a read fetches
-            column = leaves.index(TEXT_KEY) if TEXT_KEY in leaves else None
+            leaf = leaves.index(column) if column in leaves else None
             row = 1
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
-                size = group.total_byte_size if column is None else group.column(column).total_compressed_size
-                units.append(Unit(path, g, row, size=size))
+                size = group.total_byte_size if leaf is None else group.column(leaf).total_compressed_size
+                units.append(Unit(path, g, row, size=size, column=column))
                 row += group.num_rows
         elif path.endswith(".gz"):  # a gzip stream cannot be entered in the middle
-            units.append(Unit(path, None, size=os.path.getsize(path)))
+            units.append(Unit(path, None, size=os.path.getsize(path), column=column))
         else:
             size = os.path.getsize(path)
             n = max(1, -(-size // CHUNK_BYTES))
             bounds = [size * i // n for i in range(n + 1)]
-            units += [Unit(path, None, start=a, end=None if i == n - 1 else b, size=b - a)
+            units += [Unit(path, None, start=a, end=None if i == n - 1 else b, size=b - a, column=column)
                       for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return units
 
@@ -130,7 +136,7 @@ def read_unit(unit: Unit) -> list[tuple[object, object]]:
             return [(n, line) for n, line in _read_lines(unit) if line.strip()]
         import pyarrow.parquet as pq
 
-        values = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[TEXT_KEY]).column(0).to_pylist()
+        values = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[unit.column]).column(0).to_pylist()
         return list(enumerate(values, unit.first_row))
     except (OSError, EOFError, ValueError) as e:  # also gzip's BadGzipFile, pyarrow's ArrowInvalid
         where = unit.path if unit.row_group is None else f"{unit.path} (row group {unit.row_group})"
@@ -142,10 +148,10 @@ def parse_row(unit: Unit, raw) -> tuple[str | None, str | None]:
     if unit.row_group is None:
         from megand.data.jsonl import parse_json_line
 
-        texts, reason = parse_json_line(raw, [TEXT_KEY])
+        texts, reason = parse_json_line(raw, [unit.column])
         return (None, reason) if reason else (texts[0], None)
     if not isinstance(raw, str):
-        return None, f"column {TEXT_KEY!r} is {'null' if raw is None else type(raw).__name__ + ', not a string'}"
+        return None, f"column {unit.column!r} is {'null' if raw is None else type(raw).__name__ + ', not a string'}"
     return raw, None
 
 
@@ -246,7 +252,7 @@ class Lane:
                 continue
             cursor[2] = row + 1
             rowno, raw = rows[row]
-            text, reason = parse_row(unit, raw)
+            text, reason = self.stream.parse_row(unit, raw)
             where = f"{unit.path}:{rowno}"
             if reason is not None:
                 if self.stream.on_error == "fail":
@@ -286,10 +292,40 @@ class Lane:
         return np.concatenate(out)
 
 
-class StreamSource(DataSource):
-    """The stream of ``data.paths``; a reader :meth:`open` s the lanes of one data-parallel rank."""
+def rows_digest(rows) -> str:
+    """A hash of a unit's rows as read (bytes of JSON lines, or column values)."""
+    h = hashlib.blake2b(digest_size=8)
+    for _, raw in rows:
+        data = raw if isinstance(raw, bytes) else b"\xff" if raw is None else str(raw).encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
-    is_stream = True
+
+def file_identity(path: str) -> list[int]:
+    """``[size, modification time in ns]`` of a file."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One stream state from the readers' states (each holds its own lanes and the units it read)."""
+    merged = dict(states[0])
+    merged["lane_states"] = {str(k): v for s in states for k, v in s["lane_states"].items()}
+    merged["read"] = [{k: v for s in states for k, v in s["read"][i].items()} for i in range(len(states[0]["read"]))]
+    return merged
+
+
+class StreamSource:
+    """The stream of ``data.paths``; a reader :meth:`open` s the lanes of one data-parallel rank.
+
+    The files of one source and how they are read (:meth:`list_units`, :meth:`read_unit`, :meth:`parse_row`):
+    JSON lines and Parquet here; a subclass reads another format through the same lanes and state."""
+
+    kind = "stream"  # the data.kind whose state this is
+    list_units = staticmethod(list_units)  # (spec, text column) -> the units of one data.paths entry, checked readable
+    read_unit = staticmethod(read_unit)  # unit -> [(row number, raw row)]
+    parse_row = staticmethod(parse_row)  # (unit, raw row) -> (text, None) or (None, reason)
 
     def __init__(self, data_cfg, seq_length: int, vocab_size: int, seed: int):
         from megand.data.builder import parse_paths
@@ -299,7 +335,11 @@ class StreamSource(DataSource):
         self.specs = [spec for w, spec in paths if w > 0]
         total = sum(w for w, _ in paths)
         self.weights = [w / total for w, _ in paths if w > 0]
-        self.sources = [list_units(spec) for spec in self.specs]
+        self.text_key = data_cfg.get("text_key") or TEXT_KEY
+        self.sources = [self.list_units(spec, self.text_key) for spec in self.specs]
+        # each source's files: {path: [size, mtime_ns]}, and the hash of every unit read (by unit index)
+        self.files = [{u.path: file_identity(u.path) for u in units} for units in self.sources]
+        self.read_digests: list[dict[str, str]] = [{} for _ in self.sources]
         self.tokenizer = build_tokenizer(data_cfg, vocab_size)  # checks it fits model.vocab_size
         self.spec = tokenizer_spec(data_cfg, vocab_size)
         self.seq_length, self.vocab_size, self.seed, self.lanes = seq_length, vocab_size, seed, 0
@@ -336,14 +376,17 @@ class StreamSource(DataSource):
 
     # -- state: one entry per lane; a reader knows only its own
     def state_dict(self) -> dict:
-        return {"kind": "stream", "version": STATE_VERSION, "lanes": self.lanes, "seed": self.seed,
-                "sources": list(self.specs),
+        return {"kind": self.kind, "version": STATE_VERSION, "lanes": self.lanes, "seed": self.seed,
+                "sources": list(self.specs), "text_key": self.text_key, "files": [dict(f) for f in self.files],
+                "read": [dict(d) for d in self.read_digests],
                 "lane_states": {lane.index: lane.state_dict() for lane in self.mine}}
 
     def load_state_dict(self, state: dict) -> None:
         """Every lane's state (a checkpoint's); this reader takes its own lanes' (a lane the state does not
         hold was never read: under a batch ramp-up, a lane of a batch larger than any read yet)."""
         self.check_state(state)
+        for mine, read in zip(self.read_digests, state["read"]):
+            mine.update(read)
         lane_states = {int(k): v for k, v in state["lane_states"].items()}
         for i, lane in enumerate(self.mine):
             if lane.index in lane_states:
@@ -351,15 +394,17 @@ class StreamSource(DataSource):
             else:
                 self.mine[i] = Lane(lane.index, self)
 
-    def check_state(self, state: dict) -> None:
-        """A one-line DataError when ``state`` is not a state of this stream."""
-        if state.get("kind") != "stream":
-            raise DataError(f"the checkpoint's data state is of kind {state.get('kind')!r}, not a stream "
+    def check_state(self, state: dict, verify_content: bool = True) -> None:
+        """A one-line DataError when ``state`` is not a state of this stream, or its files changed since.
+        ``verify_content``: the rows read from a file whose modification time changed (same size) are read
+        again and compared with their hashes (a file rewritten with the same rows passes)."""
+        if state.get("kind") != self.kind:
+            raise DataError(f"the checkpoint's data state is of kind {state.get('kind')!r}, not data.kind={self.kind} "
                             f"(data.kind changed since the checkpoint?)")
         if int(state.get("version", 1)) != STATE_VERSION:
             raise DataError(f"the checkpoint's stream state is of version {state.get('version', 1)}, this megand reads "
-                            f"version {STATE_VERSION} (lanes now read whole units): resume it with the megand that "
-                            f"wrote it")
+                            f"version {STATE_VERSION} (2: lanes read whole units; 3: the state identifies the files "
+                            f"read): resume it with the megand that wrote it")
         if int(state["lanes"]) != self.lanes:
             raise DataError(f"the checkpoint's stream has {state['lanes']} lanes (its train.global_batch_size), this "
                             f"run {self.lanes}: a stream resumes only at the same global batch size")
@@ -369,6 +414,33 @@ class StreamSource(DataSource):
         if int(state["seed"]) != self.seed:
             raise DataError(f"the checkpoint's stream was shuffled with train.seed={state['seed']}, this run's is "
                             f"{self.seed}: a stream resumes only with the same seed")
+        if state["text_key"] != self.text_key:
+            raise DataError(f"the checkpoint's stream read the texts of data.text_key={state['text_key']!r}, this run "
+                            f"{self.text_key!r}: a stream resumes only on the same documents")
+        for s, (spec, then, now) in enumerate(zip(self.specs, state["files"], self.files)):
+            self._check_files(s, spec, then, now, state["read"][s], verify_content)
+
+    def _check_files(self, s: int, spec: str, then: dict, now: dict, read: dict, verify_content: bool) -> None:
+        why = "a stream resumes only on the files it read, unchanged"
+        for path in now:
+            if path not in then:
+                raise DataError(f"data.paths entry {spec!r}: {path} was added since the checkpoint ({len(then)} "
+                                f"file(s) then, {len(now)} now): {why}")
+        for path, (size, mtime) in then.items():
+            if path not in now:
+                raise DataError(f"data.paths entry {spec!r}: {path} is gone since the checkpoint: {why}")
+            if now[path][0] != size:
+                raise DataError(f"{path}: changed since the checkpoint: {size} bytes then, {now[path][0]} now: {why}")
+        for path, (size, mtime) in then.items():  # the same files and sizes: the same units
+            if now[path][1] != mtime and verify_content:
+                units = self.sources[s]
+                for index, digest in read.items():
+                    unit = units[int(index)]
+                    if unit.path == path and rows_digest(self.read_unit(unit)) != digest:
+                        where = (f" (rows from {unit.first_row})" if unit.row_group is not None
+                                 else f" (lines from byte {unit.start})" if unit.start else "")
+                        raise DataError(f"{path}: changed since the checkpoint: modified, and the rows read from "
+                                        f"it{where} differ: {why}")
 
     # -- reading
     def piece_rows(self, source: int, epoch: int, position: int):
@@ -385,8 +457,10 @@ class StreamSource(DataSource):
                 if len(self._orders) > 2 * len(self.sources):  # lanes are at most an epoch apart, or so
                     self._orders.clear()
                 self._orders[source, epoch] = np.random.default_rng([self.seed, source, epoch]).permutation(len(units))
-            unit = units[int(self._orders[source, epoch][unit_position])]
-            rows = read_unit(unit)
+            index = int(self._orders[source, epoch][unit_position])
+            unit = units[index]
+            rows = self.read_unit(unit)
+            self.read_digests[source][str(index)] = rows_digest(rows)
             self.bytes_read += unit.size
             perm = np.random.default_rng([self.seed, source, epoch, unit_position]).permutation(len(rows))
             shuffled = [rows[int(i)] for i in perm]
@@ -455,19 +529,18 @@ class StreamSource(DataSource):
         return np.stack([lane.sample(self.seq_length) for lane in self.mine])
 
 
-@register_kind("stream")
-def build_stream(data_cfg, seq_length, vocab_size, seed, num_samples):
+def build_stream(data_cfg, seq_length, vocab_size, seed, num_samples, source_class=StreamSource):
     """The train stream of ``data.paths`` and, when the run evaluates, the validation stream of
-    ``data.valid_paths`` (no file in both). Lanes are opened by the trainer, which knows the global batch
-    size and this rank's slice."""
-    train = StreamSource(data_cfg, seq_length, vocab_size, seed)
+    ``data.valid_paths`` (no file in both), read by ``source_class``. Lanes are opened by the trainer,
+    which knows the global batch size and this rank's slice."""
+    train = source_class(data_cfg, seq_length, vocab_size, seed)
     if not num_samples[1]:
         return train, None, None
     valid_paths = data_cfg.get("valid_paths")
     if not valid_paths:
-        raise DataError("data.kind=stream evaluates (train.eval_iters>0) on a held-out stream: set data.valid_paths "
-                        "(files that data.paths does not hold), or train.eval_iters=0")
-    valid = StreamSource({**dict(data_cfg), "paths": valid_paths}, seq_length, vocab_size, seed)
+        raise DataError(f"data.kind={source_class.kind} evaluates (train.eval_iters>0) on a held-out stream: set "
+                        f"data.valid_paths (files that data.paths does not hold), or train.eval_iters=0")
+    valid = source_class({**dict(data_cfg), "paths": valid_paths}, seq_length, vocab_size, seed)
     held_out = {os.path.realpath(u.path) for units in valid.sources for u in units}
     both = sorted({u.path for units in train.sources for u in units if os.path.realpath(u.path) in held_out})
     if both:

@@ -28,18 +28,15 @@ def _layout_rank(cfg, world_size: int, rank: int):
                            pp_size=sizes.pp, tp_rank=c["tp"], device=torch.device("cpu"))
 
 
-def _datasets_summary(cfg) -> list[str]:
+def _datasets_summary(cfg, train) -> list[str]:
     from megand.data.builder import parse_paths
     from megand.data.indexed_dataset import IndexedDataset
+    from megand.data.source import STREAM, data_kind
 
-    if cfg.data.kind == "stream":
-        from megand.data.stream import list_units
-
-        paths = parse_paths(list(cfg.data.paths))
-        total = sum(w for w, _ in paths)
-        return [f"{spec}: stream of {len({u.path for u in units})} file(s), {len(units)} unit(s) (files, chunks of "
-                f"files and Parquet row groups), mixture weight {w / total:.3f}" for (w, spec), units in
-                zip(paths, (list_units(spec) for _, spec in paths))]
+    if data_kind(cfg.data.kind).access == STREAM:
+        return [f"{spec}: stream of {len({u.path for u in units})} file(s), {len(units)} unit(s) (whole files, "
+                f"chunks of files, Parquet row groups or Arrow record batches), mixture weight {w:.3f}"
+                for spec, units, w in zip(train.specs, train.sources, train.weights)]
     if cfg.data.kind != "indexed":
         return [f"data.kind={cfg.data.kind} (blend: one dataset)"]
     lines = []
@@ -119,6 +116,7 @@ def main(argv=None) -> int:
     args, overrides = p.parse_known_args(argv)
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
+    from megand.data.source import STREAM, data_kind
     from megand.training.batches import microbatch_rows, rank_microbatches
     from megand.training.config import ConfigError, compose, validate
     from megand.training.core_configs import document_flags
@@ -138,12 +136,12 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, OSError) as e:
         print(f"inspect_data: {e}", file=sys.stderr)
         return 2
-    for line in _datasets_summary(cfg) + _epochs(train):
+    for line in _datasets_summary(cfg, train) + _epochs(train):
         print(line)
     print(f"the run reads {t.iters * t.global_batch_size} samples of {m.seq_length + 1} tokens "
           f"({t.iters} iterations x global batch {t.global_batch_size})")
     topo = _layout_rank(cfg, world, args.rank)
-    if getattr(train, "is_stream", False):
+    if data_kind(cfg.data.kind).access == STREAM:
         try:
             microbatches, sources = _stream_microbatches(train, args.iteration, t, topo, flags, m.seq_length)
         except DataError as e:

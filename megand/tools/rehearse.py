@@ -342,13 +342,14 @@ def trainer_for_rehearsal(cfg, configs, topo, data, clock):
     from megand.core.optimizer import Optimizer
     from megand.core.pipeline_parallel import get_schedule
     from megand.core.timing import device_timer
+    from megand.training.feeds import RandomAccessFeed
     from megand.training.guards import SkipGuard, SpikeDetector
     from megand.training.pretrain import Trainer, build_model_and_engine
     from megand.training.rampup import batch_ramp
 
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.configs, trainer.model_cfg = cfg, configs, configs.model
-    trainer.topo, trainer.train_data, trainer.valid_data = topo, data, None
+    trainer.topo = topo
     clock.enter("build")
     trainer.chunks, trainer.ddp = build_model_and_engine(configs, topo)
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
@@ -357,12 +358,13 @@ def trainer_for_rehearsal(cfg, configs, topo, data, clock):
     trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.topology.pp_schedule)
     trainer.ramp = batch_ramp(cfg.train)
     trainer._plan_batches(cfg.train.global_batch_size)
+    trainer.train_feed = RandomAccessFeed(data, topo, cfg.train.micro_batch_size, trainer.batch_needs, trainer.ramp)
+    trainer.valid_feed = None
     trainer.iteration = trainer.consumed_samples = 0
-    trainer.prefetcher = trainer.loaded_iteration = trainer.last_save_attempt = trainer.checkpointer = None
+    trainer.loaded_iteration = trainer.last_save_attempt = trainer.checkpointer = None
     trainer.skips = SkipGuard(cfg.train.max_skipped_steps)
     trainer.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
     trainer.rollbacks, trainer.busy, trainer.watchdog = 0, device_timer(topo.device), clock
-    trainer.stream = None  # the rehearsal's data is random access (mock)
     trainer.stop, trainer.started = _NoStopSignal(), time.monotonic()
     trainer.last_batch_checksum = None
     return trainer
@@ -450,8 +452,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str 
                 del state
                 clock.enter(None)
             finally:
-                if trainer.prefetcher is not None:
-                    trainer.prefetcher.close()
+                trainer.train_feed.close()
         micro = t.global_batch_size // (t.micro_batch_size * topo.dp_size)
         log_step = int(t.log_interval == 1)  # the rehearsed step (iteration 0) synchronises if it is logged
         step = ("forward_backward", "optimizer_step")

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megand.core.transformer.documents import document_ids, document_positions
+from megand.data.stream import merge_states
+from megand.training.agreement import on_every_rank
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megand-data")
         self._ahead = None  # ((iteration, offset), future)
 
-    def get(self, iteration: int, *rest) -> list:
+    def get(self, iteration: int, *rest, read_ahead: bool = True) -> list:
+        """The step's micro-batches; then, with ``read_ahead``, starts reading the following step."""
         key = (iteration, *rest)
         if self._ahead is not None and len(self._ahead[0]) == len(key) and all(
                 a is b or a == b for a, b in zip(self._ahead[0], key)):
@@ -180,8 +183,11 @@ class Prefetcher:
         else:
             self._drain()
             host = self._load(*key)
-        following = self._following(key)
-        self._ahead = (following, self._pool.submit(self._load, *following))
+        if read_ahead:
+            following = self._following(key)
+            self._ahead = (following, self._pool.submit(self._load, *following))
+        else:
+            self._ahead = None
         return to_device(host, self._device)
 
     def _drain(self):
@@ -223,15 +229,9 @@ def data_peer_group(topo):
     return mine, by_dp[topo.dp_rank][0]
 
 
-def merge_lane_states(states: list[dict]) -> dict:
-    """One stream state from the readers' states (each holds its own lanes)."""
-    merged = dict(states[0])
-    merged["lane_states"] = {str(k): v for s in states for k, v in s["lane_states"].items()}
-    return merged
-
-
 class StreamBatches:
-    """The stream's only consumer: reads each step's samples once, in order, on a background thread.
+    """The feed of a stream (a :class:`megand.data.stream.StreamSource`): its only consumer, which reads
+    each step's samples once, in order, on a background thread.
 
     Per data-parallel rank, one rank (the first of its tp/cp/pp peers) reads the lanes of its slice of the
     global batch and broadcasts the samples to its peers, so nothing is tokenized twice. :meth:`get`
@@ -261,7 +261,7 @@ class StreamBatches:
         self.all_ranks = dist.new_group(backend="gloo")  # the reading thread's: read errors, lanes changing reader
         self.state_ranks = dist.new_group(backend="gloo")  # gathering the state (the training thread's)
         self.is_reader = topo.rank == self.reader_rank
-        self.source = source if self.is_reader else None
+        self.source = source  # every rank checks a loaded state against its files; only the reader reads
         self.opened = None  # the global batch size this reader's lanes are opened for
         self.pending = None  # a loaded state (every lane's), taken by the next read
         self.state = None  # this reader's lanes' state after the last batch returned
@@ -276,7 +276,7 @@ class StreamBatches:
         if state is None and self.opened is not None:  # a ramp-up step: gather the lanes from their readers
             every = [None] * self.topo.world_size
             dist.all_gather_object(every, self.source.state_dict() if self.is_reader else None, group=self.all_ranks)
-            state = merge_lane_states([s for s in every if s is not None])
+            state = merge_states([s for s in every if s is not None])
         if self.is_reader:
             per_dp = batch_size // self.topo.dp_size
             self.source.open(self.lanes, self.topo.dp_rank * per_dp, per_dp)
@@ -349,14 +349,22 @@ class StreamBatches:
             return self.pending
         every = [None] * self.topo.world_size
         dist.all_gather_object(every, self.state, group=self.state_ranks)
-        return merge_lane_states([s for s in every if s is not None])
+        return merge_states([s for s in every if s is not None])
 
-    def load_state_dict(self, state: dict) -> None:
-        """Every lane's state (a checkpoint's); checked here, taken by the next read."""
+    def load_state_dict(self, state: dict | None) -> str | None:
+        """Collective: every lane's state (a checkpoint's), checked here against the stream (its files on
+        every rank, the rows read from a modified one on the readers; a mismatch is one DataError on every
+        rank), taken by the next read. A checkpoint without a state of this stream (``None``, or another
+        kind's): the stream starts from its beginning, and the notice says so."""
+        if state is None or state.get("kind") != self.source.kind:
+            return "holds no stream state: the stream starts from its beginning"
         self._drain()
-        if self.is_reader:
-            self.source.check_state(state)
+        on_every_rank(lambda: self.source.check_state(state, verify_content=self.is_reader))
         self.opened, self.pending, self.state = None, state, None
+        return None
+
+    def reserve(self, samples: int) -> None:
+        """A stream has no end to extend: nothing to do."""
 
     def _drain(self):
         if self._ahead is not None:

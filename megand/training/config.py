@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from megand.data.source import DATA_KINDS, STREAM
 from megand.training.model_schema import ModelConfig  # the model group: generated from core's TransformerConfig
 
 
@@ -97,7 +98,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir) | stream
+    kind: str = "mock"  # mock | indexed | quickstart (the offline pydoc corpus, built once into cache_dir) | stream | hf_disk (a datasets save_to_disk directory, streamed)
     paths: List[Any] = field(default_factory=list)  # [[weight, prefix], ...]
     tokenizer: Optional[str] = None  # path to a sentencepiece .model, a Hugging Face tokenizer.json or a .tiktoken file
     tokenizer_type: Optional[str] = None  # sentencepiece | huggingface | tiktoken (null: from the file name: .model, .json, .tiktoken)
@@ -109,6 +110,7 @@ class DataConfig:
     cache_dir: str = "${run_dir}/data_cache"  # where dataset indices (and the quickstart corpus) are cached
     on_error: str = "fail"  # stream: a malformed row stops the run (fail) or is skipped (skip)
     workers: int = 1  # stream: tokenizer processes per reader (one reader per data-parallel rank); 0: in the reader
+    text_key: str = "text"  # stream, hf_disk: the JSON field, Parquet or Arrow column holding each document's text
     valid_paths: List[Any] = field(default_factory=list)  # stream: the held-out validation stream, [[weight, directory or glob], ...] (no file of data.paths); read from its start at every evaluation
 
 
@@ -170,7 +172,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_style": ("linear", "cosine", "1-sqrt"),
     "optim.sharding": ("none", "optim", "optim_grads", "optim_grads_params"),
-    "data.kind": ("mock", "indexed", "quickstart", "stream"),
+    "data.kind": tuple(DATA_KINDS),
     "data.on_error": ("fail", "skip"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }
@@ -333,14 +335,7 @@ def validate(cfg, world_size: int) -> None:
                           f"divisible by parallel.cp={p.cp} (model.num_query_groups={groups})")
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
-    if cfg.data.kind == "indexed" and not cfg.data.paths:
-        raise ConfigError("data.kind=indexed needs data.paths: a list of [weight, prefix]")
-    if cfg.data.kind == "stream" and not (cfg.data.paths and cfg.data.workers >= 0):
-        raise ConfigError(f"data.kind=stream needs data.paths (a list of [weight, directory or glob]) and "
-                          f"data.workers >= 0: got data.paths={list(cfg.data.paths)}, data.workers={cfg.data.workers}")
-    if cfg.data.kind == "stream" and cfg.train.eval_iters > 0 and not cfg.data.valid_paths:
-        raise ConfigError(f"data.kind=stream evaluates (train.eval_iters={cfg.train.eval_iters}) on a held-out "
-                          f"stream: set data.valid_paths (files that data.paths does not hold), or train.eval_iters=0")
+    _validate_data_kind(cfg)
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
         raise ConfigError(f"data.reset_attention_mask=true does not support model.attention_dropout="
@@ -430,6 +425,19 @@ def validate_fault_keys(cfg) -> None:
     if t.spike_rollback and not (c.save and c.interval > 0):
         raise ConfigError(f"train.spike_rollback=true needs checkpoints to roll back to: checkpoint.save={c.save} "
                           f"and checkpoint.interval={c.interval} (must be > 0)")
+
+
+def _validate_data_kind(cfg) -> None:
+    """What the source of ``data.kind`` (its record in :data:`megand.data.source.DATA_KINDS`) needs."""
+    d, kind = cfg.data, DATA_KINDS[cfg.data.kind]
+    if kind.access == STREAM and not (d.paths and d.workers >= 0):
+        raise ConfigError(f"data.kind={kind.name} needs data.paths (a list of [weight, {kind.paths}]) and "
+                          f"data.workers >= 0: got data.paths={list(d.paths)}, data.workers={d.workers}")
+    if kind.access == STREAM and cfg.train.eval_iters > 0 and not d.valid_paths:
+        raise ConfigError(f"data.kind={kind.name} evaluates (train.eval_iters={cfg.train.eval_iters}) on a held-out "
+                          f"stream: set data.valid_paths (files that data.paths does not hold), or train.eval_iters=0")
+    if kind.paths and not d.paths:
+        raise ConfigError(f"data.kind={kind.name} needs data.paths: a list of [weight, {kind.paths}]")
 
 
 def _validate_tokenizer(data, vocab_size: int) -> None:

@@ -39,15 +39,16 @@ from megand.data.builder import build_datasets as build_data_splits
 from megand.models.flops import flops_per_iteration, fp8_flops_fraction
 from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
-from megand.training.batches import Prefetcher, StreamBatches, loss_token_count, mtp_token_counts, rank_microbatches
+from megand.training.batches import loss_token_count, mtp_token_counts
 from megand.training.compile import compile_layers
 from megand.training.config import backend_timeout_s, collective_timeout_s, validate
 from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
+from megand.training.feeds import open_feed
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
 from megand.training.output_dirs import check_output_dirs
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
-from megand.training.rampup import batch_ramp
+from megand.training.rampup import ConstantBatch, batch_ramp
 from megand.training.wandb_logger import WandbLogger
 
 
@@ -149,8 +150,7 @@ class Trainer:
         self.topo = build_topology(self.configs.topology, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
-        self.train_data, self.valid_data = build_datasets(self.configs.datasets, self.topo,
-                                                          self.rollback_sample_budget())
+        train, valid = build_datasets(self.configs.datasets, self.topo, self.rollback_sample_budget())
         # params live in the engine's buffers, allocated and initialised there (no full copy)
         self.chunks, self.ddp = build_model_and_engine(self.configs, self.topo)
         self.named_params = [(n, p) for chunk in self.chunks for n, p in chunk.named_parameters()]
@@ -161,13 +161,7 @@ class Trainer:
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes
-        self.prefetcher = None  # reads the next step's batch while this one computes
-        t = cfg.train  # a stream (data.kind=stream): read in order by its only consumer (collective)
-        self.stream = (StreamBatches(self.train_data, self.topo, t.global_batch_size, t.micro_batch_size,
-                                     **self.batch_needs, ramp=self.ramp)
-                       if getattr(self.train_data, "is_stream", False) else None)
-        self.valid_stream = (StreamBatches(self.valid_data, self.topo, t.global_batch_size, t.micro_batch_size,
-                                           **self.batch_needs) if getattr(self.valid_data, "is_stream", False) else None)
+        self.train_feed, self.valid_feed = self._open_feeds(train, valid)
         self.loaded_iteration = self.last_save_attempt = None
         self.rollback_path = None  # the checkpoint a spike rollback returns to: the one loaded or saved last
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
@@ -186,13 +180,31 @@ class Trainer:
                 print(notice, flush=True)
             if path:
                 self.load_checkpoint(path)
-        sample_offset = self.consumed_samples - self.iteration * cfg.train.global_batch_size
-        if sample_offset > 0 and self.stream is None:  # a smaller global batch size resumes further into the data
-            self.train_data, self.valid_data = build_datasets(self.configs.datasets, self.topo,
-                                                              sample_offset + self.rollback_sample_budget())
+        # a smaller global batch size resumes further into the data than the run was built for
+        self.train_feed.reserve(self.consumed_samples + (cfg.train.iters - self.iteration) * cfg.train.global_batch_size
+                                + self.rollback_sample_budget())
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
+
+    @property
+    def train_data(self):
+        """The train split's source, as its feed reads it (built again by a resume that reads further)."""
+        return self.train_feed.source
+
+    def _open_feeds(self, train, valid):
+        """The feeds of the train and validation splits (:mod:`megand.training.feeds`): the trainer reads every
+        data source through them. Collective (a stream's feed makes its process groups)."""
+        t, plan = self.cfg.train, self.configs.datasets
+        kind = plan.data.get("kind", "mock")
+
+        def rebuild(samples: int):
+            return build_datasets(plan, self.topo, samples - plan.train_samples)[0]
+
+        return (open_feed(kind, train, self.topo, t.micro_batch_size, self.batch_needs, self.ramp,
+                          plan.train_samples + self.rollback_sample_budget(), rebuild),
+                open_feed(kind, valid, self.topo, t.micro_batch_size, self.batch_needs,
+                          ConstantBatch(t.global_batch_size)))
 
     def rollback_sample_budget(self) -> int:
         """Samples a run may skip by spike rollbacks: each skips at most one checkpoint interval of batches."""
@@ -253,22 +265,15 @@ class Trainer:
 
     def data_state(self) -> dict:
         """Collective: where the data stands after the batches trained on (what a checkpoint keeps)."""
-        if self.stream is not None:
-            return self.stream.state_dict()
-        from megand.data.source import RandomAccessSource
-
-        return RandomAccessSource(self.train_data, self.consumed_samples).state_dict()  # recorded; resumes read consumed_samples
+        return self.train_feed.state_dict()
 
     def load_checkpoint(self, path):
         loaded = self.checkpointer.load(path)
         self.rollback_path = loaded.path
         self.load_guard_state(loaded.extra_state)
-        if self.stream is not None:
-            data = (loaded.extra_state or {}).get("data")
-            if data is not None and data.get("kind") == "stream":
-                self.stream.load_state_dict(data)
-            elif self.topo.is_logging_rank:
-                print(f" {loaded.path} holds no stream state: the stream starts from its beginning", flush=True)
+        notice = self.train_feed.load_state_dict((loaded.extra_state or {}).get("data"))
+        if notice and self.topo.is_logging_rank:
+            print(f" {loaded.path} {notice}", flush=True)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
@@ -445,16 +450,6 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.progress(self.iteration + 1, phase, timeout_s)
 
-    def _read_step(self, position, dataset):
-        """This rank's micro-batches of the global batch that starts after ``position`` consumed samples, on
-        the host (the prefetcher's reader)."""
-        return rank_microbatches(dataset, 0, self.ramp.batch_size(position), self.cfg.train.micro_batch_size,
-                                 self.topo, offset=position, device=torch.device("cpu"), **self.batch_needs)
-
-    def _next_read(self, key):
-        position, dataset = key
-        return position + self.ramp.batch_size(position), dataset
-
     def fp8_weights(self):
         """The FP8 layers' weights quantised once for the step's micro-batches (the optimizer steps after
         it), unless ZeRO-3 frees each gathered weight: an FP8 copy kept for the step would undo it."""
@@ -470,12 +465,8 @@ class Trainer:
         self._progress("data")
         if self.ramp.batch_size(self.consumed_samples) != self.batch_size:
             self._plan_batches(self.ramp.batch_size(self.consumed_samples))
-        if self.stream is not None:  # a rollback keeps the stream where it is: after the spike's batch
-            microbatches = self.stream.get(self.consumed_samples)
-        else:
-            if self.prefetcher is None:
-                self.prefetcher = Prefetcher(self._read_step, self.topo.device, self._next_read)
-            microbatches = self.prefetcher.get(self.consumed_samples, self.train_data)
+        # after a rollback, consumed_samples is past the spike's batch: its data is skipped
+        microbatches = self.train_feed.get(self.consumed_samples)
         self._count_loss_tokens(microbatches)
         for chunk in self.chunks:
             chunk.train()
@@ -605,15 +596,10 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        if self.valid_stream is not None:  # the same batches at every evaluation: from the stream's start
-            self.valid_stream.restart()
+        self.valid_feed.restart()  # the same batches at every evaluation: from the start
         for k in range(t.eval_iters):
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
-            if self.valid_stream is not None:
-                microbatches = self.valid_stream.get(k * t.global_batch_size, read_ahead=k + 1 < t.eval_iters)
-            else:
-                microbatches = rank_microbatches(self.valid_data, k, t.global_batch_size, t.micro_batch_size,
-                                                 self.topo, **self.batch_needs)
+            microbatches = self.valid_feed.get(k * t.global_batch_size, read_ahead=k + 1 < t.eval_iters)
             self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
             with self.fp8_weights():
                 loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
@@ -681,12 +667,9 @@ class Trainer:
         finally:
             self.watchdog.close()
             self.watchdog = None
-            if self.prefetcher is not None:
-                self.prefetcher.close()
-                self.prefetcher = None
-            for stream in (self.stream, self.valid_stream):
-                if stream is not None:
-                    stream.close()
+            for feed in (self.train_feed, self.valid_feed):
+                if feed is not None:
+                    feed.close()
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 

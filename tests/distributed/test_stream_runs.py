@@ -193,3 +193,20 @@ def test_a_validation_stream_that_overlaps_training_is_refused(tmp_path):
     assert proc.returncode == 2
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "data.valid_paths holds 1 file(s) that data.paths trains on" in lines[0], lines
+
+
+def test_a_resume_on_a_changed_corpus_stops_before_training(tmp_path):
+    """Appending documents to a file of the stream since the checkpoint: the resume stops every rank with one
+    line naming the file and the change, exit code 2, before any step (it used to repeat documents)."""
+    corpus = tmp_path / "corpus"
+    write_corpus(pathlib.Path(corpus), 200)
+    save, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    args = [*common(corpus, "data.workers=0", f"checkpoint.save={save}", f"checkpoint.load={save}"), "train.iters=2"]
+    run_pretrain(run_dir, args, nproc=2)
+    with open(corpus / "a.jsonl", "a") as f:
+        f.writelines(json.dumps({"text": f"7 {i} 7"}) + "\n" for i in range(20))
+    proc = run_pretrain(run_dir, [*args, "train.iters=4"], nproc=2, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"{corpus / 'a.jsonl'}: changed since the checkpoint: " in lines[0], lines
+    assert [r["iter"] for r in read_metrics(run_dir)] == [1, 2]

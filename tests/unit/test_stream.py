@@ -237,3 +237,38 @@ def test_a_state_of_another_seed_batch_or_format_is_refused_in_one_line(tmp_path
             s.load_state_dict({**state, **change})
     s.load_state_dict({**state, "lane_states": {}})  # lanes the state does not hold were never read
     assert [lane.cursors for lane in s.mine] == [[[0, lane.index, 0]] for lane in s.mine]
+
+
+def test_a_changed_corpus_is_refused_on_resume_naming_the_file(tmp_path):
+    """The state identifies the files: appending documents to a file, adding or removing a file, or
+    rewriting what was read is refused in one line naming the file (such a resume used to repeat documents:
+    the lanes' positions then point into another order of units and rows)."""
+    write_corpus(tmp_path / "c", 120)
+    paths = [[1.0, str(tmp_path / "c")]]
+    first = readers(paths, 1)
+    read(first, 6)
+    state = merged_state(first)
+    a = tmp_path / "c" / "a.jsonl"
+    original = a.read_bytes()
+    with open(a, "a") as f:  # 20 more documents in one file
+        f.writelines(json.dumps({"text": f"7 {i} 7"}) + "\n" for i in range(20))
+    with pytest.raises(DataError, match=rf"^{a}: changed since the checkpoint: {len(original)} bytes then, \d+ now"):
+        readers(paths, 2, state)
+    a.write_bytes(original)
+    (tmp_path / "c" / "e.jsonl").write_text(json.dumps({"text": "5 6 7"}) + "\n")  # a file more
+    with pytest.raises(DataError, match=r"e.jsonl was added since the checkpoint \(4 file\(s\) then, 5 now\)"):
+        readers(paths, 2, state)
+    (tmp_path / "c" / "e.jsonl").unlink()
+    (tmp_path / "c" / "b.jsonl").rename(tmp_path / "b.jsonl")
+    with pytest.raises(DataError, match=r"b.jsonl is gone since the checkpoint"):
+        readers(paths, 2, state)
+    (tmp_path / "b.jsonl").rename(tmp_path / "c" / "b.jsonl")
+    # the same rows rewritten (a new modification time): the rows read hash the same, the resume goes on
+    a.write_bytes(original)
+    whole = read(readers(paths, 1), 10)
+    assert all(np.array_equal(x, y) for x, y in zip(whole[6:], read(readers(paths, 2, state), 4)))
+    # other rows of the same size where the stream read: refused
+    a.write_bytes(original.replace(b'"text": "0 ', b'"text": "9 ', 1))
+    assert len(a.read_bytes()) == len(original)
+    with pytest.raises(DataError, match=rf"^{a}: changed since the checkpoint: modified, and the rows read from it differ"):
+        readers(paths, 1, state)
