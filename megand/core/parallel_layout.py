@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from megand.core.batch_shares import is_uneven, shares_error
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
 
 DIMS = ("tp", "cp", "dp", "pp")
@@ -103,9 +104,16 @@ class ParallelLayout:
     ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule: its record places the virtual stages
+    # micro-batches per data-parallel replica (megand/core/batch_shares.py); None: equal shares
+    dp_microbatches: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_sizes(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
+        if self.dp_microbatches is not None:
+            object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches))
+        error = shares_error(self.dp, self.dp_microbatches)
+        if error:
+            raise LayoutError(error)
         parse_order(self.order)
         check_dp_shard(self.sizes, self.dp_shard)
         check_expert_layout(self.sizes, self.ep, self.etp)
@@ -153,6 +161,11 @@ class ParallelLayout:
     def shard_size(self) -> int:
         """Ranks of one shard group (sharded data parallelism): ``dp_shard``, or all of dp x cp."""
         return self.dp_shard or self.dp_cp
+
+    @property
+    def uneven_shares(self) -> bool:
+        """Data-parallel replicas take different numbers of micro-batches per step."""
+        return is_uneven(self.dp_microbatches)
 
     @property
     def expert_tp(self) -> int:

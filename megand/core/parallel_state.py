@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megand.core.batch_shares import replica_rows
 from megand.core.parallel_layout import (DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, ParallelSizes,
                                          check_dp_shard, check_expert_layout, parse_order)
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
@@ -288,6 +289,7 @@ class TopologyConfig:
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     pp_schedule: str = DEFAULT_SCHEDULE
     timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
+    dp_microbatches: tuple[int, ...] | None = None  # micro-batches per data-parallel replica; None: equal
 
 
 @dataclass
@@ -308,6 +310,7 @@ class Topology:
     etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
     pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (its record places the stages: last_stage_rank)
+    dp_microbatches: tuple[int, ...] | None = None  # micro-batches per data-parallel replica (batch_shares.py)
 
     def __post_init__(self):
         self.rank = dist.get_rank()
@@ -317,9 +320,11 @@ class Topology:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
         s = self.sizes
         self.layout = ParallelLayout(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, vpp=self.vpp, order=self.order,
-                                     dp_shard=self.dp_shard, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
+                                     dp_shard=self.dp_shard, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule,
+                                     dp_microbatches=self.dp_microbatches)
         self.coords = rank_coords(self.rank, self.sizes, self.order)
         self.etp = self.layout.expert_tp
+        self.dp_microbatches = self.layout.dp_microbatches
         lists = rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp)
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
@@ -332,14 +337,16 @@ class Topology:
         """Collective: this rank's topology in the default process group, laid out as ``config`` says."""
         layout = ParallelLayout.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp,
                                       vpp=config.vpp, order=config.order, dp_shard=config.dp_shard, ep=config.ep,
-                                      etp=config.etp, pp_schedule=config.pp_schedule)
+                                      etp=config.etp, pp_schedule=config.pp_schedule,
+                                      dp_microbatches=config.dp_microbatches)
         return cls.from_layout(layout, device, config.timeout_s)
 
     @classmethod
     def from_layout(cls, layout: ParallelLayout, device: torch.device, timeout_s: float | None = None) -> "Topology":
         """Collective: this rank's topology in the default process group, laid out as ``layout``."""
         return cls(layout.sizes, order=layout.order, vpp=layout.vpp, device=device, dp_shard=layout.dp_shard,
-                   ep=layout.ep, etp=layout.etp, timeout_s=timeout_s, pp_schedule=layout.pp_schedule)
+                   ep=layout.ep, etp=layout.etp, timeout_s=timeout_s, pp_schedule=layout.pp_schedule,
+                   dp_microbatches=layout.dp_microbatches)
 
     # sizes and ranks within each dimension
     tp_size = property(lambda self: self.sizes.tp)
@@ -377,6 +384,15 @@ class Topology:
     expert_dp_group = property(lambda self: self.groups["expert_dp"])
     expert_tp_ep_group = property(lambda self: self.groups["expert_tp_ep"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
+
+    # the ranks that compute one micro-batch together: every replica's micro-batch of an index (dp x cp),
+    # or under uneven batch shares only the replica's own (cp): megand/core/batch_shares.py
+    microbatch_group = property(lambda self: self.groups["cp" if self.layout.uneven_shares else "dp_cp"])
+    microbatch_ranks = property(lambda self: self.cp_size if self.layout.uneven_shares else self.dp_cp_size)
+
+    def replica_rows(self, global_batch_size: int) -> tuple[int, int]:
+        """``(first, count)``: the samples of a global batch that this rank's data-parallel replica reads."""
+        return replica_rows(self.layout.dp_microbatches, self.dp_size, self.dp_rank, global_batch_size)
 
     # pipeline neighbours (global ranks) and stage roles
     @property

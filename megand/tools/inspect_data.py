@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
+from megand.core.batch_shares import replica_rows
+
 
 def _layout_rank(cfg, world_size: int, rank: int):
     """The data coordinates of ``rank`` in the layout, without processes."""
@@ -24,7 +26,8 @@ def _layout_rank(cfg, world_size: int, rank: int):
     p = cfg.parallel
     sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
     c = rank_coords(rank, sizes, p.order)
-    return SimpleNamespace(dp_size=sizes.dp, dp_rank=c["dp"], cp_size=sizes.cp, cp_rank=c["cp"], pp_rank=c["pp"],
+    shares = None if p.get("dp_microbatches") is None else tuple(p.dp_microbatches)
+    return SimpleNamespace(dp_size=sizes.dp, dp_rank=c["dp"], dp_microbatches=shares, cp_size=sizes.cp, cp_rank=c["cp"], pp_rank=c["pp"],
                            pp_size=sizes.pp, tp_rank=c["tp"], device=torch.device("cpu"))
 
 
@@ -68,8 +71,8 @@ def _stream_microbatches(stream, iteration, t, topo, flags, seq_length):
     ``file:row`` of the documents in each of its samples."""
     from megand.training.batches import samples_microbatches
 
-    per_dp = t.global_batch_size // topo.dp_size
-    stream.open(t.global_batch_size, topo.dp_rank * per_dp, per_dp)
+    stream.open(t.global_batch_size, *replica_rows(topo.dp_microbatches, topo.dp_size, topo.dp_rank,
+                                                   t.global_batch_size))
     stream.workers = 0  # one batch: tokenized here
     stream.history = {}
     for _ in range(iteration + 1):
@@ -154,7 +157,8 @@ def main(argv=None) -> int:
     print(f"rank {args.rank} (dp {topo.dp_rank}/{topo.dp_size}, cp {topo.cp_rank}/{topo.cp_size}, "
           f"pp {topo.pp_rank}/{topo.pp_size}), iteration {args.iteration}:")
     shown = 0
-    rows = microbatch_rows(t.global_batch_size // topo.dp_size, t.micro_batch_size)  # the samples' lanes
+    rows = microbatch_rows(replica_rows(topo.dp_microbatches, topo.dp_size, topo.dp_rank, t.global_batch_size)[1],
+                           t.micro_batch_size)  # the samples' lanes
     for k, mb in enumerate(microbatches):
         for i in range(mb.batch_size):
             if shown >= args.samples:

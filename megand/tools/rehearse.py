@@ -178,6 +178,9 @@ def prepare_config(args):
     if not 0 <= args.rank < world:
         raise SystemExit(f"rehearse: --rank {args.rank} is not in a world of {world} ranks")
     configured = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.get("dp_microbatches") is not None:  # uneven shares: the rank's peak is the largest share's
+        configured = max(p.dp_microbatches)
+        p.dp_microbatches = None  # the rehearsal's own batch below, split evenly
     micro = args.microbatches or min(max(configured, 1), steady_microbatches(p.pp, p.vpp))
     t.global_batch_size = micro * t.micro_batch_size * dp
     cfg.data.kind = "mock"

@@ -1,7 +1,8 @@
 """From the dataset to this rank's micro-batches.
 
 The global batch of iteration ``i`` is samples ``[i*B, (i+1)*B)`` whatever the layout; data-parallel
-rank ``r`` takes the ``r``-th contiguous slice and splits it into micro-batches by stride (micro-batch ``j``
+rank ``r`` takes the ``r``-th contiguous slice (of its share's size under ``parallel.dp_microbatches``:
+megand/core/batch_shares.py) and splits it into micro-batches by stride (micro-batch ``j``
 of ``m`` takes its rows ``j, j + m, ...``: see :func:`microbatch_rows`), so that micro-batch ``j`` of the step
 holds the same samples at every dp with the same number of micro-batches. Tensor- and pipeline-parallel
 peers of a data-parallel rank load the same samples identically (reading a few
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megand.core.batch_shares import replica_rows
 from megand.core.transformer.documents import document_ids, document_positions
 from megand.data.stream import merge_states
 from megand.training.agreement import on_every_rank
@@ -64,8 +66,8 @@ def rank_microbatches(dataset, iteration, global_batch_size, micro_batch_size, t
     ``needs_tokens=False`` (a middle pipeline stage): only positions (and document information when
     ``documents`` asks for it); ``seq_length`` is then required.
     """
-    per_dp = global_batch_size // topo.dp_size
-    first = offset + iteration * global_batch_size + topo.dp_rank * per_dp
+    start, per_dp = replica_rows(topo.dp_microbatches, topo.dp_size, topo.dp_rank, global_batch_size)
+    first = offset + iteration * global_batch_size + start
     use_documents = documents is not None and documents.any
     input_ids = labels = doc_ids = loss_mask = None
     if needs_tokens or use_documents:
@@ -208,7 +210,7 @@ def samples_microbatches(tokens: torch.Tensor | None, micro_batch_size, topo, se
             return tokens[i].numpy()
 
     per_dp = tokens.shape[0]
-    view = SimpleNamespace(dp_size=1, dp_rank=0, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device=topo.device)
+    view = SimpleNamespace(dp_size=1, dp_rank=0, dp_microbatches=None, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device=topo.device)
     return rank_microbatches(Rows(), 0, per_dp, micro_batch_size, view, seq_length=seq_length,
                              needs_tokens=needs_tokens, documents=documents, device=device)
 
@@ -278,8 +280,7 @@ class StreamBatches:
             dist.all_gather_object(every, self.source.state_dict() if self.is_reader else None, group=self.all_ranks)
             state = merge_states([s for s in every if s is not None])
         if self.is_reader:
-            per_dp = batch_size // self.topo.dp_size
-            self.source.open(self.lanes, self.topo.dp_rank * per_dp, per_dp)
+            self.source.open(self.lanes, *self.topo.replica_rows(batch_size))
             if state is not None:
                 self.source.load_state_dict(state)
             self.state = self.source.state_dict()

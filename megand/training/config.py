@@ -35,6 +35,7 @@ class ParallelConfig:
     dp_shard: Optional[int] = None  # ranks of dp x cp in one shard group (optim.sharding != none); null: all; smaller: hybrid sharding (HSDP), replicas across groups
     ep: int = 1  # expert-parallel size: routed experts split over ep ranks carved out of dp x cp (divides dp*cp and model.num_experts); expert grads are reduced over the remaining expert-data-parallel ranks
     etp: Optional[int] = None  # expert tensor-parallel size (MoE): 1 (whole experts on every tp rank, tokens split over tp) or tp; null: tp
+    dp_microbatches: Optional[List[int]] = None  # micro-batches per data-parallel replica and step (heterogeneous clusters: a fast replica takes more); null: equal shares; sums to train.global_batch_size / train.micro_batch_size
 
 
 @dataclass
@@ -280,7 +281,8 @@ def validate(cfg, world_size: int) -> None:
     check_counts(cfg)
     try:
         layout = ParallelLayout.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, vpp=p.vpp, order=p.order,
-                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule)
+                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule,
+                                      dp_microbatches=p.dp_microbatches)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     sizes = layout.sizes
@@ -302,7 +304,8 @@ def validate(cfg, world_size: int) -> None:
         (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
-        (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
+        (layout.dp_microbatches is not None or  # the shares' own check below
+         t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
          f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
     ]
@@ -316,14 +319,17 @@ def validate(cfg, world_size: int) -> None:
     from megand.training.rampup import ramp_error
 
     rule = layout.schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
-    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
-    if ramp_message:
-        raise ConfigError(ramp_message)
-    micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
-    schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro batch "
-                                                 f"{t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
-    if schedule_message:
-        raise ConfigError(schedule_message)
+    if layout.dp_microbatches is not None:
+        validate_batch_shares(cfg, layout, rule)
+    else:
+        ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
+        if ramp_message:
+            raise ConfigError(ramp_message)
+        micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+        schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro "
+                                                     f"batch {t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
+        if schedule_message:
+            raise ConfigError(schedule_message)
     try:
         layers = pipeline_layout(m.num_layers, p.pp, p.vpp, p.pipeline_layout)
         check_recompute_layers(t, layers)
@@ -346,6 +352,32 @@ def validate(cfg, world_size: int) -> None:
     validate_mtp(cfg)
     validate_fault_keys(cfg)
     transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
+
+
+def validate_batch_shares(cfg, layout, rule) -> None:
+    """``parallel.dp_microbatches`` (megand/core/batch_shares.py): the shares split the global batch, each
+    replica runs what its pipeline schedule needs, and no group that meets per micro-batch spans replicas
+    of different shares."""
+    from megand.core.batch_shares import group_error, microbatch_count_error
+    from megand.core.parallel_state import rank_coords, rank_groups
+
+    t, shares = cfg.train, layout.dp_microbatches
+    message = microbatch_count_error(shares, t.global_batch_size, t.micro_batch_size)
+    if message:
+        raise ConfigError(message)
+    if t.rampup_batch_size is not None:
+        raise ConfigError(f"train.rampup_batch_size={list(t.rampup_batch_size)} changes the global batch that "
+                          f"parallel.dp_microbatches={list(shares)} splits: use one or the other")
+    for r, k in enumerate(shares):
+        message = rule.error(k, f"{k} = parallel.dp_microbatches[{r}]", keys="parallel.")
+        if message:
+            raise ConfigError(message)
+    per_microbatch_shards = cfg.optim.sharding in ("optim_grads", "optim_grads_params")
+    kinds = ["ep"] + per_microbatch_shards * ["dp_shard"] + (per_microbatch_shards and layout.ep > 1) * ["expert_dp"]
+    groups = rank_groups(layout.sizes, layout.order, layout.dp_shard, layout.ep, layout.etp)
+    message = group_error(shares, lambda r: rank_coords(r, layout.sizes, layout.order)["dp"], groups, kinds)
+    if message:
+        raise ConfigError(message)
 
 
 def validate_mtp(cfg) -> None:

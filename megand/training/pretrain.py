@@ -27,6 +27,7 @@ from megand.core.parallel_state import (
     device_capability,
     init_distributed,
 )
+from megand.core.batch_shares import step_microbatches
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
@@ -472,7 +473,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
-        moe.start_step(self.chunks, loss_scale, len(microbatches))
+        moe.start_step(self.chunks, loss_scale, step_microbatches(self.topo.dp_microbatches, len(microbatches)))
         # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")

@@ -577,8 +577,10 @@ class MoE(torch.nn.Module):
         sums = torch.cat([counts, scores.sum(0), lse2])
         if self.sharded_tokens:
             sums = reduce_from_tp(sums, topo.tp_group)  # forward all-reduce, backward identity
-        sums = reduce_from_tp(sums, topo.dp_cp_group)
-        tokens = scores.shape[0] * (topo.tp_size if self.sharded_tokens else 1) * topo.dp_cp_size
+        # the micro-batch's ranks: every replica's micro-batch of this index, or one replica's under uneven
+        # batch shares (megand/core/batch_shares.py)
+        sums = reduce_from_tp(sums, topo.microbatch_group)
+        tokens = scores.shape[0] * (topo.tp_size if self.sharded_tokens else 1) * topo.microbatch_ranks
         load, score_sum = sums[:e].detach(), sums[e: 2 * e]
         aux = e * ((load / (k * tokens)) * (score_sum / tokens)).sum()
         z = sums[2 * e] / tokens
@@ -609,11 +611,15 @@ def start_step(chunks, loss_scale: float, num_microbatches: int) -> None:
 def update_expert_bias(chunks) -> None:
     """After an optimizer step: the auxiliary-loss-free balancing step of every sigmoid router,
     ``bias_e += rate * sign(mean load - load_e)`` from the loads of the whole step (identical on every
-    rank that holds the layer: the loads are already summed over the micro-batch's ranks)."""
+    rank that holds the layer: the loads are already summed over the micro-batch's ranks; under uneven
+    batch shares each replica's over its own micro-batches, summed here over the replicas)."""
     for m in moe_layers(chunks):
         rate = m.cfg.moe_bias_update_rate
         if m.router.expert_bias is not None and rate > 0 and m.stats.microbatches:
             load = m.stats.load
+            if m.topo.layout.uneven_shares:
+                load = load.clone()
+                torch.distributed.all_reduce(load, group=m.topo.dp_group)
             m.router.expert_bias += rate * torch.sign(load.mean() - load)
 
 

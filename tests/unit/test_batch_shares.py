@@ -1,0 +1,67 @@
+"""Per-replica batch shares (megand/core/batch_shares.py): which samples each replica reads, and the layouts
+refused in one line before any work."""
+
+import pytest
+
+from megand.core.batch_shares import replica_rows, step_microbatches
+from megand.core.parallel_layout import LayoutError, ParallelLayout
+from megand.training.batches import microbatch_rows
+from megand.training.config import ConfigError, compose, validate
+
+
+def test_replicas_read_contiguous_slices_of_their_shares():
+    assert [replica_rows((5, 3), 2, r, 16) for r in range(2)] == [(0, 10), (10, 6)]
+    assert [replica_rows((1, 2, 1), 3, r, 8) for r in range(3)] == [(0, 2), (2, 4), (6, 2)]
+    assert [replica_rows(None, 2, r, 8) for r in range(2)] == [(0, 4), (4, 4)]
+    # every sample of the global batch once, whatever the shares
+    for shares in [(3, 1), (1, 2, 1), (2, 2), (1, 1, 1, 5)]:
+        rows = [i for r in range(len(shares)) for i in range(*(lambda a, n: (a, a + n))(
+            *replica_rows(shares, len(shares), r, 2 * sum(shares))))]
+        assert rows == list(range(2 * sum(shares)))
+    assert len(microbatch_rows(replica_rows((5, 3), 2, 0, 16)[1], 2)) == 5
+
+
+def test_step_averages_over_every_replicas_microbatches_only_when_uneven():
+    assert step_microbatches((3, 1), 3) == 4 and step_microbatches((2, 2), 2) == 2 and step_microbatches(None, 2) == 2
+
+
+def test_layout_checks_the_shares():
+    assert ParallelLayout(dp=2, dp_microbatches=[3, 1]).uneven_shares
+    assert not ParallelLayout(dp=2, dp_microbatches=[2, 2]).uneven_shares
+    with pytest.raises(LayoutError, match=r"parallel.dp_microbatches=\[3, 1, 1\] must list one positive number of "
+                                          r"micro-batches per data-parallel replica \(dp=2\)"):
+        ParallelLayout(dp=2, dp_microbatches=[3, 1, 1])
+    with pytest.raises(LayoutError, match="dp_microbatches=\\[3, 0\\]"):
+        ParallelLayout(dp=2, dp_microbatches=[3, 0])
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["parallel.dp_microbatches=[3,1,1]"], 2, r"parallel.dp_microbatches=\[3, 1, 1\] must list one positive number"),
+    (["parallel.dp_microbatches=[3,2]"], 2, r"parallel.dp_microbatches=\[3, 2\] takes 5 micro-batches per step, but "
+                                            r"train.global_batch_size=8 / train.micro_batch_size=2 is 4"),
+    (["parallel.dp_microbatches=[3,1]", "train.rampup_batch_size=[4,4,64]"], 2, r"train.rampup_batch_size=\[4, 4, 64\]"
+                                                                                r" changes the global batch"),
+    (["parallel.dp_microbatches=[3,1]", "parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=4",
+      "train.micro_batch_size=1"], 4,
+     r"3 = parallel.dp_microbatches\[0\].*multiple of parallel.pp=2"),
+    (["parallel.dp_microbatches=[3,1]", "optim.sharding=optim_grads_params"], 2,
+     r"the dp_shard group \[0, 1\] spans replicas with \[1, 3\] micro-batches, but runs the ZeRO-2/3"),
+    (["parallel.dp_microbatches=[3,1]", "optim.sharding=optim_grads"], 2, r"the dp_shard group \[0, 1\] spans"),
+    (["model=moe_tiny", "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.dp_microbatches=[3,1]",
+      "parallel.ep=2"], 2, r"the ep group \[0, 1\] spans replicas with \[1, 3\] micro-batches, but runs the expert"),
+])
+def test_bad_shares_are_refused_in_one_line(overrides, world_size, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(compose(["+experiment=tiny_llama", *overrides]), world_size)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, world_size", [
+    (["parallel.dp_microbatches=[3,1]", "optim.sharding=optim"], 2),
+    (["parallel.dp_microbatches=[3,1]", "parallel.cp=2", "parallel.dp_shard=2", "optim.sharding=optim_grads_params"], 4),
+    (["model=moe_tiny", "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.dp_microbatches=[3,1]",
+      "parallel.cp=2", "parallel.ep=2"], 4),
+    (["parallel.dp_microbatches=[1,2,1]"], 3),
+])
+def test_shares_that_keep_every_per_microbatch_group_inside_a_replica_pass(overrides, world_size):
+    validate(compose(["+experiment=tiny_llama", *overrides]), world_size)
