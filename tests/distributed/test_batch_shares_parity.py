@@ -52,8 +52,9 @@ CASES = {  # name: (processes, experiment, reference overrides, run overrides)
     # ZeRO-3 shards inside each replica (its cp ranks), replicated across the replicas: HSDP
     "3_1_cp2_hsdp_zero3": (4, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", "parallel.cp=2",
                                                  "parallel.dp_shard=2", ZERO3, SMALL_BUCKETS)),
-    "3_1_zero1_hsdp_dp4": (4, "tiny_llama", (), ("train.global_batch_size=16", "parallel.dp_microbatches=[3,3,1,1]",
-                                                 "parallel.dp_shard=2", ZERO1, SMALL_BUCKETS)),
+    "3_3_1_1_zero1_hsdp_dp4": (4, "tiny_llama", ("train.global_batch_size=16",),
+                               ("train.global_batch_size=16", "parallel.dp_microbatches=[3,3,1,1]",
+                                "parallel.dp_shard=2", ZERO1, SMALL_BUCKETS)),
     "3_1_pp2": (4, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", "parallel.pp=2", ZERO1)),
     # ep inside a replica (over its cp ranks); micro-batches of one sample: the balancing losses of each are
     # the one-process run's
@@ -86,6 +87,7 @@ def test_shares_with_document_masks(tmp_path, short_docs):
     assert_parity(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "shares"))
 
 
+@pytest.mark.slow
 def test_resume_from_shares_to_even_and_back(tmp_path, reference):
     """Stopped at step 4 with shares [3,1], resumed at even dp=2 until step 7, then with shares [1,3]: the
     ten steps equal the one-process run's, and the data position carries over (the same samples)."""
