@@ -46,6 +46,7 @@ from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
+from megand.training.schedule_continuity import check_no_rewarm
 from megand.training.output_dirs import check_output_dirs, check_run_dir_reuse
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import ConstantBatch, batch_ramp
@@ -275,6 +276,8 @@ class Trainer:
         notice = self.train_feed.load_state_dict((loaded.extra_state or {}).get("data"))
         if notice and self.topo.is_logging_rank:
             print(f" {loaded.path} {notice}", flush=True)
+        if self.loaded_iteration is None:  # the run's first load (a rollback reloads under the same schedule)
+            check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
