@@ -562,11 +562,13 @@ def main(argv=None) -> None:
     from megand.core.parallel_state import ParallelSizes, rank_coords
     from megand.tools.device_rules import RehearsalError
 
+    from megand.tools.progress import heartbeat
     from megand.tools.rehearsal_devices import DEVICES, fit_verdict
 
     memory = int(args.device_memory_gib * 2**30)
     try:
-        result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
+        with heartbeat(f"rehearse: building and stepping rank {args.rank} on {args.device}"):
+            result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
     except RehearsalError as e:
         raise SystemExit(f"rehearse: rank {args.rank} fails on {args.device}: {e}")
     p = cfg.parallel
