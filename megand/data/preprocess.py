@@ -19,6 +19,7 @@ import sys
 from queue import Empty
 import threading
 import time
+import zlib
 
 import numpy as np
 from tqdm import tqdm
@@ -175,7 +176,11 @@ def _read_json_chunks(path, start, end, first_lineno, throttle):
                 return
             lines, size = [], 0
             while size < CHUNK_BYTES and (end is None or pos + size < end):
-                line = f.readline()
+                try:
+                    line = f.readline()
+                except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz: name the file
+                    raise DataError(f"{path}: cannot decompress after line {lineno + len(lines) - 1} "
+                                    f"({type(e).__name__}: {' '.join(str(e).split()) or 'truncated'})") from None
                 if not line:
                     break
                 lines.append(line)

@@ -26,8 +26,11 @@ from megand.training.peak import device_peak_flops
 
 
 def default_run_dir() -> str:
-    """Identical on the ranks of one torchrun job (its run id), private to this launch otherwise."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    """Identical on the ranks of one torchrun job (its run id; without one, the agent's pid), private to this
+    launch otherwise: a run_dir is never shared by two runs (a second one would be refused)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":  # torchrun without --rdzv-id (or no torchrun): the local agent (or this process)
+        job = f"pid{os.getppid() if 'LOCAL_RANK' in os.environ else os.getpid()}"
     return os.path.join(tempfile.gettempdir(), f"megand-benchmark-{job}")
 
 

@@ -92,3 +92,15 @@ def test_old_lossy_settings_still_available(tmp_path):
     assert proc.returncode == 0, proc.stderr
     tok = SentencePieceTokenizer(str(tmp_path / "tok.model"))
     assert tok.decode(tok.encode("def f(x):\n    return x")) != "def f(x):\n    return x"
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    import gzip
+
+    data = gzip.compress("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(5000)).encode())
+    path = tmp_path / "corpus.jsonl.gz"
+    path.write_bytes(data[:len(data) // 2])
+    proc = tool("preprocess_data", "--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-model",
+                train_small_tokenizer(tmp_path), "--no-progress")
+    one_line_exit_2(proc, str(path), "cannot decompress after line", "EOFError")
+    one_line_exit_2(train(tmp_path, path), str(path), "cannot read")
