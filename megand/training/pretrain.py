@@ -185,6 +185,9 @@ class Trainer:
         # a smaller global batch size resumes further into the data than the run was built for
         self.train_feed.reserve(self.consumed_samples + (cfg.train.iters - self.iteration) * cfg.train.global_batch_size
                                 + self.rollback_sample_budget())
+        # this process's steps and samples, for the summary; the loaded checkpoint's iteration (0: fresh)
+        self.run_steps = self.run_samples = 0
+        self.resumed_from = self.iteration
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
@@ -663,8 +666,6 @@ class Trainer:
         from megand.training.watchdog import HangWatchdog
 
         start, best_val = time.perf_counter(), float("inf")
-        self.run_steps = self.run_samples = 0
-        self.resumed_from = self.iteration  # the loaded checkpoint's iteration (0: a fresh run)
         if self.topo.is_logging_rank:
             print(f" attention: {self.attention_summary()}", flush=True)
         self.watchdog = HangWatchdog(self.configs.collective_timeout_s, self.topo.rank)
