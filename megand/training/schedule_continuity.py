@@ -1,4 +1,4 @@
-"""A resume must not re-warm a decayed model: loading a checkpoint saved in its schedule's decay under a
+"""A resume must not re-warm a decayed model: loading a checkpoint saved in its WSD schedule's decay under a
 schedule that puts the same step at a higher learning rate (typically: extending a WSD run by raising
 ``train.iters`` after its decay) is refused, naming the last checkpoint of the stable phase to extend from.
 """
@@ -46,7 +46,9 @@ def check_no_rewarm(cfg, checkpoint_path: str, steps: int) -> None:
         return
     new = schedule_of(cfg)
     was, now = saved(steps), new(steps)
-    in_decay = saved.kind != "constant" and steps > saved.decay_start and was < saved.lr * (1 - _REL)
+    # WSD only: its recipe extends a run by relaunching with more steps, which is right from its stable phase
+    # only; a cosine or linear run resumed with more steps stretches its one decay (an accepted practice)
+    in_decay = saved.kind == "wsd" and steps > saved.decay_start and was < saved.lr * (1 - _REL)
     if not in_decay or now <= was * (1 + _REL):
         return
     stable = stable_checkpoints(checkpoint_path, saved.decay_start)
