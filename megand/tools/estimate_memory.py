@@ -698,5 +698,6 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         lines.append(label.ljust(width) + "".join(fmt(st).rjust(colw) for st in estimate.stages))
     lines.append("")
     lines.append(f"peak: stage {estimate.peak.stage}, {_gib(estimate.peak.total_bytes)} per rank "
-                 "(excludes temporary/communication buffers, fragmentation and the CUDA context)")
+                 "(excludes temporary/communication buffers, fragmentation and the CUDA context; to size a device, "
+                 "plan on tools/rehearse.py's measured peak, which includes them (not the CUDA context))")
     return "\n".join(lines)

@@ -483,7 +483,7 @@ def check_counts(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
     if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
         raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
-    check_wsd(cfg.optim, cfg.optim.decay_iters or cfg.train.iters)
+    check_optim(cfg.optim, cfg.optim.decay_iters or cfg.train.iters, cfg.train.iters)
     try:
         train_fraction = parse_split(cfg.data.split)[0]
     except DataError as e:
@@ -492,17 +492,14 @@ def check_counts(cfg) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
 
 
-def check_wsd(o, decay_iters: int) -> None:
-    """``optim.decay_fraction`` / ``decay_start`` within the schedule (checked whatever the schedule)."""
-    if not 0.0 <= o.decay_fraction <= 1.0:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be between 0 and 1")
-    if o.decay_start is not None and not o.warmup_iters <= o.decay_start <= decay_iters:
-        raise ConfigError(f"optim.decay_start={o.decay_start} must lie between optim.warmup_iters={o.warmup_iters} and "
-                          f"the end of the decay {decay_iters} (optim.decay_iters, null: train.iters)")
-    start = o.decay_start if o.decay_start is not None else decay_iters - round(o.decay_fraction * decay_iters)
-    if o.schedule == "wsd" and start < o.warmup_iters:
-        raise ConfigError(f"optim.schedule=wsd decays from step {start} (optim.decay_fraction={o.decay_fraction} of "
-                          f"{decay_iters} steps), inside the warm-up (optim.warmup_iters={o.warmup_iters})")
+def check_optim(o, decay_iters: int, iters: int) -> None:
+    """Every optimizer and schedule value (signs, orders, ranges; the optimizer's own in its record)."""
+    from megand.core.optimizer.registry import check_values
+
+    try:
+        check_values(o, decay_iters, iters)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def compose(overrides=(), config_dir: str | None = None):
