@@ -77,3 +77,18 @@ def test_step_one_gradient_per_tensor_tp2_sp_cp2(tmp_path):
     for key in moments:
         diff = (run[key] - ref[key]).norm() / ref[key].norm().clamp_min(1e-30)
         assert diff <= 5e-6, f"{key}: relative difference {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+def test_bf16_follows_the_one_process_bf16_run(reference_dir, tmp_path, layout):
+    """bf16 (the delta rule's core runs in fp32): the reduction order differs from one process, so the losses
+    agree within 2e-2 relative over 3 steps (the bf16 bound of the other layout tests), not bit for bit."""
+    bf16 = ["train.precision=bf16", "train.iters=3", "train.eval_iters=0"]
+    ref = read_metrics(reference_dir("tiny_llama", *HYBRID, *bf16))
+    nproc, overrides = LAYOUTS[layout]
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", *HYBRID, *bf16, *overrides], nproc=nproc)
+    run = read_metrics(tmp_path)
+    assert len(run) == len(ref) == 3
+    for r, x in zip(ref, run):
+        assert abs(x["loss"] - r["loss"]) <= 2e-2 * r["loss"], (x["loss"], r["loss"])

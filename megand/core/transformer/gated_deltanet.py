@@ -79,15 +79,16 @@ class GatedDeltaNet(torch.nn.Module):
         self.ba = ColumnParallelLinear(cfg.hidden_size, heads * 2 * self.r, init_std=cfg.init_std, **common)
         retag(self.ba.weight, fused_rows=(self.r, self.r))
 
-        def param(shape, role, **init):
+        def param(shape, local, role, **init):  # split over tp along dim 0: this rank's key heads
             meta = ParamMeta(shape, 0, topo.tp_rank, tp, role=role, **init)
-            return tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
+            return tag(torch.nn.Parameter(torch.empty(local, dtype=cfg.params_dtype, device=device)), meta)
 
         # the depthwise taps at the scale of torch's Conv1d default (fan-in K); per key head (q, k, v) channels
-        self.conv = param((heads * (2 * dk + self.r * dv), self.kernel), CONV, init_std=self.kernel ** -0.5)
+        self.conv = param((heads * (2 * dk + self.r * dv), self.kernel), (self.width, self.kernel), CONV,
+                          init_std=self.kernel ** -0.5)
         # per value head: decay rate exp(A_log) = 1 and time-step bias 1 at init (transformers' dt_bias)
-        self.a_log = param((cfg.linear_num_value_heads,), BIAS, init="zeros")
-        self.dt_bias = param((cfg.linear_num_value_heads,), BIAS, init="ones")
+        self.a_log = param((cfg.linear_num_value_heads,), (self.hv,), BIAS, init="zeros")
+        self.dt_bias = param((cfg.linear_num_value_heads,), (self.hv,), BIAS, init="ones")
         self.norm = Norm("rmsnorm", dv, eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
                          dtype=cfg.params_dtype, device=device)
         self.proj = RowParallelLinear(cfg.linear_num_value_heads * dv, cfg.hidden_size,
