@@ -31,6 +31,11 @@ from megand.core.transformer.norms import Norm
 CHUNK = 64  # tokens per chunk of the chunked form
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 at least (bf16 and fp16 are widened; fp64, for references, stays)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def recurrent_step(x, state, params, args):
     """One stretch of tokens: ``x [b, s, C + 2 Hv]`` (the convolution's input channels, then g and beta per
     value head), ``state = (tail [b, K-1, C], S [b, Hv, dk, dv])``: the convolution's K-1 previous inputs and
@@ -41,11 +46,11 @@ def recurrent_step(x, state, params, args):
     tail, S = state
     hv, (b, s), kernel = groups * r, x.shape[:2], weight.shape[1]
     width = groups * (2 * dk + r * dv)
-    mixed, g, beta = x.float().split([width, hv, hv], dim=-1)
-    xe = torch.cat([tail.float(), mixed], dim=1)
+    mixed, g, beta = wide(x).split([width, hv, hv], dim=-1)
+    xe = torch.cat([wide(tail), mixed], dim=1)
     conv = 0
     for i in range(kernel):  # out_t = sum_i w_i x_{t-K+1+i}, within the token's document
-        term = weight[:, i].float() * xe[:, i:i + s]
+        term = wide(weight[:, i]) * xe[:, i:i + s]
         if docs is not None:
             term = term * (docs[:, i:i + s] == docs[:, kernel - 1:])[..., None]
         conv = conv + term
@@ -108,7 +113,8 @@ class GatedDeltaNet(torch.nn.Module):
 
     def zero_state(self, batch, dtype, device):
         return (torch.zeros(batch, self.kernel - 1, self.width, dtype=dtype, device=device),
-                torch.zeros(batch, self.hv, self.dk, self.dv, dtype=torch.float32, device=device))
+                torch.zeros(batch, self.hv, self.dk, self.dv, dtype=torch.promote_types(dtype, torch.float32),
+                            device=device))
 
     def _docs(self, documents, start, length):
         """Document ids ``[b, K-1+length]`` of the K-1 tokens before global index ``start`` and the ``length``
@@ -142,10 +148,10 @@ class GatedDeltaNet(torch.nn.Module):
         s, b = qkvz.shape[:2]
         qkvz = qkvz.view(s, b, self.groups, -1)
         mixed, z = qkvz.split([2 * self.dk + self.r * self.dv, self.r * self.dv], dim=-1)
-        beta, a = ba.view(s, b, self.groups, 2, self.r).float().unbind(3)
+        beta, a = wide(ba.view(s, b, self.groups, 2, self.r)).unbind(3)
         beta = beta.sigmoid().reshape(s, b, self.hv)
-        g = -self.a_log.float().exp() * F.softplus(a.reshape(s, b, self.hv) + self.dt_bias.float())
-        x_in = torch.cat([mixed.reshape(s, b, -1).float(), g, beta], dim=-1).transpose(0, 1)  # [b, s, C + 2 Hv]
+        g = -wide(self.a_log).exp() * F.softplus(a.reshape(s, b, self.hv) + wide(self.dt_bias))
+        x_in = torch.cat([wide(mixed.reshape(s, b, -1)), g, beta], dim=-1).transpose(0, 1)  # [b, s, C + 2 Hv]
         if cache is not None:
             o, state = recurrent_step(x_in, cache.state, (self.conv,), (self.shape, None))
             cache.update(state, s)
@@ -155,5 +161,5 @@ class GatedDeltaNet(torch.nn.Module):
             o = self.core(x_in, self.conv, documents)
         o = o.transpose(0, 1).to(x.dtype)  # [s, b, Hv, dv]
         z = z.reshape(s, b, self.hv, self.dv)
-        out = (self.norm(o).float() * F.silu(z.float())).to(x.dtype)
+        out = (wide(self.norm(o)) * F.silu(wide(z))).to(x.dtype)
         return self.proj(out.reshape(s, b, -1))
