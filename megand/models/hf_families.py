@@ -14,12 +14,13 @@ from typing import Any, Mapping
 
 from megand.core.transformer.config import ARCHITECTURE_FIELDS, TransformerConfig, resolve_head_dim
 from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
-                           hf_qwen3, hf_qwen3_moe, hf_qwen3_next)
+                           hf_qwen3, hf_qwen3_moe, hf_qwen3_5_text, hf_qwen3_next)
 from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
-    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY)}
+    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY,
+    hf_qwen3_5_text.FAMILY)}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ gated one scales by ``1 + w`` (``norm_unit_offset``). The linear attention (mega
 :class:`~megand.core.transformer.gated_deltanet.GatedDeltaNet`) maps one to one, but for its convolution:
 transformers orders the channels all queries, all keys, all values; megand per key head (its queries, key,
 values), so that a tensor-parallel split gives whole heads. MoE layers are Qwen2-MoE's (softmax router, a
-shared expert behind ``sigmoid(shared_expert_gate(x))``).
+shared expert behind ``sigmoid(shared_expert_gate(x))``). A dense Qwen3-Next imports; a dense model exports
+as Qwen3.5 (``hf_qwen3_5_text``: the same maths, the published dense family).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def hf_config(m: dict):
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def model_config(config) -> dict:
-    """The megand ``model`` config of a ``Qwen3NextConfig``; ValueError for what megand does not implement."""
+def hybrid_config(config) -> dict:
+    """The megand ``model`` keys of a Qwen3-Next / Qwen3.5 config but the MoE ones; ValueError for what megand
+    does not implement."""
     if getattr(config, "attention_bias", False):
         raise ValueError("attention_bias=true: megand's gated attention has no biases")
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -72,6 +74,12 @@ def model_config(config) -> dict:
     out = dict(llama_like_config(plain), qk_norm=True, attention_output_gate=True, partial_rotary_factor=partial,
                norm_unit_offset=True, layer_types=["attention" if t == "full_attention" else t for t in config.layer_types],
                linear_conv_kernel=config.linear_conv_kernel_dim, **{k: getattr(config, k) for k in HF_LINEAR_KEYS})
+    return out
+
+
+def model_config(config) -> dict:
+    """The megand ``model`` config of a ``Qwen3NextConfig``; ValueError for what megand does not implement."""
+    out = hybrid_config(config)
     if config.num_experts:
         f, shared = config.moe_intermediate_size, config.shared_expert_intermediate_size
         if not shared or shared % f:
@@ -122,7 +130,15 @@ def conv_rule(m: dict, p: str, q: str) -> Rule:
     return Rule(p + "attention.conv", (q + "linear_attn.conv1d.weight",), to_hf, from_hf)
 
 
-def rules(m: dict) -> list[Rule]:
+def linear_rules(m: dict, p: str, q: str) -> list[Rule]:
+    """A Gated DeltaNet layer's projections as Qwen3-Next stores them: per key head, like megand's."""
+    a = q + "linear_attn."
+    return [Rule(p + "attention.qkvz.weight", (a + "in_proj_qkvz.weight",)),
+            Rule(p + "attention.ba.weight", (a + "in_proj_ba.weight",))]
+
+
+def rules(m: dict, linear=linear_rules) -> list[Rule]:
+    """Every tensor's rule; ``linear(m, p, q)``: the rules of a Gated DeltaNet layer's in-projections."""
     first, last = embedding_rules(m)
     out = first
     moe, kinds = set(moe_layer_ids(m)), _types(m)
@@ -130,8 +146,7 @@ def rules(m: dict) -> list[Rule]:
         p, q = f"layers.{i}.", f"model.layers.{i}."
         if kinds[i] == "linear_attention":
             a = q + "linear_attn."
-            out += [Rule(p + "attention.qkvz.weight", (a + "in_proj_qkvz.weight",)),
-                    Rule(p + "attention.ba.weight", (a + "in_proj_ba.weight",)), conv_rule(m, p, q),
+            out += [*linear(m, p, q), conv_rule(m, p, q),
                     Rule(p + "attention.a_log", (a + "A_log",)), Rule(p + "attention.dt_bias", (a + "dt_bias",)),
                     Rule(p + "attention.norm.weight", (a + "norm.weight",)),
                     Rule(p + "attention.proj.weight", (a + "out_proj.weight",))]
@@ -166,7 +181,8 @@ FAMILY = Family(
                "norm_unit_offset": equals("norm_unit_offset", True), "layer_types": None, "linear_conv_kernel": None,
                **dict.fromkeys(LINEAR_KEYS), **QWEN_MOE, "num_experts": GATED_SHARED, "moe_shared_experts": None,
                "moe_shared_expert_gate": None},
-    marks=LLAMA_MARKS | {"qk_norm", "attention_output_gate", "norm_unit_offset", "layer_types"},
+    # dense models with these keys export as Qwen3.5 (hf_qwen3_5_text: the same maths); Qwen3-Next's are MoE
+    marks=LLAMA_MARKS | {"qk_norm", "attention_output_gate", "norm_unit_offset", "layer_types", "num_experts"},
     reads=(LLAMA_LIKE_READS | QWEN_MOE_READS | {"attention_bias", "layer_types", "linear_conv_kernel_dim",
                                                 "shared_expert_intermediate_size", *HF_LINEAR_KEYS}),
     ignores=DROPOUT | {"output_router_logits"},  # a forward option (returns the router's logits)

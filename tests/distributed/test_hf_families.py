@@ -1,8 +1,8 @@
 """Today's open dense families end to end: a tiny random model written by transformers' own
 ``save_pretrained`` (Llama 3.1-style with llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
 a head width apart from hidden/heads and yarn RoPE, Mistral with a sliding window shorter than the sequence
-and NeMo-style without one, Qwen2 with its sliding window on the upper layers, Qwen3-MoE, Qwen3-Next dense and
-MoE: three Gated DeltaNet layers per gated full-attention layer) is imported; greedy generation equals transformers'; a training
+and NeMo-style without one, Qwen2 with its sliding window on the upper layers, Qwen3-MoE, Qwen3.5's language model
+(dense) and Qwen3-Next (MoE): three Gated DeltaNet layers per gated full-attention layer) is imported; greedy generation equals transformers'; a training
 run that names no model key (the model comes from the checkpoint) has a first-step loss equal to
 transformers' loss on the same batch (1e-5 relative) on one process, at tp=2 x pp=2 and (MoE) at ep=2;
 exported back, every weight equals the files transformers wrote."""
@@ -43,16 +43,17 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=24, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=48, norm_topk_prob=True,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    # Qwen3-Next: Gated DeltaNet layers 0-2, gated full attention (partial rotary, q/k norms) on layer 3,
-    # (1 + w) RMSNorms; dense (num_experts=0), or every layer MoE with its gated shared expert
-    "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=0),
+    # Qwen3.5 (its language model) and Qwen3-Next: Gated DeltaNet layers 0-2, gated full attention (partial
+    # rotary, q/k norms) on layer 3, (1 + w) RMSNorms; Qwen3.5 dense, Qwen3-Next every layer MoE with its gated
+    # shared expert
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**QWEN3_NEXT),
     "qwen3_next_moe": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=48,
                                                            shared_expert_intermediate_size=96),
 }
 CLASSES = {"llama3_1": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_swa": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "mistral_swa": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "qwen3_next": "Qwen3NextForCausalLM", "qwen3_next_moe": "Qwen3NextForCausalLM"}
+           "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next_moe": "Qwen3NextForCausalLM"}
 EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the family: the same maths as Llama
 
 
@@ -117,7 +118,7 @@ CASES = [(f, l) for f in FAMILIES for l in LAYOUTS if l != "ep2" or f in ("qwen3
 # the default suite: every family on one process, the one with the most features at tp=2 x pp=2 as well (and
 # the hybrid linear-attention one), and the MoE family at ep=2
 DEFAULT = [c for c in CASES if c[1] == "one" or c[0] == "qwen3" or c in (("qwen3_moe", "ep2"),
-                                                                           ("qwen3_next", "tp2_pp2"))]
+                                                                           ("qwen3_5", "tp2_pp2"))]
 SLOW = [c for c in CASES if c not in DEFAULT]
 
 

@@ -34,6 +34,7 @@ FAMILY_MODELS = {
     "qwen3_moe": dict(LLAMA, **MOE, qk_norm=True, head_dim=24, moe_layer_freq=2),
     "deepseek_v3": dict(LLAMA, num_query_groups=None, **LATENT, **MOE, moe_router="sigmoid", moe_shared_experts=1,
                         moe_n_group=2, moe_topk_group=1, moe_first_k_dense_replace=1, mtp_layers=1),
+    "qwen3_5_text": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32),
     "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
 }
 
