@@ -286,8 +286,9 @@ def comparable(model: Mapping[str, Any]) -> dict:
     if "hidden_size" in out and "num_attention_heads" in out:
         out["head_dim"] = resolve_head_dim(out["hidden_size"], out["num_attention_heads"], out.get("head_dim"))
         out["num_query_groups"] = out.get("num_query_groups") or out["num_attention_heads"]
-    if isinstance(out.get("sliding_window"), (list, tuple)):
-        out["sliding_window"] = tuple(out["sliding_window"])
+    for key in ("sliding_window", "layer_types"):
+        if isinstance(out.get(key), (list, tuple)):
+            out[key] = tuple(out[key])
     if isinstance(out.get("rope_scaling"), Mapping):
         out["rope_scaling"] = RopeScaling.from_dict(out["rope_scaling"])
     return out
