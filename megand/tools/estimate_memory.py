@@ -302,8 +302,8 @@ def linear_attention_bytes(shape: Shape, e: int, recompute: str) -> float:
     output projection's input 2·e·Hv·dv and its fp32 products 12·Hv·dv. The core (dropped by selective
     recomputation) runs in fp32: the convolution's input, sum and activation 12·C, per value head five C×C
     chunk matrices (decays, masks, the triangular system, the intra-chunk scores), the normalised, decayed and
-    solved queries, keys and values 4·(5·C + 8·dk + 5·dv), the state at each chunk boundary 4·dk·dv/C (the
-    recurrent state's memory), and the decays' fp64 exponentials 8·C."""
+    solved queries, keys and values 4·(5·C + 8·dk + 5·dv), and the state at each chunk boundary 4·dk·dv/C (the
+    recurrent state's memory)."""
     from megand.core.transformer.gated_deltanet import CHUNK
 
     Hk, Hv, dk, dv = shape.lin_k_heads, shape.lin_v_heads, shape.lin_dk, shape.lin_dv
@@ -311,7 +311,7 @@ def linear_attention_bytes(shape: Shape, e: int, recompute: str) -> float:
     kept = e * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) + 4 * (channels + 4 * Hv) + 2 * e * Hv * dv + 12 * Hv * dv
     if recompute == "selective":
         return kept
-    core = 12 * channels + 4 * Hv * (5 * CHUNK + 8 * dk + 5 * dv + dk * dv / CHUNK) + 8 * Hv * CHUNK
+    core = 12 * channels + 4 * Hv * (5 * CHUNK + 8 * dk + 5 * dv + dk * dv / CHUNK)
     return kept + core * shape.linear_padded_seq / shape.seq
 
 

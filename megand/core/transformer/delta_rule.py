@@ -62,11 +62,12 @@ def chunked(q, k, v, g, beta, state=None, docs=None, prev=None, chunk: int = 64)
         before = torch.cat([prev.reshape(b, 1, 1), d[:, :, :-1, -1]], dim=2)  # the token before each chunk
         same = (d[..., :, None] == d[..., None, :]) & lower  # [b, 1, n, C, C]
         cont = (d == before[..., None]).to(q.dtype)  # [b, 1, n, C]: still the incoming state's document
-    # the log-decays' running sums in fp64: a chunk's sums grow with its length (tens at C = 64), and their
-    # differences in fp32 would lose ~1e-6 relative of every decay factor (and of the gates' gradients)
+    # the log-decays' running sums and their differences in fp64: a chunk's sums grow with its length (tens at
+    # C = 64), and differences of fp32 sums would lose ~1e-6 relative of every decay factor (and of the gates'
+    # gradients); the differences themselves are then exact enough in the working precision
     cum = g.double().cumsum(-1)
     diff = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf"))
-    decay = diff.exp().to(q.dtype) * same  # decay from token j to token i of a chunk, within one document (i >= j)
+    decay = diff.to(q.dtype).exp() * same  # decay from token j to token i of a chunk, within one document (i >= j)
     start = cum.exp().to(q.dtype)  # the incoming state's decay at each token
     start = start if cont is None else start * cont
     kb, vb = k * beta[..., None], v * beta[..., None]
