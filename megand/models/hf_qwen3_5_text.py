@@ -15,7 +15,7 @@ import torch
 from megand.models.hf import Family, Rule, dims, norm_eps
 from megand.models.hf_llama import DROPOUT, rope_parameters
 from megand.models.hf_qwen3_next import FAMILY as NEXT
-from megand.models.hf_qwen3_next import HF_LINEAR_KEYS, LINEAR_KEYS, TYPES, _types, hybrid_config
+from megand.models.hf_qwen3_next import LINEAR_KEYS, TYPES, _types, hybrid_config
 from megand.models.hf_qwen3_next import rules as hybrid_rules
 
 

@@ -26,8 +26,8 @@ from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_
                                     llama_like_config, mlp_rules, rope_parameters)
 from megand.models.hf_qwen2_moe import QWEN_MOE, QWEN_MOE_READS, _layer_freq, expert_width
 
+# the linear attention's head counts and widths: the same names in megand's model and transformers' config
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-HF_LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 TYPES = {"attention": "full_attention", "linear_attention": "linear_attention"}  # megand -> transformers
 
 
@@ -73,7 +73,7 @@ def hybrid_config(config) -> dict:
         raise ValueError(f"layer_types holds {unknown[0]!r}: megand's layers have full or linear attention")
     out = dict(llama_like_config(plain), qk_norm=True, attention_output_gate=True, partial_rotary_factor=partial,
                norm_unit_offset=True, layer_types=["attention" if t == "full_attention" else t for t in config.layer_types],
-               linear_conv_kernel=config.linear_conv_kernel_dim, **{k: getattr(config, k) for k in HF_LINEAR_KEYS})
+               linear_conv_kernel=config.linear_conv_kernel_dim, **{k: getattr(config, k) for k in LINEAR_KEYS})
     return out
 
 
@@ -184,6 +184,6 @@ FAMILY = Family(
     # dense models with these keys export as Qwen3.5 (hf_qwen3_5_text: the same maths); Qwen3-Next's are MoE
     marks=LLAMA_MARKS | {"qk_norm", "attention_output_gate", "norm_unit_offset", "layer_types", "num_experts"},
     reads=(LLAMA_LIKE_READS | QWEN_MOE_READS | {"attention_bias", "layer_types", "linear_conv_kernel_dim",
-                                                "shared_expert_intermediate_size", *HF_LINEAR_KEYS}),
+                                                "shared_expert_intermediate_size", *LINEAR_KEYS}),
     ignores=DROPOUT | {"output_router_logits"},  # a forward option (returns the router's logits)
     hf_config=hf_config, model_config=model_config, rules=rules)

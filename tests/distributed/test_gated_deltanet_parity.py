@@ -29,11 +29,8 @@ LAYOUTS = {
     "tp2_cp2_selective": (4, ["parallel.tp=2", "parallel.cp=2", "train.recompute=selective"]),
     "compile": (1, ["train.compile=true"]),
 }
-SLOW = [l for l in LAYOUTS]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", SLOW)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hybrid_layout_matches_one_process(reference, launch, layout):
     nproc, overrides = LAYOUTS[layout]
     assert_parity(reference("tiny_llama", *HYBRID), launch("tiny_llama", nproc, *HYBRID, *overrides))
