@@ -114,3 +114,35 @@ def test_fp32_gate_gradients_are_as_accurate_as_regrouping():
 
     exact, fp32 = gate_grad(torch.float64), gate_grad(torch.float32)
     assert ((fp32 - exact).norm() / exact.norm()).item() <= 1e-6
+
+
+def test_a_dense_qwen3_next_imports_and_exports_as_qwen3_5(topo, tmp_path):
+    """Qwen3-Next with ``num_experts=0`` computes what Qwen3.5's language model does: it imports, and exports as
+    ``Qwen3_5ForCausalLM`` (the published dense family) with the same logits."""
+    import transformers
+
+    from megand.tools import convert_checkpoint
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=32, tie_word_embeddings=False, num_experts=0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights and gates away from their init: a misplaced one shows
+        for p in theirs.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    theirs.save_pretrained(str(tmp_path / "hf"))
+    assert convert_checkpoint.main(["import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert convert_checkpoint.main(["export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"),
+                                    "--dtype", "fp32"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3_5ForCausalLM"
+    ours, _ = full.load_model(str(tmp_path / "ckpt"), topo)
+    ids = torch.randint(0, 251, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        assert (ours(input_ids=ids) - expected).abs().max().item() <= 1e-4
+        assert (back(input_ids=ids).logits - expected).abs().max().item() <= 1e-4
