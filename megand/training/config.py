@@ -335,6 +335,13 @@ def validate(cfg, world_size: int) -> None:
                           f"divisible by parallel.cp={p.cp} (model.num_query_groups={groups})")
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
+    linear = "linear_attention" in (m.get("layer_types") or ())
+    if linear and m.linear_num_key_heads % p.tp:
+        raise ConfigError(f"model.linear_num_key_heads={m.linear_num_key_heads} is not divisible by parallel.tp={p.tp}")
+    if linear and p.cp > 1 and m.seq_length // (2 * p.cp) < m.linear_conv_kernel - 1:
+        raise ConfigError(f"model.seq_length={m.seq_length} gives {m.seq_length // (2 * p.cp)} tokens per context-parallel "
+                          f"chunk (2 x parallel.cp={p.cp} chunks): Gated DeltaNet's convolution needs "
+                          f"model.linear_conv_kernel - 1 = {m.linear_conv_kernel - 1}")
     _validate_data_kind(cfg)
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
