@@ -39,6 +39,7 @@ def test_hybrid_layout_matches_one_process(reference, launch, layout):
 from tests.distributed.test_model_features_parity import short_docs  # noqa: E402,F401  (the fixture)
 
 
+@pytest.mark.slow  # the default run keeps the hybrid model at cp2 (per tensor, below)
 @pytest.mark.parametrize("layout", ["cp4"])
 def test_documents_restart_the_state_across_cp_ranks(reference, launch, short_docs, layout):
     """Several documents per sample: the state and the convolution restart at each one, on every cp rank."""
