@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Job:
     """A torchrun job (one agent by default) whose output is collected line by line with arrival times."""
 
-    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1):
+    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, preexec_fn=None):
         self.lines: list[tuple[float, str]] = []
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc * nnodes)}
@@ -30,7 +30,7 @@ class Job:
             cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
                    *launcher_args, *script]
             agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True, preexec_fn=preexec_fn)
             threading.Thread(target=self._read, args=(agent,), daemon=True).start()
             self.agents.append(agent)
         self.run_dir = run_dir

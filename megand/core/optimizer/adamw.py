@@ -81,4 +81,4 @@ class AdamWUpdate:
 
 # 36 bytes per element: read the fp32 grad, param, m, v; write param, m, v; the model copy; the grad norm's read
 ADAMW = OptimizerRecord(name="adamw", state=("exp_avg", "exp_avg_sq"), roles=frozenset(ROLES), update=AdamWUpdate,
-                        update_bytes=36)
+                        update_bytes=36, first_moment="exp_avg")

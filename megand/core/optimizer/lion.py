@@ -39,4 +39,4 @@ class LionUpdate:
 
 # 28 bytes per element: read the fp32 grad, param, m; write param, m; the model copy; the grad norm's read
 LION = OptimizerRecord(name="lion", state=("lion_momentum",), roles=frozenset(ROLES), update=LionUpdate,
-                       update_bytes=28)
+                       update_bytes=28, first_moment="lion_momentum")

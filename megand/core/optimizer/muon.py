@@ -176,4 +176,4 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
 # read and write the param; the model copy and the grad norm's read
 MUON = OptimizerRecord(name="muon", state=("momentum",), roles=frozenset({MATRIX, EXPERT_MATRIX}), update=MuonUpdate,
                        update_bytes=36, fallback="adamw", matrix_flops=newton_schulz_flops,
-                       matrix_step="Muon Newton-Schulz")
+                       matrix_step="Muon Newton-Schulz", first_moment="momentum")
