@@ -360,7 +360,9 @@ class Trainer:
 
     def close_checkpointer(self) -> None:
         """Wait for an asynchronous save to be complete and published (its failure handled as a final save's)."""
-        self._progress("checkpoint save (the last asynchronous write)", *self._save_budget())
+        # also the time the collectives of a save abandoned over its budget may take to time out (Checkpointer.close)
+        budget, key = self._save_budget()
+        self._progress("checkpoint save (the last asynchronous write)", budget + self.configs.checkpoint.timeout_s, key)
         self.settle_save(final=True)
         self.checkpointer.close()
 

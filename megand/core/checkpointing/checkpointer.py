@@ -88,7 +88,8 @@ class _Save:
         self.started = time.monotonic()
         self.cancelled = threading.Event()  # set when abandoned: it must not publish any more
         self.future: Future = Future()
-        threading.Thread(target=self._run, args=(work,), name="megand-ckpt", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, args=(work,), name="megand-ckpt", daemon=True)
+        self.thread.start()
 
     def _run(self, work) -> None:
         try:
@@ -112,6 +113,7 @@ class Checkpointer:
         self.outcome_group = self._new_group()
         self.rank = dist.get_rank()
         self.pending: _Save | None = None
+        self.abandoned: list[_Save] = []  # saves over their budget whose threads may still be in a collective
         self.staging = HostStaging()
         self.last_saved = None
         self.last_stall_s = 0.0
@@ -277,6 +279,7 @@ class Checkpointer:
         dist.all_gather_object(outcomes, (problem, late), group=self.outcome_group)
         if any(late for _, late in outcomes):
             save.cancelled.set()
+            self.abandoned.append(save)
             if self.rank == 0:
                 self._remove_abandoned(save.tmp)
             # the abandoned threads may be inside a collective of the save group: the next saves use another
@@ -299,7 +302,14 @@ class Checkpointer:
         shutil.rmtree(gone, ignore_errors=True)
 
     def close(self) -> None:
+        """Wait for the pending save; then for the abandoned saves' threads to leave their collectives
+        (each began before ``budget_s`` ran out and ends by the group's timeout ``timeout_s``: destroying a
+        gloo group while one of its operations runs aborts the process). A thread blocked in a write stays, harmless at exit."""
         self.wait()
+        for save in self.abandoned:
+            ends = save.started + (self.cfg.budget_s or 0.0) + self.cfg.timeout_s  # its last collective's timeout
+            save.thread.join(max(0.0, ends + 5.0 - time.monotonic()))
+        self.abandoned = []
 
     # ----------------------------------------------------------------------------------------- load
     def _check_files_together(self, iter_dir, metadata) -> None:
