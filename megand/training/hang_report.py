@@ -3,8 +3,8 @@
 The record is torch's flight recorder: a ring buffer in C++ of each process's last collective and
 point-to-point operations (process group, op, sizes, dtypes, collective and p2p sequence numbers, whether it
 completed), kept by gloo and NCCL alike at almost no cost, and switched on before the first process group is
-made (:func:`enable_recorder`: ``TORCH_FR_BUFFER_SIZE``, and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL's
-own; a value the user set is kept). When the watchdog fires, each rank writes to ``${run_dir}/hang/``:
+made (:func:`enable_recorder`: ``TORCH_FR_BUFFER_SIZE``, for both backends; a value the user set is kept).
+When the watchdog fires, each rank writes to ``${run_dir}/hang/``:
 
     rank_00003.json         iteration, phase, its process groups (name -> global ranks) and the recorder's entries
     rank_00003.stacks.txt   the Python stacks of all its threads (faulthandler)
@@ -23,15 +23,14 @@ import json
 import os
 import time
 
-RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # gloo and NCCL (NCCL's older TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated)
 DIR = "hang"
 
 
 def enable_recorder(entries: int) -> None:
     """Keep the last ``entries`` operations of this process (0: none). Call before any process group exists."""
     if entries > 0:
-        for key in RECORDER_ENV:
-            os.environ.setdefault(key, str(entries))
+        os.environ.setdefault(RECORDER_ENV, str(entries))
 
 
 def _recorder() -> dict | None:
