@@ -33,10 +33,11 @@ def adopt_model(cfg) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
-    from megand.core.checkpointing import CheckpointError, CheckpointWriteError
+    from megand.core.checkpointing import CheckpointError
     from megand.data.errors import DataError
     from megand.training.guards import EXIT_NON_FINITE, NonFiniteStop
     from megand.training.pretrain import pretrain
+    from megand.training.save_failures import EXIT_SAVE_FAILED, SaveFailureStop
 
     # every user-facing failure is one line and exit code 2; anything else is a bug, with its traceback
     try:
@@ -54,9 +55,9 @@ def main(cfg) -> None:
     except OSError as e:
         report(e, "file system error")
         sys.exit(2)
-    except CheckpointWriteError as e:  # raised by every rank alike; the previous checkpoint is intact
-        report(e, "cannot save checkpoint")
-        sys.exit(1)
+    except SaveFailureStop as e:  # raised by every rank alike; `latest` names the last good checkpoint
+        report(e, "checkpoint saves failed")
+        sys.exit(EXIT_SAVE_FAILED)
     except NonFiniteStop as e:  # raised by every rank alike
         report(e, "training stopped")
         sys.exit(EXIT_NON_FINITE)

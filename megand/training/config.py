@@ -58,6 +58,7 @@ class TrainConfig:
     spike_window: int = 20  # recent steps in the running median; the spike guard starts once it is full
     spike_rollback: bool = False  # on a spike reload the last checkpoint and skip the data up to the spike
     max_rollbacks: int = 3  # spike rollbacks allowed in one run; later spikes are only logged
+    hang_report_ops: int = 1000  # operations per process kept by torch's flight recorder for the hang report (run_dir/hang/); 0: none
     collective_timeout_s: Optional[float] = None  # hang watchdog (no step progress for this long dumps stacks and exits) and the process groups' collective timeout; null: 600 on GPU, 1800 on CPU
     straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
     exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
@@ -121,8 +122,9 @@ class CheckpointConfig:
     interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
     async_save: bool = False  # write checkpoints in the background after a copy to CPU
     keep_last: Optional[int] = None  # keep only the newest N iter_* directories after each save; null: keep all
-    continue_on_error: bool = False  # a failed save only warns (default: the run stops, exit code 1)
-    save_timeout_s: Optional[float] = None  # longest a checkpoint save or load may take before the hang watchdog fires (also its collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
+    continue_on_error: bool = False  # a failed save never stops the run, the final one included (it only warns)
+    max_failed_saves: int = 3  # consecutive failed saves before the run stops (exit code 5); a failed final save also stops it
+    save_timeout_s: Optional[float] = None  # longest a checkpoint save may take before it counts as failed, and a load before the hang watchdog fires (also their collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
 
 
 @dataclass
@@ -419,6 +421,7 @@ def validate_fault_keys(cfg) -> None:
                                       ("train.exit_duration_mins", t.exit_duration_mins),
                                       ("train.exit_interval", t.exit_interval),
                                       ("checkpoint.keep_last", c.keep_last),
+                                      ("checkpoint.max_failed_saves", c.max_failed_saves),
                                       ("checkpoint.save_timeout_s", c.save_timeout_s)) if v is not None]
     for key, value in positive:
         if value <= 0:
@@ -427,6 +430,8 @@ def validate_fault_keys(cfg) -> None:
         raise ConfigError(f"train.spike_factor={t.spike_factor} must be greater than 1")
     if t.straggler_ratio < 1.0:
         raise ConfigError(f"train.straggler_ratio={t.straggler_ratio} must be at least 1")
+    if t.hang_report_ops < 0:
+        raise ConfigError(f"train.hang_report_ops={t.hang_report_ops} must be >= 0")
     if t.max_rollbacks < 0:
         raise ConfigError(f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
     if t.spike_rollback and not (c.save and c.interval > 0):

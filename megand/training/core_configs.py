@@ -52,8 +52,9 @@ READ_ELSEWHERE = {
     "checkpoint": {
         "load": "the Trainer's resume (megand.training.resume.load_path)",
         "interval": "the Trainer's checkpoint step",
-        "continue_on_error": "the Trainer's checkpoint step",
-        "save_timeout_s": "CheckpointConfig.timeout_s (with the backend's grace) and the hang watchdog",
+        "continue_on_error": "the Trainer's checkpoint step (SaveFailures)",
+        "max_failed_saves": "the Trainer's checkpoint step (SaveFailures)",
+        "save_timeout_s": "CheckpointConfig.budget_s, .timeout_s (with the backend's grace) and the hang watchdog",
     },
     "parallel": {
         "sequence_parallel": "TransformerConfig.sequence_parallel",
@@ -140,7 +141,7 @@ def optimizer_and_data_parallel_configs(cfg) -> tuple[OptimizerConfig, DataParal
 
 def checkpoint_config(cfg) -> CheckpointConfig:
     (keys,) = split_section("checkpoint", _section(cfg, "checkpoint"), CheckpointConfig)
-    return CheckpointConfig(**keys, timeout_s=backend_timeout_s(save_timeout_s(cfg)))
+    return CheckpointConfig(**keys, timeout_s=backend_timeout_s(save_timeout_s(cfg)), budget_s=save_timeout_s(cfg))
 
 
 def dataset_plan(cfg) -> DatasetPlan:

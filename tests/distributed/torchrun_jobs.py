@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Job:
     """A torchrun job (one agent by default) whose output is collected line by line with arrival times."""
 
-    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, launcher=("-m", "torch.distributed.run")):
+    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, launcher=("-m", "torch.distributed.run"),
+                 preexec_fn=None):
         """``launcher``: the agent's command after the interpreter (torchrun's module, or tools/launch.py)."""
         self.lines: list[tuple[float, str]] = []
         port = free_port()
@@ -31,7 +32,7 @@ class Job:
             cmd = [sys.executable, *launcher, *rendezvous, f"--nproc-per-node={nproc}",
                    *launcher_args, *script]
             agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True, preexec_fn=preexec_fn)
             threading.Thread(target=self._read, args=(agent,), daemon=True).start()
             self.agents.append(agent)
         self.run_dir = run_dir

@@ -40,6 +40,11 @@ def tensor_shapes(path: str, prefix: str = "model.") -> dict[str, tuple[tuple[in
     iter_dir = files.resolve(path)
     metadata = files.read_metadata(iter_dir)
     files.check_files(iter_dir, metadata)
+    return tensor_shapes_of(metadata, prefix)
+
+
+def tensor_shapes_of(metadata, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """:func:`tensor_shapes` from a checkpoint's metadata already read."""
     return {k[len(prefix):]: (tuple(md.size), md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
 

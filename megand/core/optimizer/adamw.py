@@ -88,4 +88,4 @@ def check_adamw(o) -> None:
 
 
 ADAMW = OptimizerRecord(name="adamw", state=("exp_avg", "exp_avg_sq"), roles=frozenset(ROLES), update=AdamWUpdate,
-                        update_bytes=36, check=check_adamw)
+                        update_bytes=36, check=check_adamw, first_moment="exp_avg")

@@ -45,4 +45,4 @@ def check_lion(o) -> None:
 
 
 LION = OptimizerRecord(name="lion", state=("lion_momentum",), roles=frozenset(ROLES), update=LionUpdate,
-                       update_bytes=28, check=check_lion)
+                       update_bytes=28, check=check_lion, first_moment="lion_momentum")

@@ -182,4 +182,4 @@ def check_muon(o) -> None:
 
 MUON = OptimizerRecord(name="muon", state=("momentum",), roles=frozenset({MATRIX, EXPERT_MATRIX}), update=MuonUpdate,
                        update_bytes=36, fallback="adamw", matrix_flops=newton_schulz_flops,
-                       matrix_step="Muon Newton-Schulz", check=check_muon)
+                       matrix_step="Muon Newton-Schulz", check=check_muon, first_moment="momentum")

@@ -33,3 +33,6 @@ class OptimizerRecord:
     # (optim config) -> None, raising ValueError naming the key and value of this optimizer's own values
     # (betas, eps, momentum...); the values every optimizer reads are checks.check_common's
     check: Optional[Callable] = None
+    # the state that after step 1 is a fixed multiple of the gradient (AdamW's exp_avg = (1 - beta1) g): what
+    # tools/compare_checkpoints.py --grads compares between layouts; None: no such state
+    first_moment: Optional[str] = None
