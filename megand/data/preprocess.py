@@ -10,6 +10,7 @@ with its own reader, writer and share of the workers) and merges their outputs a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import gzip
 import itertools
@@ -89,15 +90,17 @@ def expand_inputs(spec: str) -> list[str]:
 
 
 # ---- worker side -------------------------------------------------------------------------------------
-# Each pool worker loads the tokenizer once (pool initializer); this module-level slot is per process.
-_worker_tokenizer: Tokenizer | None = None
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(tokenizer_spec: tuple) -> Tokenizer:
+    """A pool worker's tokenizer, loaded once by the pool's initializer and kept for the chunks that name the
+    same spec (every chunk of one run names the run's: one entry)."""
+    path, kind, eod_id = tokenizer_spec
+    return load_tokenizer(path, kind, eod_id, num_threads=1)  # one core per worker
 
 
 def _init_worker(tokenizer_spec: tuple) -> None:
-    global _worker_tokenizer
-    path, kind, eod_id = tokenizer_spec
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # Hugging Face batches: one thread per worker
-    _worker_tokenizer = load_tokenizer(path, kind, eod_id, num_threads=1)  # one core per worker
+    _worker_tokenizer(tokenizer_spec)
 
 
 def _json_rows(first_lineno, lines, keys):
@@ -119,10 +122,11 @@ def _column_rows(first_row, columns, keys):
             yield None, f"column {bad[0]!r} is {kind}", first_row + i
 
 
-def _encode_chunk(task):
-    """Parse and tokenize one chunk of rows. Returns per-key (tokens, lengths), errors, counts."""
+def _encode_chunk(tokenizer_spec, task):
+    """Parse and tokenize one chunk of rows with the worker's tokenizer of ``tokenizer_spec``. Returns per-key
+    (tokens, lengths), errors, counts."""
     kind, first_row, payload, nbytes, keys, append_eod = task
-    tok = _worker_tokenizer
+    tok = _worker_tokenizer(tokenizer_spec)
     texts = [[] for _ in keys]
     errors = []
     rows = _json_rows(first_row, payload, keys) if kind == "json" else _column_rows(first_row, payload, keys)
@@ -251,7 +255,7 @@ def _process_range(sources, out_prefix, tokenizer_spec, keys, append_eod, worker
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path), position=position,
                        disable=not progress or path.endswith(".parquet"), mininterval=1.0, smoothing=0.1)
             chunks = _chunks(path, start, end, first_lineno, keys, append_eod, throttle)
-            for per_key, errors, empty, nbytes in pool.imap(_encode_chunk, chunks):
+            for per_key, errors, empty, nbytes in pool.imap(functools.partial(_encode_chunk, tokenizer_spec), chunks):
                 throttle.release()
                 for rowno, reason in errors:
                     message = f"{path}:{rowno}: {reason}"

@@ -95,6 +95,7 @@ from megand.core.optimizer.registry import optimizer_for, record
 from megand.core.parallel_layout import ParallelLayout, ParallelSizes
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
+from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
@@ -231,9 +232,10 @@ def state_bytes_per_param(layout: Layout, shards: Optional[int] = None, states: 
 def gathered_bytes(params: float, layout: Layout, fp8_params: float = 0.0) -> float:
     """ZeRO-2/3 working set beyond the shards: gathered parameter buckets and gradient scratch buckets.
 
-    ``fp8_params``: the stage's weights that ZeRO-3 gathers in FP8 for forward and backward (``tensorwise``:
-    one byte per element; rowwise and MX gather the bf16 weight for backward, so their peak stays two). They
-    fill buckets of their own; held buckets are counted as the other parameters' first (an upper bound)."""
+    ``fp8_params``: the stage's weights that ZeRO-3 gathers in FP8 for forward, and for backward under a
+    one-scale recipe (its record's ``one_scale``, tensorwise): one byte per element; rowwise and MX gather the
+    bf16 weight for backward, so their peak stays two. They fill buckets of their own; held buckets are
+    counted as the other parameters' first (an upper bound)."""
     level = layout.level
     if level not in ("optim_grads", "optim_grads_params") or layout.shards == 1:
         return 0.0
@@ -243,7 +245,7 @@ def gathered_bytes(params: float, layout: Layout, fp8_params: float = 0.0) -> fl
         return scratch
     elem = 4 if layout.precision == "fp32" else 2
     held = params if not layout.reshard_after_forward else two_buckets
-    if layout.fp8_gather != "tensorwise" or elem != 2:
+    if not layout.fp8_gather or not fp8_recipe(layout.fp8_gather).one_scale or elem != 2:
         return scratch + held * elem
     high = min(held, params - fp8_params)
     return scratch + high * elem + (held - high) * 1
@@ -263,6 +265,27 @@ def stage_fp8_gathered_params(model: Mapping[str, Any], layout: Layout, stage: i
             lp = layer_params(shape, moe=shape.is_moe(i), layer=i)
             total += (lp.qkv_weight + lp.proj_weight + lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
     return total
+
+
+def stage_fp8_cache_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """The step's FP8 weight cache on a rank of pipeline ``stage``: a recipe that keeps one (its record's
+    ``weight_cache_bytes`` per element, tensorwise: one byte) quantises each FP8 layer's weights once per step
+    and holds them through the last backward, a copy per view a product reads: every FP8 linear's weight once,
+    the SwiGLU fc1's twice (its forward reads the gate and up rows apart, its input gradient the whole
+    weight). None compiled (``fp8_gather`` unset) or under ZeRO-3 (each gathered weight is freed instead)."""
+    if not layout.fp8_gather or layout.level == "optim_grads_params":
+        return 0.0
+    per_element = fp8_recipe(layout.fp8_gather).weight_cache_bytes
+    if not per_element:
+        return 0.0
+    shape = Shape.from_config(model)
+    total = 0.0
+    for i in stage_layers(shape.layers, layout, stage):
+        if layout.fp8_bf16_layers <= i < shape.layers - layout.fp8_bf16_layers:
+            lp = layer_params(shape, moe=shape.is_moe(i))
+            fc1_copies = 2 if shape.swiglu else 1
+            total += (lp.qkv_weight + lp.proj_weight + fc1_copies * lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
+    return per_element * total
 
 
 def _activation_elem_bytes(layout: Layout) -> int:
@@ -498,10 +521,12 @@ class StageMemory:
     expert_params: float = 0.0             # of ``params``: routed experts (split over ep, etp; sharded over edp)
     moe_layers: int = 0                    # MoE layers on this stage
     all_to_all_bytes_per_step: float = 0.0  # expert-parallel dispatch + combine, sent by this rank per step
+    fp8_cache_bytes: float = 0.0           # the FP8 layers' weights quantised once for the step (train.fp8)
     total_bytes: float = field(init=False)
 
     def __post_init__(self):
         self.total_bytes = (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.gathered_bytes
+                            + self.fp8_cache_bytes
                             + self.layer_activation_bytes
                             + self.extra_activation_bytes + self.recompute_working_bytes)
 
@@ -646,7 +671,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
             extra_activation_bytes=_extra_activation_bytes(model, layout, stage),
             gathered_bytes=gathered_bytes(params, layout, stage_fp8_gathered_params(model, layout, stage)),
             recompute_working_bytes=working, expert_params=experts, moe_layers=n_moe,
-            all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage)))
+            all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage),
+            fp8_cache_bytes=stage_fp8_cache_bytes(model, layout, stage)))
     return MemoryEstimate(stages=stages)
 
 
@@ -707,6 +733,8 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  grads", lambda st: _gib(st.grad_bytes)),
         ("  optimizer (main params + states)", lambda st: _gib(st.optimizer_bytes)),
         ("  gathered buckets (ZeRO-2/3)", lambda st: _gib(st.gathered_bytes)),
+        *([("  FP8 weights for the step", lambda st: _gib(st.fp8_cache_bytes))]
+          if any(st.fp8_cache_bytes for st in estimate.stages) else []),
         ("activations per layer, micro-batch", lambda st: _gib(st.activation_bytes_per_layer)),
         ("layer x micro-batches in flight", lambda st: f"{st.layer_microbatches_in_flight:g}"),
         ("  activations of the layers", lambda st: _gib(st.layer_activation_bytes)),

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from megand.core.tensor_parallel.fp8_recipes import RECIPES as FP8_RECIPES
 from megand.data.source import DATA_KINDS, STREAM
 from megand.training.model_schema import ModelConfig  # the model group: generated from core's TransformerConfig
 
@@ -180,9 +181,6 @@ CHOICES = {
 }
 
 
-FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
-
-
 class ConfigError(ValueError):
     """An invalid configuration; raised before any work, naming the keys and values."""
 
@@ -238,21 +236,23 @@ def check_fp8(t) -> None:
 
 
 def check_fp8_device(fp8, device) -> None:
-    """``train.fp8=mxfp8`` on a GPU without MX block-scaled tensor cores (before Blackwell) is refused: its
-    emulation there runs slower than bf16. On the CPU the emulation is the reference and runs."""
+    """A recipe whose record ``needs`` its kernel (``train.fp8=mxfp8``: MX block-scaled tensor cores, from
+    Blackwell) on a GPU without it is refused: its emulation there runs slower than bf16. On the CPU the
+    emulation is the reference and runs."""
     from megand.core.parallel_state import device_capability
     from megand.core.tensor_parallel.fp8 import Fp8Kernels
 
-    if fp8 != "mxfp8":
+    rec = FP8_RECIPES.get(fp8)
+    if rec is None or rec.needs is None:
         return
     capability = device_capability(device)
-    if capability is None or Fp8Kernels.for_capability(capability).mx:
+    if capability is None or getattr(Fp8Kernels.for_capability(capability), rec.kernel):
         return
     import torch
 
-    raise ConfigError(f"train.fp8=mxfp8 needs MX block-scaled tensor cores (compute capability 10.0+, Blackwell); "
-                      f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use train.fp8=rowwise "
-                      f"or tensorwise (emulating MX blocks on this GPU would run slower than bf16)")
+    others = " or ".join(reversed([r.name for r in FP8_RECIPES.values() if r.needs is None]))  # finest first
+    raise ConfigError(f"train.fp8={fp8} needs {rec.needs}; {torch.cuda.get_device_name(device)} is "
+                      f"{capability[0]}.{capability[1]}: use train.fp8={others} ({rec.needs_why})")
 
 
 def validate(cfg, world_size: int) -> None:

@@ -277,6 +277,36 @@ TRAINING_FIELDS = frozenset({"seq_length", "hidden_dropout", "attention_dropout"
                              "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                              "moe_bias_update_rate", "moe_capacity_factor", "mtp_loss_weight"})
 ARCHITECTURE_FIELDS = MODEL_FIELDS - TRAINING_FIELDS
+_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
+_MOE = frozenset(k for k in ARCHITECTURE_FIELDS if k.startswith("moe_"))
+_LATENT = frozenset({"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
+_LINEAR = frozenset({"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel"})
+
+
+def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
+    """The architecture keys of a megand ``model`` config set apart from the schema's defaults: a head width or
+    a number of query groups equal to the derived one counts as unset, and so do keys with no effect in this
+    model (MoE keys of a dense model, a shared experts' gate without shared experts, RoPE theta without RoPE,
+    latent widths without latent attention, linear-attention widths without linear-attention layers)."""
+    out = {k: m[k] for k in ARCHITECTURE_FIELDS if k in m and m[k] != _DEFAULTS[k]}
+    hidden, heads = (m.get(k, _DEFAULTS[k]) for k in ("hidden_size", "num_attention_heads"))
+    if out.get("num_query_groups") == heads:
+        del out["num_query_groups"]
+    if "head_dim" in out and (m.get("kv_lora_rank") is not None or out["head_dim"] == resolve_head_dim(hidden, heads)):
+        del out["head_dim"]
+    inert = set()
+    if not m.get("num_experts"):
+        inert |= _MOE
+    if not m.get("moe_shared_experts"):
+        inert.add("moe_shared_expert_gate")
+    if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":
+        inert.add("rope_theta")
+    if m.get("kv_lora_rank") is None:
+        inert |= _LATENT
+    if "linear_attention" not in (m.get("layer_types") or ()):
+        inert |= _LINEAR
+    return {k: v for k, v in out.items() if k not in inert}
 
 
 def comparable(model: Mapping[str, Any]) -> dict:
