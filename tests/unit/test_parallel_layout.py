@@ -39,9 +39,9 @@ def test_the_grid_and_the_estimator_refuse_with_the_layouts_message():
     with pytest.raises(LayoutError, match=message):
         ParallelLayout(dp=4, dp_shard=3)
     with pytest.raises(LayoutError, match=message):
-        rank_groups(ParallelLayout(dp=4).sizes, dp_shard=3)
+        rank_groups(ParallelLayout(dp=4, dp_shard=3))
     with pytest.raises(LayoutError, match=message):
-        Layout(dp=4, dp_shard=3)
-    layout = Layout(tp=2, pp=2, vpp=2, dp=4, ep=2, etp=1, sharding="optim", pp_schedule="dualpipev")
+        Layout.of(dp=4, dp_shard=3)
+    layout = Layout.of(tp=2, pp=2, vpp=2, dp=4, ep=2, etp=1, sharding="optim", pp_schedule="dualpipev")
     assert layout.parallel == ParallelLayout(tp=2, pp=2, vpp=2, dp=4, ep=2, etp=1, pp_schedule="dualpipev")
     assert (layout.edp, layout.expert_tp, layout.shards) == (layout.parallel.edp, 1, 4)
