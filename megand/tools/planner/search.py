@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megand.core.parallel_layout import LayoutError
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_names
 from megand.models.flops import Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
@@ -410,12 +411,15 @@ class Planner:
             return f"every layout that fits was refused by the config's validate(), e.g.: {message}"
         if self.validate_fn is not None and self.pinned:  # the pins alone may break a rule of validate()
             p = self.pinned
-            pinned = Candidate.of(**{**self._base(), **{
-                field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
-                                                 ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
-                                                 ("parallel.sequence_parallel", "sequence_parallel"),
-                                                 ("parallel.cp_comm", "cp_comm")) if key in p}})
-            message = self.validate_fn(pinned.with_(dp=1))
+            try:
+                pinned = Candidate.of(**{**self._base(), "dp": 1, **{
+                    field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
+                                                     ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
+                                                     ("parallel.sequence_parallel", "sequence_parallel"),
+                                                     ("parallel.cp_comm", "cp_comm")) if key in p}})
+                message = self.validate_fn(pinned)
+            except LayoutError as e:  # the parallel layout's own rules (validate() reports the same line)
+                message = str(e)
             if message and "global_batch_size" not in message:
                 return f"the pinned keys break a rule of the config: {message}"
         needed = self.smallest_fit()
