@@ -54,9 +54,12 @@ def benchmark_config(overrides, steps: int, warmup: int, cuda: bool):
         defaults.append("train.precision=bf16")
     cfg = compose(overrides + defaults)
     if "train.global_batch_size" not in given:
-        p = cfg.parallel
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        dp = p.dp or max(1, world // (p.tp * p.pp * p.cp))
+        from megand.core.parallel_layout import LayoutError, ParallelLayout
+
+        try:
+            dp = ParallelLayout.from_keys(cfg.parallel, int(os.environ.get("WORLD_SIZE", 1))).dp
+        except LayoutError:
+            dp = cfg.parallel.dp or 1  # the run's validate() names the values
         cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
     return cfg
 

@@ -87,31 +87,30 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 """
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
-from megand.core.parallel_layout import ParallelLayout, ParallelSizes
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
-from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
+PARALLEL_KEYS = tuple(f.name for f in fields(ParallelLayout))  # tp, pp, cp, dp, vpp, order, dp_shard, ep, etp, pp_schedule
+
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None          # virtual stages per pipeline rank (None: not interleaved)
-    cp: int = 1
-    dp: int = 1
+    """What the estimate depends on: the parallel layout (megand's one layout value, validated there) and
+    the run's memory-relevant choices. :meth:`of` takes them as flat keys."""
+
+    parallel: ParallelLayout = ParallelLayout()
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # the old flag: at least optim.sharding=optim
     sharding: str = "none"             # none | optim | optim_grads | optim_grads_params
-    dp_shard: Optional[int] = None     # ranks of dp·cp per shard group (HSDP); None: all of them
     bucket_size: int = 40_000_000      # elements per bucket (ZeRO-3 gathers one bucket at a time)
     reshard_after_forward: bool = True  # ZeRO-3: free gathered buckets after forward
     precision: str = "bf16"            # fp32 | bf16 | fp16
@@ -120,11 +119,8 @@ class Layout:
     micro_batch_size: int = 1
     num_microbatches: Optional[int] = None  # per dp rank and step; None: enough to fill the pipeline
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
-    ep: int = 1                        # expert-parallel size (carved out of dp·cp)
-    etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # optim.name: a registered optimizer (its record: states per role, matrix work)
-    pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule (zb1p: W passes hold their operands longer)
     fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
     fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
 
@@ -137,37 +133,35 @@ class Layout:
             raise ValueError(f"micro batch size {self.micro_batch_size} must be >= 1")
         if self.sharding not in SHARDING_LEVELS:
             raise ValueError(f"sharding must be {'|'.join(SHARDING_LEVELS)}, got {self.sharding!r}")
-        _ = self.parallel  # the parallel sizes' rules: a LayoutError (a ValueError) naming the values
         if self.recompute_layers is not None and len(self.recompute_layers) != self.pp * (self.vpp or 1):
             raise ValueError(f"recompute_layers={list(self.recompute_layers)} needs one entry per virtual stage "
                              f"(pp*vpp = {self.pp * (self.vpp or 1)})")
 
     @classmethod
+    def of(cls, **keys) -> "Layout":
+        """A layout from flat keys: the parallel ones (:data:`PARALLEL_KEYS`: a LayoutError, a ValueError,
+        names values that break a rule) and this class's fields."""
+        sizes = {k: keys.pop(k) for k in PARALLEL_KEYS if k in keys}
+        return cls(parallel=parallel_layout(**sizes), **keys)
+
+    @classmethod
     def from_config(cls, parallel: Mapping[str, Any], train: Mapping[str, Any], optim: Mapping[str, Any],
                     world_size: Optional[int] = None) -> "Layout":
         """From the ``parallel``, ``train`` and ``optim`` config groups (``dp: null`` needs world_size)."""
-        tp, pp, cp = (int(parallel.get(k) or 1) for k in ("tp", "pp", "cp"))
-        dp = parallel.get("dp")
-        if dp is None:
-            if world_size is None:
-                raise ValueError("parallel.dp is null: pass world_size")
-            dp = ParallelSizes.infer(world_size, tp=tp, pp=pp, cp=cp).dp
+        layout = ParallelLayout.from_keys(parallel, world_size)
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
-        return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
-                   ep=int(parallel.get("ep") or 1), etp=parallel.get("etp"),
-                   sequence_parallel=bool(parallel.get("sequence_parallel", False)),
-                   sharding=optim.get("sharding") or "none", dp_shard=parallel.get("dp_shard"),
+        return cls(parallel=layout, sequence_parallel=bool(parallel.get("sequence_parallel", False)),
+                   sharding=optim.get("sharding") or "none",
                    bucket_size=int(optim.get("bucket_size") or 40_000_000),
                    reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    recompute_layers=(tuple(train.get("recompute_layers")) if train.get("recompute_layers") is not None
                                      else None),
                    micro_batch_size=micro,
-                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
+                   num_microbatches=layout.microbatches(int(gbs), micro) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
                    optimizer=optim.get("name") or "adamw",
-                   pp_schedule=parallel.get("pp_schedule") or DEFAULT_SCHEDULE,
                    fp8_gather=None if train.get("compile") else train.get("fp8"),
                    fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
 
@@ -176,11 +170,21 @@ class Layout:
         """The sharding level in effect (the old ``distributed_optimizer`` flag means ``optim``)."""
         return "optim" if self.sharding == "none" and self.distributed_optimizer else self.sharding
 
-    @property
-    def parallel(self) -> ParallelLayout:
-        """The parallel sizes as megand's one layout value (validated and derived there)."""
-        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, dp_shard=self.dp_shard,
-                               ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
+    def as_dict(self) -> dict:
+        """The flat keys (:meth:`of` takes them back)."""
+        return {**{k: getattr(self.parallel, k) for k in PARALLEL_KEYS},
+                **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "parallel"}}
+
+    # the parallel layout's sizes and options
+    tp = property(lambda self: self.parallel.tp)
+    pp = property(lambda self: self.parallel.pp)
+    vpp = property(lambda self: self.parallel.vpp)
+    cp = property(lambda self: self.parallel.cp)
+    dp = property(lambda self: self.parallel.dp)
+    dp_shard = property(lambda self: self.parallel.dp_shard)
+    ep = property(lambda self: self.parallel.ep)
+    etp = property(lambda self: self.parallel.etp)
+    pp_schedule = property(lambda self: self.parallel.pp_schedule)
 
     @property
     def shards(self) -> int:

@@ -19,13 +19,12 @@ import torch
 
 def _layout_rank(cfg, world_size: int, rank: int):
     """The data coordinates of ``rank`` in the layout, without processes."""
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
 
-    p = cfg.parallel
-    sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    c = rank_coords(rank, sizes, p.order)
-    return SimpleNamespace(dp_size=sizes.dp, dp_rank=c["dp"], cp_size=sizes.cp, cp_rank=c["cp"], pp_rank=c["pp"],
-                           pp_size=sizes.pp, tp_rank=c["tp"], device=torch.device("cpu"))
+    layout = ParallelLayout.from_keys(cfg.parallel, world_size)
+    c = layout.coords(rank)
+    return SimpleNamespace(dp_size=layout.dp, dp_rank=c["dp"], cp_size=layout.cp, cp_rank=c["cp"], pp_rank=c["pp"],
+                           pp_size=layout.pp, tp_rank=c["tp"], device=torch.device("cpu"))
 
 
 def _datasets_summary(cfg, train) -> list[str]:
@@ -115,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--iteration", type=int, default=1,
                    help="the iteration whose global batch to show, counted from 1 as the console line counts")
     args, overrides = p.parse_known_args(argv)
+    from megand.core.parallel_layout import ParallelLayout
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
     from megand.data.source import STREAM, data_kind
@@ -124,8 +124,7 @@ def main(argv=None) -> int:
 
     try:
         cfg = compose(overrides)
-        pc = cfg.parallel
-        world = args.world_size or pc.tp * pc.pp * pc.cp * (pc.dp or 1)
+        world = args.world_size or ParallelLayout.world_of(cfg.parallel)
         validate(cfg, world)
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is outside the world of {world} ranks")

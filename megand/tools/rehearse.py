@@ -129,13 +129,6 @@ class LiveBytes(TorchDispatchMode):
 
 
 
-def steady_microbatches(pp: int, vpp: int | None) -> int:
-    """Micro-batches per dp rank that reach the schedule's steady state (peak activations in flight)."""
-    if pp == 1:
-        return 2  # the second repeats the first with the gradients already accumulating
-    return 2 * pp if vpp and vpp > 1 else pp
-
-
 DEVICES_PER_NODE = 8
 
 
@@ -167,19 +160,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prepare_config(args):
     """The composed config with the rehearsal's changes: mock data, the cut global batch, no checkpoints."""
+    from megand.core.parallel_layout import LayoutError, ParallelLayout
     from megand.training.config import ConfigError, compose, validate
 
     cfg = compose(args.overrides)
     p, t = cfg.parallel, cfg.train
-    world = args.world_size or p.tp * p.pp * p.cp * (p.dp or 1)
-    if world % (p.tp * p.pp * p.cp):
-        raise SystemExit(f"rehearse: world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp}")
-    dp = world // (p.tp * p.pp * p.cp)
+    try:
+        world = args.world_size or ParallelLayout.world_of(p)
+        layout = ParallelLayout.from_keys({**p, "dp": None}, world)  # a parallel.dp that disagrees: validate() below
+    except LayoutError as e:
+        raise SystemExit(f"rehearse: {e}")
     if not 0 <= args.rank < world:
         raise SystemExit(f"rehearse: --rank {args.rank} is not in a world of {world} ranks")
-    configured = t.global_batch_size // (t.micro_batch_size * dp)
-    micro = args.microbatches or min(max(configured, 1), steady_microbatches(p.pp, p.vpp))
-    t.global_batch_size = micro * t.micro_batch_size * dp
+    configured = layout.microbatches(t.global_batch_size, t.micro_batch_size)
+    micro = args.microbatches or min(max(configured, 1), layout.steady_microbatches)
+    t.global_batch_size = micro * t.micro_batch_size * layout.dp
     cfg.data.kind = "mock"
     cfg.checkpoint.save = cfg.checkpoint.load = None
     t.compile = False  # the rehearsal runs the eager step (torch.compile does not trace fake CUDA here)
@@ -355,7 +350,7 @@ def trainer_for_rehearsal(cfg, configs, topo, data, clock):
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
     trainer.params = [p for _, p in trainer.named_params]
     trainer.optimizer = Optimizer(trainer.named_params, configs.optimizer, topo, trainer.ddp)
-    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.topology.pp_schedule)
+    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.layout.pp_schedule)
     trainer.ramp = batch_ramp(cfg.train)
     trainer._plan_batches(cfg.train.global_batch_size)
     trainer.train_feed = RandomAccessFeed(data, topo, cfg.train.micro_batch_size, trainer.batch_needs, trainer.ramp)
@@ -437,8 +432,8 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str 
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
                                                       rules.scaled_dot_product_attention))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", rules.rms_norm))
-            configs = core_configs(cfg, device)  # the one reading of the run config, as a run's start-up does
-            topo = build_topology(configs.topology, device)
+            configs = core_configs(cfg, device, world)  # the one reading of the run config, as a run's start-up does
+            topo = build_topology(configs, device)
             t, m = cfg.train, configs.model
             data = MockGPTDataset(m.seq_length, m.vocab_size, configs.seed, t.global_batch_size)
             stack.enter_context(fake_mode)
@@ -453,7 +448,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str 
                 clock.enter(None)
             finally:
                 trainer.train_feed.close()
-        micro = t.global_batch_size // (t.micro_batch_size * topo.dp_size)
+        micro = topo.layout.microbatches(t.global_batch_size, t.micro_batch_size)
         log_step = int(t.log_interval == 1)  # the rehearsed step (iteration 0) synchronises if it is logged
         step = ("forward_backward", "optimizer_step")
         result = {"phases": clock.phases, "local_params": sum(p.numel() for p in trainer.params),
@@ -484,10 +479,10 @@ def _gib(n: float) -> str:
 
 
 def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> str:
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
 
     p = cfg.parallel
-    coords = rank_coords(rank, ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), p.order)
+    coords = ParallelLayout.from_keys(p, world).coords(rank)
     lines = [f"rank {rank}/{world} on {result['device']}: tp {coords['tp']}/{p.tp} cp {coords['cp']}/{p.cp} "
              f"dp {coords['dp']} pp {coords['pp']}/{p.pp} vpp {p.vpp}; {result['local_params']:,} parameters; "
              f"{result['microbatches']} micro-batches of {cfg.train.micro_batch_size} x {cfg.model.seq_length} tokens, "
@@ -564,7 +559,7 @@ def main(argv=None) -> None:
             if proc.returncode:
                 raise SystemExit(proc.returncode)
             return
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
     from megand.tools.device_rules import RehearsalError
 
     from megand.tools.progress import heartbeat
@@ -576,8 +571,7 @@ def main(argv=None) -> None:
             result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
     except RehearsalError as e:
         raise SystemExit(f"rehearse: rank {args.rank} fails on {args.device}: {e}")
-    p = cfg.parallel
-    stage = rank_coords(args.rank, ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), p.order)["pp"]
+    stage = ParallelLayout.from_keys(cfg.parallel, world).coords(args.rank)["pp"]
     fused = fused_attention_ran(result)
     estimate = estimator_phases(cfg, world, stage, fused_attention=fused)
     result.update(rank=args.rank, world_size=world, stage=stage, estimator_fused_attention=fused,

@@ -203,13 +203,13 @@ def check_keys(cfg) -> None:
         raise ConfigError(f"{e.msg if hasattr(e, 'msg') else e} (full key: {getattr(e, 'full_key', '?')})") from None
 
 
-def check_expert_parallel(cfg, sizes) -> None:
+def check_expert_parallel(cfg, layout) -> None:
     """parallel.ep / parallel.etp against the layout and the experts; ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, expert_rank_groups
 
     m, p = cfg.model, cfg.parallel
     try:
-        expert_rank_groups(sizes, p.order, p.ep, p.etp)
+        expert_rank_groups(layout)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     experts = m.get("num_experts")
@@ -217,7 +217,7 @@ def check_expert_parallel(cfg, sizes) -> None:
         raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
     if experts and experts % p.ep:
         raise ConfigError(f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
-    if p.ep > 1 and p.dp_shard is not None and p.dp_shard != sizes.dp * sizes.cp:
+    if p.ep > 1 and p.dp_shard is not None and p.dp_shard != layout.dp_cp:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.ep={p.ep} is not supported: "
                           f"expert weights shard over their whole expert-data-parallel group; unset parallel.dp_shard")
 
@@ -281,14 +281,12 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
     check_counts(cfg)
     try:
-        layout = ParallelLayout.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, vpp=p.vpp, order=p.order,
-                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule)
+        layout = ParallelLayout.from_keys(p, world_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    sizes = layout.sizes
     if cfg.optim.sharding == "none" and layout.shard_size != layout.dp_cp:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
-    check_expert_parallel(cfg, sizes)
+    check_expert_parallel(cfg, layout)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
     head_dim = resolve_head_dim(m.hidden_size, m.num_attention_heads, m.head_dim)
@@ -304,9 +302,9 @@ def validate(cfg, world_size: int) -> None:
         (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
-        (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
+        (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * layout.dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
-         f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
+         f" x dp={layout.dp} = {t.micro_batch_size * layout.dp}"),
     ]
     seq_multiple = layout.sequence_multiple(p.sequence_parallel)
     checks.append((m.seq_length % seq_multiple == 0,
@@ -318,12 +316,12 @@ def validate(cfg, world_size: int) -> None:
     from megand.training.rampup import ramp_error
 
     rule = layout.schedule.microbatch_rule(p.pp, p.vpp)  # the schedule's rule, for every batch size the run takes
-    ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
+    ramp_message = ramp_error(t, t.micro_batch_size * layout.dp, rule)
     if ramp_message:
         raise ConfigError(ramp_message)
-    micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
     schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro batch "
-                                                 f"{t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
+                                                 f"{t.micro_batch_size} x dp {layout.dp})", keys="parallel.")
     if schedule_message:
         raise ConfigError(schedule_message)
     try:

@@ -23,7 +23,6 @@ from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
 from megand.core.parallel_state import (
     Topology,
-    TopologyConfig,
     choose_device_and_backend,
     device_capability,
     init_distributed,
@@ -56,8 +55,10 @@ from megand.training.save_failures import SaveFailures
 from megand.training.wandb_logger import WandbLogger
 
 
-def build_topology(config: TopologyConfig, device) -> Topology:
-    return Topology.from_config(config, device)
+def build_topology(configs: CoreConfigs, device) -> Topology:
+    """Collective: this rank's topology of the run's layout; its groups' collectives wait as long as the
+    backend's timeout allows."""
+    return Topology(configs.layout, device, backend_timeout_s(configs.collective_timeout_s))
 
 
 def build_model(configs: CoreConfigs, topo, device=None) -> list[GPTModel]:
@@ -151,9 +152,9 @@ class Trainer:
         on_every_rank(lambda: check_output_dirs(cfg))
         on_every_rank(lambda: check_run_dir_reuse(cfg))
         # the one reading of the Hydra config for core: every builder below takes its typed piece of it
-        self.configs = core_configs(cfg, device)
+        self.configs = core_configs(cfg, device, dist.get_world_size())
         self.model_cfg = self.configs.model
-        self.topo = build_topology(self.configs.topology, device)
+        self.topo = build_topology(self.configs, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
         train, valid = build_datasets(self.configs.datasets, self.topo, self.rollback_sample_budget())
@@ -163,7 +164,7 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, self.configs.optimizer, self.topo, self.ddp)
         self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
-        self.schedule = get_schedule(self.topo, schedule=self.configs.topology.pp_schedule)
+        self.schedule = get_schedule(self.topo, schedule=self.configs.layout.pp_schedule)
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes

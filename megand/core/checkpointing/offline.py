@@ -137,8 +137,9 @@ def save_full_model(save_dir: str, tensors: dict[str, torch.Tensor], config_yaml
 
 def single_process_topology(device=None):
     """A world of one (gloo), for building a full model in a tool or test process."""
-    from megand.core.parallel_state import ParallelSizes, Topology
+    from megand.core.parallel_layout import ParallelLayout
+    from megand.core.parallel_state import Topology
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return Topology(ParallelSizes(), device=device or torch.device("cpu"))
+    return Topology(ParallelLayout(), device=device or torch.device("cpu"))

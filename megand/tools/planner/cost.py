@@ -65,13 +65,12 @@ class Prediction:
 
 def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
     """The estimator's layout for a candidate (16-bit runs use SDPA's flash kernel: no s x s stored)."""
-    return Layout(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sequence_parallel,
-                  sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
+    return Layout(parallel=c.parallel, sequence_parallel=c.sequence_parallel,
+                  sharding=c.sharding, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   recompute_layers=c.recompute_layers,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
-                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer,
-                  pp_schedule=c.pp_schedule)
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -239,7 +238,7 @@ def rank_virtual_stages(c: Candidate) -> list:
 
 def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
     shape = Shape.from_config(model)
-    m = global_batch_size // (c.micro_batch_size * c.dp)
+    m = c.parallel.microbatches(global_batch_size, c.micro_batch_size)
     stages = c.pp * (c.vpp or 1)
     placement, links = _placement_and_links(c, tuple(stage_groups))
     where = c.parallel.placement.location  # virtual stage -> (rank, chunk)
@@ -359,7 +358,7 @@ def _wrap_link(links, c: Candidate) -> str:
 
 
 def _dp_size(c: Candidate) -> int:
-    return c.dp * c.cp
+    return c.parallel.dp_cp
 
 
 def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: float, f: float, b: float, elem,
