@@ -6,6 +6,7 @@ import sys
 import hydra
 
 from megand.training.config import ConfigError, register_schema
+from megand.training.peers import EXIT_PEER_LOST, peer_lost
 
 register_schema()
 
@@ -32,10 +33,11 @@ def adopt_model(cfg) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg) -> None:
-    from megand.core.checkpointing import CheckpointError, CheckpointWriteError
+    from megand.core.checkpointing import CheckpointError
     from megand.data.errors import DataError
     from megand.training.guards import EXIT_NON_FINITE, NonFiniteStop
     from megand.training.pretrain import pretrain
+    from megand.training.save_failures import EXIT_SAVE_FAILED, SaveFailureStop
 
     # every user-facing failure is one line and exit code 2; anything else is a bug, with its traceback
     try:
@@ -53,12 +55,18 @@ def main(cfg) -> None:
     except OSError as e:
         report(e, "file system error")
         sys.exit(2)
-    except CheckpointWriteError as e:  # raised by every rank alike; the previous checkpoint is intact
-        report(e, "cannot save checkpoint")
-        sys.exit(1)
+    except SaveFailureStop as e:  # raised by every rank alike; `latest` names the last good checkpoint
+        report(e, "checkpoint saves failed")
+        sys.exit(EXIT_SAVE_FAILED)
     except NonFiniteStop as e:  # raised by every rank alike
         report(e, "training stopped")
         sys.exit(EXIT_NON_FINITE)
+    except RuntimeError as e:  # a peer rank died: one line on each survivor, and the launcher restarts the job
+        lost = peer_lost(e)
+        if lost is None:
+            raise
+        print(f"megand: rank {os.environ.get('RANK', '0')} stopped: {lost}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PEER_LOST)
 
 
 if __name__ == "__main__":

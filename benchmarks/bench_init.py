@@ -41,8 +41,8 @@ def child(args) -> dict:
     cfg = compose([f"model={args.model}", f"parallel.tp={args.tp}", f"train.precision={args.precision}",
                    "run_dir=/tmp/bench_init"])
     device = init_fake_distributed(args.rank, args.tp)
-    configs = core_configs(cfg, device)
-    topo = build_topology(configs.topology, device)
+    configs = core_configs(cfg, device, args.tp)
+    topo = build_topology(configs, device)
     rss_before = rss_bytes()
     start, cpu_start = time.perf_counter(), cpu_seconds()
     chunks, ddp = build_model_and_engine(configs, topo)

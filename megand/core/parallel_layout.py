@@ -11,8 +11,10 @@ take it. A :class:`LayoutError` names the values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
+from typing import Any, Mapping
 
 from megand.core.batch_shares import is_uneven, shares_error
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
@@ -32,61 +34,11 @@ def check_sizes(**sizes) -> None:
             raise LayoutError(f"parallel.{name}={size} must be a positive integer")
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @classmethod
-    def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None):
-        """Sizes for ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
-        check_sizes(tp=tp, pp=pp, cp=cp, dp=dp if dp is not None else 1)
-        model_ranks = tp * pp * cp
-        if world_size % model_ranks:
-            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
-        inferred_dp = world_size // model_ranks
-        if dp is not None and dp != inferred_dp:
-            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = "
-                              f"{inferred_dp}")
-        return cls(tp=tp, cp=cp, dp=inferred_dp, pp=pp)
-
-
 def parse_order(order: str) -> tuple[str, ...]:
     dims = tuple(order.split("-"))
     if sorted(dims) != sorted(DIMS):
         raise LayoutError(f"parallel.order={order!r} must list each of {'-'.join(DIMS)} exactly once")
     return dims
-
-
-def check_dp_shard(sizes: ParallelSizes, dp_shard: int | None) -> int:
-    """The ranks of one shard group (``dp_shard=None``: the whole dp x cp group); a :class:`LayoutError`
-    unless ``dp_shard`` divides dp*cp."""
-    dp_cp = sizes.dp * sizes.cp
-    if dp_shard is None:
-        return dp_cp
-    if not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1 or dp_cp % dp_shard:
-        raise LayoutError(f"parallel.dp_shard={dp_shard} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp}"
-                          f" = {dp_cp}")
-    return dp_shard
-
-
-def check_expert_layout(sizes: ParallelSizes, ep: int = 1, etp: int | None = None) -> int:
-    """The expert tensor-parallel size (``etp=None``: tp); a :class:`LayoutError` naming the values if
-    ep does not divide dp*cp or etp is neither 1 nor tp."""
-    if not isinstance(ep, int) or ep < 1 or (sizes.dp * sizes.cp) % ep:
-        raise LayoutError(f"parallel.ep={ep} must be a positive divisor of dp*cp = {sizes.dp}*{sizes.cp} = "
-                          f"{sizes.dp * sizes.cp}")
-    etp = sizes.tp if etp is None else etp
-    if etp not in (1, sizes.tp):
-        raise LayoutError(f"parallel.etp={etp} must be 1 or parallel.tp={sizes.tp}")
-    return etp
-
 
 
 @dataclass(frozen=True)
@@ -115,8 +67,16 @@ class ParallelLayout:
         if error:
             raise LayoutError(error)
         parse_order(self.order)
-        check_dp_shard(self.sizes, self.dp_shard)
-        check_expert_layout(self.sizes, self.ep, self.etp)
+        dp_shard = self.dp_shard
+        if dp_shard is not None and (not isinstance(dp_shard, int) or isinstance(dp_shard, bool) or dp_shard < 1
+                                     or self.dp_cp % dp_shard):
+            raise LayoutError(f"parallel.dp_shard={dp_shard} must be a positive divisor of dp*cp = {self.dp}*{self.cp}"
+                              f" = {self.dp_cp}")
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp_cp % self.ep:
+            raise LayoutError(f"parallel.ep={self.ep} must be a positive divisor of dp*cp = {self.dp}*{self.cp} = "
+                              f"{self.dp_cp}")
+        if self.expert_tp not in (1, self.tp):
+            raise LayoutError(f"parallel.etp={self.etp} must be 1 or parallel.tp={self.tp}")
         error = self.schedule.layout_error(self.pp, self.vpp)
         if error:
             raise LayoutError(error)
@@ -125,8 +85,41 @@ class ParallelLayout:
     def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None,
               **options) -> "ParallelLayout":
         """The layout of ``world_size`` ranks; ``dp=None`` takes what is left after tp·pp·cp."""
-        sizes = ParallelSizes.infer(world_size, tp=tp, pp=pp, cp=cp, dp=dp)
-        return cls(tp=tp, pp=pp, cp=cp, dp=sizes.dp, **options)
+        check_sizes(tp=tp, pp=pp, cp=cp, dp=dp if dp is not None else 1)
+        model_ranks = tp * pp * cp
+        if world_size % model_ranks:
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
+        inferred_dp = world_size // model_ranks
+        if dp is not None and dp != inferred_dp:
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / (tp*pp*cp = {model_ranks}) = "
+                              f"{inferred_dp}")
+        return cls(tp=tp, pp=pp, cp=cp, dp=inferred_dp, **options)
+
+    @classmethod
+    def from_keys(cls, keys: Mapping[str, Any], world_size: int | None = None) -> "ParallelLayout":
+        """The layout the ``parallel`` config keys ``keys`` describe (other keys ignored; a missing or null
+        key takes its default) on ``world_size`` ranks (:meth:`infer`; None: ``parallel.dp`` must be set)."""
+        given = {f.name: keys[f.name] for f in fields(cls) if keys.get(f.name) is not None}
+        if world_size is not None:
+            return cls.infer(world_size, **given)
+        if "dp" not in given:
+            raise LayoutError("parallel.dp is null: pass world_size")
+        return cls(**given)
+
+    @staticmethod
+    def world_of(keys: Mapping[str, Any]) -> int:
+        """The ranks the ``parallel`` config keys ``keys`` name: tp·pp·cp·dp, a null dp counted as 1 (the
+        tools' default world size; unchecked: :meth:`from_keys` checks)."""
+        return math.prod(1 if keys.get(name) is None else keys.get(name) for name in DIMS)
+
+    @classmethod
+    def or_error(cls, **values) -> "ParallelLayout | LayoutError":
+        """The layout of ``values``, or the :class:`LayoutError` it would raise (returned, not raised: for
+        searches that try many sizes and keep those that hold)."""
+        try:
+            return cls(**values)
+        except LayoutError as e:
+            return e
 
     def with_(self, **changes) -> "ParallelLayout":
         return replace(self, **changes)
@@ -140,13 +133,23 @@ class ParallelLayout:
         except ValueError as e:
             raise LayoutError(str(e)) from None
 
-    @property
-    def sizes(self) -> ParallelSizes:
-        return ParallelSizes(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp)
+    def coords(self, rank: int) -> dict[str, int]:
+        """The grid coordinates of ``rank``: the first dimension of :attr:`order` varies fastest."""
+        coords = {}
+        for dim in parse_order(self.order):
+            size = getattr(self, dim)
+            coords[dim] = rank % size
+            rank //= size
+        return coords
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks of one model replica (tp·pp·cp): the world size is dp times this."""
+        return self.tp * self.pp * self.cp
 
     @property
     def stage_size(self) -> int:
@@ -190,6 +193,17 @@ class ParallelLayout:
     def interleaved(self) -> bool:
         """More than one model chunk per pipeline rank."""
         return self.pp > 1 and (self.vpp or 1) > 1
+
+    @property
+    def steady_microbatches(self) -> int:
+        """Micro-batches per dp rank that reach the schedule's steady state (peak activations in flight)."""
+        if self.pp == 1:
+            return 2  # the second repeats the first with the gradients already accumulating
+        return 2 * self.pp if self.interleaved else self.pp
+
+    def microbatches(self, global_batch_size: int, micro_batch_size: int) -> int:
+        """Micro-batches per dp rank in a step of ``global_batch_size`` samples (rounded down)."""
+        return global_batch_size // (micro_batch_size * self.dp)
 
     @cached_property
     def placement(self):

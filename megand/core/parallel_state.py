@@ -10,10 +10,10 @@ Megatron-core: expert tensor parallel (etp: 1 or tp), expert parallel (ep), expe
 after etp) and cp folded into edp. Expert weights are split over ep (whole experts) and etp, and their
 gradients are summed over the expert-dp group: the ranks holding the same experts.
 
-:func:`rank_groups` is a pure function of (world size, sizes, order) returning plain rank lists, so the
-layout is unit-tested without processes. :class:`Topology` creates the live groups from those lists
-(collectively: every rank creates every group, in the same order) and is the one object passed to
-whatever needs a group. There is no module-level state.
+:func:`rank_groups` is a pure function of the layout (:class:`~megand.core.parallel_layout.ParallelLayout`,
+the one value holding the sizes) returning plain rank lists, so the layout is unit-tested without
+processes. :class:`Topology` creates the live groups of a layout (collectively: every rank creates every
+group, in the same order) and is the one object passed to whatever needs a group. There is no module-level state.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.batch_shares import replica_rows
-from megand.core.parallel_layout import (DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, ParallelSizes,
-                                         check_dp_shard, check_expert_layout, parse_order)
-from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
+from megand.core.parallel_layout import DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, parse_order
 
 # Every group a run needs, as the grid dimensions it spans.
 GROUP_DIMS = {
@@ -51,16 +49,6 @@ EXPERT_GROUP_DIMS = {
 }
 
 
-def rank_coords(rank: int, sizes: ParallelSizes, order: str = DEFAULT_ORDER) -> dict[str, int]:
-    """The grid coordinates of ``rank``: the first dimension of ``order`` varies fastest."""
-    coords = {}
-    for dim in parse_order(order):
-        size = getattr(sizes, dim)
-        coords[dim] = rank % size
-        rank //= size
-    return coords
-
-
 def _grid_groups(world: int, dims: tuple[str, ...], size_of: dict[str, int], kinds: dict) -> dict[str, list[list[int]]]:
     """For each kind of ``kinds`` (name -> spanned dims), the sorted rank lists of a grid whose first
     dimension varies fastest."""
@@ -79,45 +67,45 @@ def _grid_groups(world: int, dims: tuple[str, ...], size_of: dict[str, int], kin
     return groups
 
 
-def expert_rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, ep: int = 1,
-                       etp: int | None = None) -> dict[str, list[list[int]]]:
-    """The expert grid's groups (``EXPERT_GROUP_DIMS``) as rank lists; pure, like :func:`rank_groups`.
+def expert_rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
+    """The expert grid's groups (``EXPERT_GROUP_DIMS``) of ``layout`` as rank lists; pure, like
+    :func:`rank_groups`.
 
     ep=1: the experts follow the dense grid (etp=tp: etp = tp groups, expert dp = dp x cp; etp=1: expert
     dp = tp x dp x cp), whatever the order. ep>1: Megatron-core's expert grid (see the module docstring);
     its pipeline groups (and with etp=tp its etp groups) must be the dense ones, else the order is
     rejected.
     """
-    etp = check_expert_layout(sizes, ep, etp)
+    etp, ep, order, world = layout.expert_tp, layout.ep, layout.order, layout.world_size
     dims = parse_order(order)
     if ep == 1:
-        spanned = {"ep": (), "etp": ("tp",) if etp == sizes.tp else (), "expert_dp": ("cp", "dp") + (() if etp == sizes.tp else ("tp",))}
+        spanned = {"ep": (), "etp": ("tp",) if etp == layout.tp else (), "expert_dp": ("cp", "dp") + (() if etp == layout.tp else ("tp",))}
         spanned["expert_tp_ep"] = spanned["etp"]
-        return _grid_groups(sizes.world_size, dims, {d: getattr(sizes, d) for d in DIMS}, spanned)
+        return _grid_groups(world, dims, {d: getattr(layout, d) for d in DIMS}, spanned)
     expert_dims = tuple(x for d in dims for x in {"tp": ("etp", "ep"), "cp": (), "dp": ("edp",), "pp": ("pp",)}[d])
-    size_of = {"etp": etp, "ep": ep, "edp": sizes.tp * sizes.cp * sizes.dp // (etp * ep), "pp": sizes.pp}
-    groups = _grid_groups(sizes.world_size, expert_dims, size_of, {**EXPERT_GROUP_DIMS, "pp": ("pp",)})
-    dense = _grid_groups(sizes.world_size, dims, {d: getattr(sizes, d) for d in DIMS}, {"pp": ("pp",), "tp": ("tp",)})
-    if groups.pop("pp") != dense["pp"] or (etp == sizes.tp and groups["etp"] != dense["tp"]):
+    size_of = {"etp": etp, "ep": ep, "edp": layout.edp, "pp": layout.pp}
+    groups = _grid_groups(world, expert_dims, size_of, {**EXPERT_GROUP_DIMS, "pp": ("pp",)})
+    dense = _grid_groups(world, dims, {d: getattr(layout, d) for d in DIMS}, {"pp": ("pp",), "tp": ("tp",)})
+    if groups.pop("pp") != dense["pp"] or (etp == layout.tp and groups["etp"] != dense["tp"]):
         raise LayoutError(f"parallel.order={order!r} with ep={ep}, etp={etp}: the expert grid "
                           f"({'-'.join(expert_dims)}) does not keep the pipeline and tensor-parallel groups; "
                           f"use an order with tp first and pp last (e.g. {DEFAULT_ORDER})")
     return groups
 
 
-def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int | None = None,
-                ep: int = 1, etp: int | None = None) -> dict[str, list[list[int]]]:
-    """For each group kind, the list of rank lists (each sorted ascending; pp lists are in stage order).
+def rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
+    """For each group kind of ``layout``, the list of rank lists (each sorted ascending; pp lists are in
+    stage order).
 
     Pure: no processes involved. A group of kind ``k`` holds the ranks that differ only in the
     dimensions ``GROUP_DIMS[k]``. The embedding group joins the first and last stage of each pipeline.
-    Sharded data parallelism adds ``dp_shard`` (each dp x cp group cut into runs of ``dp_shard``
+    Sharded data parallelism adds ``dp_shard`` (each dp x cp group cut into runs of ``layout.shard_size``
     adjacent ranks: the shard groups) and ``dp_replica`` (the ranks at the same place of every shard
-    group of one dp x cp group: the replicas of one shard). ``dp_shard=None`` is the whole dp x cp group.
+    group of one dp x cp group: the replicas of one shard).
     """
-    dims = parse_order(order)
-    world = sizes.world_size
-    coords = [rank_coords(r, sizes, order) for r in range(world)]
+    dims = parse_order(layout.order)
+    world = layout.world_size
+    coords = [layout.coords(r) for r in range(world)]
     groups = {}
     for kind, spanned in GROUP_DIMS.items():
         fixed = [d for d in dims if d not in spanned]
@@ -126,14 +114,15 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int 
             by_key.setdefault(tuple(coords[r][d] for d in fixed), []).append(r)
         groups[kind] = sorted(by_key.values())
     groups["embedding"] = [sorted({p[0], p[-1]}) for p in groups["pp"]]
-    groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], check_dp_shard(sizes, dp_shard))
-    groups.update(expert_rank_groups(sizes, order, ep, etp))
+    groups["dp_shard"], groups["dp_replica"] = shard_groups(groups["dp_cp"], layout.shard_size)
+    groups.update(expert_rank_groups(layout))
     return groups
 
 
 def shard_groups(dp_cp_groups: list[list[int]], shard: int):
     """``(shard groups, replica groups)`` cut from the dp x cp groups into runs of ``shard`` ranks (a
-    divisor of their size: :func:`~megand.core.parallel_layout.check_dp_shard`; see :func:`rank_groups`)."""
+    divisor of their size: :attr:`~megand.core.parallel_layout.ParallelLayout.shard_size`; see
+    :func:`rank_groups`)."""
     size = len(dp_cp_groups[0])
     shards = [g[i: i + shard] for g in dp_cp_groups for i in range(0, size, shard)]
     replicas = [g[j::shard] for g in dp_cp_groups for j in range(shard)]
@@ -273,91 +262,53 @@ def pipeline_channel_groups(pp_lists: list[list[int]], rank: int, pp_group, time
     return (pp_group, *extra)
 
 
-@dataclass(frozen=True)
-class TopologyConfig:
-    """How the ranks are laid out (the run's ``parallel`` sizes and options; built by the training package).
-    ``dp=None``: what the world size leaves after tp x pp x cp, known once the process group exists."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int | None = None
-    order: str = DEFAULT_ORDER
-    vpp: int | None = None  # model chunks per pipeline rank (interleaved schedules); None: one
-    dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
-    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
-    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
-    pp_schedule: str = DEFAULT_SCHEDULE
-    timeout_s: float | None = None  # how long one collective of the groups may wait (None: torch's default)
-    dp_microbatches: tuple[int, ...] | None = None  # micro-batches per data-parallel replica; None: equal
-
-
 @dataclass
 class Topology:
     """This rank's place in the grid and its live process groups.
 
-    Built once, collectively, after the default process group exists; passed explicitly to the model,
-    schedules, optimizer and checkpointing. ``vpp`` is the number of model chunks per pipeline rank
-    (interleaved schedule); ``None`` means no interleaving.
+    Built once, collectively, from the run's :class:`ParallelLayout` (the sizes live there; the topology
+    reads them) after the default process group exists; passed explicitly to the model, schedules,
+    optimizer and checkpointing. ``vpp`` is the number of model chunks per pipeline rank (interleaved
+    schedule); ``None`` means no interleaving.
     """
 
-    sizes: ParallelSizes
-    order: str = DEFAULT_ORDER
-    vpp: int | None = None
+    layout: ParallelLayout
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    dp_shard: int | None = None  # ranks of dp x cp per shard group (sharded data parallelism); None: all
-    ep: int = 1  # expert parallel: ranks of dp x cp over which the routed experts are split
-    etp: int | None = None  # expert tensor parallel: 1 or tp; None: tp
     timeout_s: float | None = None  # how long a collective of these groups may wait (None: torch's default)
-    pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (its record places the stages: last_stage_rank)
-    dp_microbatches: tuple[int, ...] | None = None  # micro-batches per data-parallel replica (batch_shares.py)
 
     def __post_init__(self):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_rank = local_rank()
-        if self.world_size != self.sizes.world_size:
-            raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.sizes}")
-        s = self.sizes
-        self.layout = ParallelLayout(tp=s.tp, pp=s.pp, cp=s.cp, dp=s.dp, vpp=self.vpp, order=self.order,
-                                     dp_shard=self.dp_shard, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule,
-                                     dp_microbatches=self.dp_microbatches)
-        self.coords = rank_coords(self.rank, self.sizes, self.order)
-        self.etp = self.layout.expert_tp
-        self.dp_microbatches = self.layout.dp_microbatches
-        lists = rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp)
+        if self.world_size != self.layout.world_size:
+            raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.layout}")
+        self.coords = self.layout.coords(self.rank)
+        lists = rank_groups(self.layout)
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
         self.pp_channel_groups = pipeline_channel_groups(lists["pp"], self.rank, self.groups["pp"], timeout)
 
-    @classmethod
-    def from_config(cls, config: TopologyConfig, device: torch.device) -> "Topology":
-        """Collective: this rank's topology in the default process group, laid out as ``config`` says."""
-        layout = ParallelLayout.infer(dist.get_world_size(), tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp,
-                                      vpp=config.vpp, order=config.order, dp_shard=config.dp_shard, ep=config.ep,
-                                      etp=config.etp, pp_schedule=config.pp_schedule,
-                                      dp_microbatches=config.dp_microbatches)
-        return cls.from_layout(layout, device, config.timeout_s)
-
-    @classmethod
-    def from_layout(cls, layout: ParallelLayout, device: torch.device, timeout_s: float | None = None) -> "Topology":
-        """Collective: this rank's topology in the default process group, laid out as ``layout``."""
-        return cls(layout.sizes, order=layout.order, vpp=layout.vpp, device=device, dp_shard=layout.dp_shard,
-                   ep=layout.ep, etp=layout.etp, timeout_s=timeout_s, pp_schedule=layout.pp_schedule,
-                   dp_microbatches=layout.dp_microbatches)
+    # the layout's options
+    order = property(lambda self: self.layout.order)
+    vpp = property(lambda self: self.layout.vpp)
+    dp_shard = property(lambda self: self.layout.dp_shard)
+    ep = property(lambda self: self.layout.ep)
+    etp = property(lambda self: self.layout.expert_tp)
+    pp_schedule = property(lambda self: self.layout.pp_schedule)
+    dp_microbatches = property(lambda self: self.layout.dp_microbatches)  # None: equal shares (batch_shares.py)
 
     # sizes and ranks within each dimension
-    tp_size = property(lambda self: self.sizes.tp)
-    cp_size = property(lambda self: self.sizes.cp)
-    dp_size = property(lambda self: self.sizes.dp)
-    pp_size = property(lambda self: self.sizes.pp)
+    tp_size = property(lambda self: self.layout.tp)
+    cp_size = property(lambda self: self.layout.cp)
+    dp_size = property(lambda self: self.layout.dp)
+    pp_size = property(lambda self: self.layout.pp)
     tp_rank = property(lambda self: self.coords["tp"])
     cp_rank = property(lambda self: self.coords["cp"])
     dp_rank = property(lambda self: self.coords["dp"])
     pp_rank = property(lambda self: self.coords["pp"])
-    dp_cp_size = property(lambda self: self.sizes.dp * self.sizes.cp)
+    dp_cp_size = property(lambda self: self.layout.dp_cp)
     dp_cp_rank = property(lambda self: self.ranks["dp_cp"].index(self.rank))
     dp_shard_size = property(lambda self: len(self.ranks["dp_shard"]))
     dp_shard_rank = property(lambda self: self.ranks["dp_shard"].index(self.rank))
@@ -441,8 +392,8 @@ class Topology:
 
 
 def all_decompositions(world_size: int):
-    """Every (tp, cp, dp, pp) whose product is ``world_size`` (for tests and tools)."""
+    """The layout of every (tp, cp, dp, pp) whose product is ``world_size`` (for tests and tools)."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, cp, pp in itertools.product(divisors, repeat=3):
         if world_size % (tp * cp * pp) == 0:
-            yield ParallelSizes(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp)
+            yield ParallelLayout.infer(world_size, tp=tp, cp=cp, pp=pp)

@@ -10,6 +10,7 @@ with its own reader, writer and share of the workers) and merges their outputs a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import gzip
 import itertools
@@ -19,13 +20,14 @@ import sys
 from queue import Empty
 import threading
 import time
+import zlib
 
 import numpy as np
 from tqdm import tqdm
 
 from megand.data.errors import DataError
 from megand.data.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path, merge_datasets, token_dtype
-from megand.data.jsonl import parse_json_line
+from megand.data.jsonl import file_kind, parse_json_line
 from megand.data.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_BYTES = 1 << 20
@@ -76,7 +78,11 @@ def expand_inputs(spec: str) -> list[str]:
     else:
         if not os.path.isfile(spec):
             raise DataError(f"{spec}: input file not found")
-        return [spec]  # one named file: JSON lines unless it ends with .parquet (.gz: compressed)
+        # one named file: JSON lines unless it ends with .parquet (.gz: compressed); binary input or Parquet
+        # under another name is refused, naming the file
+        if file_kind(spec) == "parquet" and not spec.endswith(".parquet"):
+            raise DataError(f"{spec}: a Parquet file not named .parquet: rename it to end with .parquet")
+        return [spec]
     paths = sorted(p for p in paths if os.path.isfile(p) and p.endswith(INPUT_SUFFIXES))
     if not paths:
         raise DataError(f"{spec}: no {', '.join(INPUT_SUFFIXES)} files there")
@@ -84,15 +90,17 @@ def expand_inputs(spec: str) -> list[str]:
 
 
 # ---- worker side -------------------------------------------------------------------------------------
-# Each pool worker loads the tokenizer once (pool initializer); this module-level slot is per process.
-_worker_tokenizer: Tokenizer | None = None
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(tokenizer_spec: tuple) -> Tokenizer:
+    """A pool worker's tokenizer, loaded once by the pool's initializer and kept for the chunks that name the
+    same spec (every chunk of one run names the run's: one entry)."""
+    path, kind, eod_id = tokenizer_spec
+    return load_tokenizer(path, kind, eod_id, num_threads=1)  # one core per worker
 
 
 def _init_worker(tokenizer_spec: tuple) -> None:
-    global _worker_tokenizer
-    path, kind, eod_id = tokenizer_spec
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # Hugging Face batches: one thread per worker
-    _worker_tokenizer = load_tokenizer(path, kind, eod_id, num_threads=1)  # one core per worker
+    _worker_tokenizer(tokenizer_spec)
 
 
 def _json_rows(first_lineno, lines, keys):
@@ -114,10 +122,11 @@ def _column_rows(first_row, columns, keys):
             yield None, f"column {bad[0]!r} is {kind}", first_row + i
 
 
-def _encode_chunk(task):
-    """Parse and tokenize one chunk of rows. Returns per-key (tokens, lengths), errors, counts."""
+def _encode_chunk(tokenizer_spec, task):
+    """Parse and tokenize one chunk of rows with the worker's tokenizer of ``tokenizer_spec``. Returns per-key
+    (tokens, lengths), errors, counts."""
     kind, first_row, payload, nbytes, keys, append_eod = task
-    tok = _worker_tokenizer
+    tok = _worker_tokenizer(tokenizer_spec)
     texts = [[] for _ in keys]
     errors = []
     rows = _json_rows(first_row, payload, keys) if kind == "json" else _column_rows(first_row, payload, keys)
@@ -171,7 +180,11 @@ def _read_json_chunks(path, start, end, first_lineno, throttle):
                 return
             lines, size = [], 0
             while size < CHUNK_BYTES and (end is None or pos + size < end):
-                line = f.readline()
+                try:
+                    line = f.readline()
+                except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz: name the file
+                    raise DataError(f"{path}: cannot decompress after line {lineno + len(lines) - 1} "
+                                    f"({type(e).__name__}: {' '.join(str(e).split()) or 'truncated'})") from None
                 if not line:
                     break
                 lines.append(line)
@@ -242,7 +255,7 @@ def _process_range(sources, out_prefix, tokenizer_spec, keys, append_eod, worker
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(path), position=position,
                        disable=not progress or path.endswith(".parquet"), mininterval=1.0, smoothing=0.1)
             chunks = _chunks(path, start, end, first_lineno, keys, append_eod, throttle)
-            for per_key, errors, empty, nbytes in pool.imap(_encode_chunk, chunks):
+            for per_key, errors, empty, nbytes in pool.imap(functools.partial(_encode_chunk, tokenizer_spec), chunks):
                 throttle.release()
                 for rowno, reason in errors:
                     message = f"{path}:{rowno}: {reason}"
@@ -353,6 +366,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, 
     try:
         summary = _preprocess(inputs, staging, tokenizer_spec, keys, append_eod, workers, partitions, on_error,
                               progress)
+        if summary.documents == 0:  # an empty dataset would only fail later, at training time
+            raise DataError(f"{input_path}: no documents to write ({summary.empty} empty, {summary.bad_lines} "
+                            f"malformed skipped): the input holds no text under {', '.join(map(repr, keys))}")
         for key in keys:  # publish: every dataset is complete
             for path_of in (bin_path, idx_path):
                 os.replace(path_of(output_prefix_for(staging, key)), path_of(output_prefix_for(output_prefix, key)))

@@ -35,6 +35,7 @@ lanes' positions would otherwise point at other documents, repeating or skipping
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import multiprocessing as mp
@@ -156,9 +157,6 @@ def parse_row(unit: Unit, raw) -> tuple[str | None, str | None]:
 
 
 # ---- tokenizing: in worker processes, or in the reader when data.workers=0 ---------------------------------
-_worker_tokenizer = None
-
-
 def tokenizer_spec(data_cfg, vocab_size: int) -> tuple:
     """What a worker needs to load the run's tokenizer (a null tokenizer without ``data.tokenizer``)."""
     return (data_cfg.get("tokenizer"), data_cfg.get("tokenizer_type"), data_cfg.get("eod_id"), vocab_size)
@@ -173,15 +171,25 @@ def _load_tokenizer(spec):
     return load_tokenizer(path, kind, eod_id, num_threads=1)
 
 
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(spec):
+    """A worker process's tokenizer, loaded by the pool's initializer and kept for the tasks that name the
+    same ``spec`` (a worker serves one stream: one entry; another spec loads its own)."""
+    return _load_tokenizer(spec)
+
+
 def _init_worker(spec) -> None:
-    global _worker_tokenizer
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker_tokenizer = _load_tokenizer(spec)
+    _worker_tokenizer(spec)
 
 
-def _encode(texts: list[str]) -> list[np.ndarray]:
-    """Each text's ids followed by the EOD id (an empty document: empty, and dropped by the lane)."""
-    tok = _worker_tokenizer
+def _encode_in_worker(spec, texts: list[str]) -> list[np.ndarray]:
+    return _encode(_worker_tokenizer(spec), texts)
+
+
+def _encode(tok, texts: list[str]) -> list[np.ndarray]:
+    """Each text's ids under ``tok`` followed by the EOD id (an empty document: empty, and dropped by the
+    lane)."""
     batch = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else [tok.encode(t) for t in texts]
     return [np.asarray([*ids, tok.eod_id], dtype=np.int64) if len(ids) else np.zeros(0, np.int64) for ids in batch]
 
@@ -352,6 +360,7 @@ class StreamSource:
         self._split = [1] * len(self.sources)  # pieces per unit of each source (set by open)
         self.bytes_read = 0  # from storage, by this reader (units read again after leaving the cache count again)
         self._pool = None
+        self._tokenizer = None  # data.workers=0: the stream's own tokenizer, loaded at its first document
         self.skipped, self.notices = 0, []
         self.history: dict | None = None  # a dict: every lane's documents taken, in order (tools/inspect_data.py)
 
@@ -476,18 +485,18 @@ class StreamSource:
             self.notices.append(f" WARNING: data.on_error=skip: skipping malformed rows, the first: {where}: {reason}")
 
     def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
-        if self.workers <= 0:
-            global _worker_tokenizer
-            if _worker_tokenizer is None:
-                _worker_tokenizer = _load_tokenizer(self.spec)
-            return _encode(texts)
+        if self.workers <= 0:  # in this process: the stream's own tokenizer
+            if self._tokenizer is None:
+                self._tokenizer = _load_tokenizer(self.spec)
+            return _encode(self._tokenizer, texts)
         if self._pool is None:  # an executor, not a Pool: a worker that dies (killed, out of memory) is an error
             self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
                                              initializer=_init_worker, initargs=(self.spec,))
         per_task = max(1, -(-len(texts) // (4 * self.workers)))
         chunks = [texts[i:i + per_task] for i in range(0, len(texts), per_task)]
         try:
-            return [ids for part in self._pool.map(_encode, chunks) for ids in part]
+            return [ids for part in self._pool.map(functools.partial(_encode_in_worker, self.spec), chunks)
+                    for ids in part]
         except BrokenProcessPool as e:
             raise DataError(f"a tokenizer worker process of the stream's reader died ({e}): killed, or out of "
                             f"memory? (data.workers={self.workers})") from e

@@ -9,17 +9,18 @@ family expresses is refused by name rather than dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megand.core.transformer.config import ARCHITECTURE_FIELDS, TransformerConfig, resolve_head_dim
+from megand.core.transformer.config import architecture
 from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
-                           hf_qwen3, hf_qwen3_moe)
+                           hf_qwen3, hf_qwen3_moe, hf_qwen3_5_text, hf_qwen3_next)
 from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
-    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY)}
+    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY,
+    hf_qwen3_5_text.FAMILY)}
 
 
 @dataclass(frozen=True)
@@ -34,36 +35,9 @@ class LeftOut:
 
 LEFT_OUT = (LeftOut("mtp_layers", "mtp.", "multi-token prediction depth(s)"),)
 
-_DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
-_MOE = frozenset(k for k in ARCHITECTURE_FIELDS if k.startswith("moe_"))
-_LATENT = frozenset({"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
-
 
 def family_names() -> str:
     return ", ".join(FAMILIES)
-
-
-def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
-    """The architecture keys of a megand ``model`` config set apart from the schema's defaults: a head width or
-    a number of query groups equal to the derived one counts as unset, and so do keys with no effect in this
-    model (MoE keys of a dense model, a shared experts' gate without shared experts, RoPE theta without RoPE,
-    latent widths without latent attention)."""
-    out = {k: m[k] for k in ARCHITECTURE_FIELDS if k in m and m[k] != _DEFAULTS[k]}
-    hidden, heads = (m.get(k, _DEFAULTS[k]) for k in ("hidden_size", "num_attention_heads"))
-    if out.get("num_query_groups") == heads:
-        del out["num_query_groups"]
-    if "head_dim" in out and (m.get("kv_lora_rank") is not None or out["head_dim"] == resolve_head_dim(hidden, heads)):
-        del out["head_dim"]
-    inert = set()
-    if not m.get("num_experts"):
-        inert |= _MOE
-    if not m.get("moe_shared_experts"):
-        inert.add("moe_shared_expert_gate")
-    if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":
-        inert.add("rope_theta")
-    if m.get("kv_lora_rank") is None:
-        inert |= _LATENT
-    return {k: v for k, v in out.items() if k not in inert}
 
 
 def family_for_model(m: Mapping[str, Any]) -> Family:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megand.core.sdpa import cuda_sdpa_backend
+from megand.core.tensor_parallel.fp8_recipes import kernel_recipe
 
 aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -209,12 +210,8 @@ class DeviceRules(TorchDispatchMode):
             self.kernels[("scaled_grouped_mm", source_line())] += 1
         elif func is aten._scaled_mm.default:
             scale_a = args[2] if len(args) > 2 else kwargs.get("scale_a")
-            if scale_a is not None and scale_a.dtype == torch.float8_e8m0fnu:
-                self._check_fp8_kernel(func, "mx", "FP8 products with MX block scales (SM 10.0+)")
-            elif scale_a is not None and scale_a.numel() > 1:
-                self._check_fp8_kernel(func, "rowwise", "FP8 products with per-row scales (SM 9.0+)")
-            else:
-                self._check_fp8_kernel(func, "tensorwise", "FP8 products (SM 8.9+)")
+            recipe = kernel_recipe(scale_a)  # the recipe whose kernel takes scales like these
+            self._check_fp8_kernel(func, recipe.kernel, recipe.kernel_what)
             self.kernels[(f"scaled_mm {args[0].dtype}", source_line())] += 1
         elif func is aten.mm.dtype:
             self.kernels[(f"mm {args[0].dtype}->{args[-1]}", source_line())] += 1

@@ -12,6 +12,7 @@ leave out are documented in megand/tools/estimate_memory.py.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -20,6 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megand.core.parallel_layout import LayoutError, ParallelLayout
 from megand.training.config import ConfigError, check_counts, compose, validate
 from megand.tools.estimate_memory import Layout, estimate_memory, format_report
 
@@ -35,8 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def world_size_of(cfg, world_size=None) -> int:
-    p = cfg.parallel
-    return world_size or p.tp * p.pp * p.cp * (p.dp or 1)
+    return world_size or ParallelLayout.world_of(cfg.parallel)
 
 
 def fail(message: str) -> int:
@@ -61,7 +62,10 @@ def main(argv=None) -> int:
         print(f"estimate: train.rampup_batch_size={list(t.rampup_batch_size)}: estimated at the final global batch "
               f"{t.global_batch_size} (the ramp's smaller batches hold fewer micro-batches)", file=sys.stderr)
         t.rampup_batch_size = None
-    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else None
+    try:
+        dp = ParallelLayout.infer(world, tp=p.tp, pp=p.pp, cp=p.cp).dp
+    except LayoutError:
+        dp = None  # validate() below names the values
     fill_pipeline = dp is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0
     if fill_pipeline:  # the batch only sets micro-batches in flight: assume enough to fill the pipeline
         print(f"estimate: train.global_batch_size={t.global_batch_size} is not a multiple of micro batch "
@@ -74,12 +78,12 @@ def main(argv=None) -> int:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
     if fill_pipeline:
-        layout = Layout(**{**vars(layout), "num_microbatches": None})
+        layout = dataclasses.replace(layout, num_microbatches=None)
     if args.fused_attention:
-        layout = Layout(**{**vars(layout), "fused_attention": True})
+        layout = dataclasses.replace(layout, fused_attention=True)
     estimate = estimate_memory(model, layout)
     if args.json:
-        print(json.dumps({"model": model, "layout": vars(layout), "world_size": world, "memory": estimate.as_dict()}))
+        print(json.dumps({"model": model, "layout": layout.as_dict(), "world_size": world, "memory": estimate.as_dict()}))
     else:
         print(format_report(model, layout, estimate))
     return 0

@@ -31,6 +31,9 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
 ``e`` is the activation element size (2 for bf16/fp16, 4 for fp32). With ``fused_attention``
 (flash / memory-efficient kernels) the s×s probabilities are never stored: the core keeps one fp32
 log-sum-exp per query and head (4·a bytes per token), which makes ``selective`` nearly free.
+A Gated DeltaNet layer (``model.layer_types``) stores its token mixer's terms instead of attention's (see
+:func:`linear_attention_bytes`: its projections, its fp32 chunked core with the C×C chunk matrices, and the
+recurrent state at each chunk boundary); ``selective`` drops its core.
 
 Recompute: ``selective`` drops the attention-core term (Megatron recomputes core attention);
 ``full`` stores only each layer's input (e·h per token, /tp with sequence parallelism) and adds one
@@ -84,30 +87,30 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 """
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
-from megand.core.parallel_layout import ParallelLayout, ParallelSizes
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
+from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
-from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
+PARALLEL_KEYS = tuple(f.name for f in fields(ParallelLayout))  # tp, pp, cp, dp, vpp, order, dp_shard, ep, etp, pp_schedule
+
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None          # virtual stages per pipeline rank (None: not interleaved)
-    cp: int = 1
-    dp: int = 1
+    """What the estimate depends on: the parallel layout (megand's one layout value, validated there) and
+    the run's memory-relevant choices. :meth:`of` takes them as flat keys."""
+
+    parallel: ParallelLayout = ParallelLayout()
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # the old flag: at least optim.sharding=optim
     sharding: str = "none"             # none | optim | optim_grads | optim_grads_params
-    dp_shard: Optional[int] = None     # ranks of dp·cp per shard group (HSDP); None: all of them
     bucket_size: int = 40_000_000      # elements per bucket (ZeRO-3 gathers one bucket at a time)
     reshard_after_forward: bool = True  # ZeRO-3: free gathered buckets after forward
     precision: str = "bf16"            # fp32 | bf16 | fp16
@@ -116,11 +119,8 @@ class Layout:
     micro_batch_size: int = 1
     num_microbatches: Optional[int] = None  # per dp rank and step; None: enough to fill the pipeline
     fused_attention: bool = False      # flash / memory-efficient kernel: no s×s probabilities stored
-    ep: int = 1                        # expert-parallel size (carved out of dp·cp)
-    etp: Optional[int] = None          # expert tensor-parallel size: 1 or tp; None: tp
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage (pp·vpp entries); None: even
     optimizer: str = "adamw"           # optim.name: a registered optimizer (its record: states per role, matrix work)
-    pp_schedule: str = DEFAULT_SCHEDULE  # parallel.pp_schedule (zb1p: W passes hold their operands longer)
     fp8_gather: Optional[str] = None   # ZeRO-3 gathers the FP8 layers' weights in FP8 under this recipe (train.fp8, not compiled)
     fp8_bf16_layers: int = 1           # train.fp8_bf16_layers: first and last layers kept in bf16
 
@@ -133,37 +133,35 @@ class Layout:
             raise ValueError(f"micro batch size {self.micro_batch_size} must be >= 1")
         if self.sharding not in SHARDING_LEVELS:
             raise ValueError(f"sharding must be {'|'.join(SHARDING_LEVELS)}, got {self.sharding!r}")
-        _ = self.parallel  # the parallel sizes' rules: a LayoutError (a ValueError) naming the values
         if self.recompute_layers is not None and len(self.recompute_layers) != self.pp * (self.vpp or 1):
             raise ValueError(f"recompute_layers={list(self.recompute_layers)} needs one entry per virtual stage "
                              f"(pp*vpp = {self.pp * (self.vpp or 1)})")
 
     @classmethod
+    def of(cls, **keys) -> "Layout":
+        """A layout from flat keys: the parallel ones (:data:`PARALLEL_KEYS`: a LayoutError, a ValueError,
+        names values that break a rule) and this class's fields."""
+        sizes = {k: keys.pop(k) for k in PARALLEL_KEYS if k in keys}
+        return cls(parallel=parallel_layout(**sizes), **keys)
+
+    @classmethod
     def from_config(cls, parallel: Mapping[str, Any], train: Mapping[str, Any], optim: Mapping[str, Any],
                     world_size: Optional[int] = None) -> "Layout":
         """From the ``parallel``, ``train`` and ``optim`` config groups (``dp: null`` needs world_size)."""
-        tp, pp, cp = (int(parallel.get(k) or 1) for k in ("tp", "pp", "cp"))
-        dp = parallel.get("dp")
-        if dp is None:
-            if world_size is None:
-                raise ValueError("parallel.dp is null: pass world_size")
-            dp = ParallelSizes.infer(world_size, tp=tp, pp=pp, cp=cp).dp
+        layout = ParallelLayout.from_keys(parallel, world_size)
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
-        return cls(tp=tp, pp=pp, vpp=parallel.get("vpp"), cp=cp, dp=int(dp),
-                   ep=int(parallel.get("ep") or 1), etp=parallel.get("etp"),
-                   sequence_parallel=bool(parallel.get("sequence_parallel", False)),
-                   sharding=optim.get("sharding") or "none", dp_shard=parallel.get("dp_shard"),
+        return cls(parallel=layout, sequence_parallel=bool(parallel.get("sequence_parallel", False)),
+                   sharding=optim.get("sharding") or "none",
                    bucket_size=int(optim.get("bucket_size") or 40_000_000),
                    reshard_after_forward=bool(optim.get("reshard_after_forward", True)),
                    precision=train.get("precision") or "bf16", recompute=train.get("recompute") or "none",
                    recompute_layers=(tuple(train.get("recompute_layers")) if train.get("recompute_layers") is not None
                                      else None),
                    micro_batch_size=micro,
-                   num_microbatches=int(gbs) // (micro * int(dp)) if gbs else None,
+                   num_microbatches=layout.microbatches(int(gbs), micro) if gbs else None,
                    pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
                    optimizer=optim.get("name") or "adamw",
-                   pp_schedule=parallel.get("pp_schedule") or DEFAULT_SCHEDULE,
                    fp8_gather=None if train.get("compile") else train.get("fp8"),
                    fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
 
@@ -172,11 +170,21 @@ class Layout:
         """The sharding level in effect (the old ``distributed_optimizer`` flag means ``optim``)."""
         return "optim" if self.sharding == "none" and self.distributed_optimizer else self.sharding
 
-    @property
-    def parallel(self) -> ParallelLayout:
-        """The parallel sizes as megand's one layout value (validated and derived there)."""
-        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, dp_shard=self.dp_shard,
-                               ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule)
+    def as_dict(self) -> dict:
+        """The flat keys (:meth:`of` takes them back)."""
+        return {**{k: getattr(self.parallel, k) for k in PARALLEL_KEYS},
+                **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "parallel"}}
+
+    # the parallel layout's sizes and options
+    tp = property(lambda self: self.parallel.tp)
+    pp = property(lambda self: self.parallel.pp)
+    vpp = property(lambda self: self.parallel.vpp)
+    cp = property(lambda self: self.parallel.cp)
+    dp = property(lambda self: self.parallel.dp)
+    dp_shard = property(lambda self: self.parallel.dp_shard)
+    ep = property(lambda self: self.parallel.ep)
+    etp = property(lambda self: self.parallel.etp)
+    pp_schedule = property(lambda self: self.parallel.pp_schedule)
 
     @property
     def shards(self) -> int:
@@ -228,9 +236,10 @@ def state_bytes_per_param(layout: Layout, shards: Optional[int] = None, states: 
 def gathered_bytes(params: float, layout: Layout, fp8_params: float = 0.0) -> float:
     """ZeRO-2/3 working set beyond the shards: gathered parameter buckets and gradient scratch buckets.
 
-    ``fp8_params``: the stage's weights that ZeRO-3 gathers in FP8 for forward and backward (``tensorwise``:
-    one byte per element; rowwise and MX gather the bf16 weight for backward, so their peak stays two). They
-    fill buckets of their own; held buckets are counted as the other parameters' first (an upper bound)."""
+    ``fp8_params``: the stage's weights that ZeRO-3 gathers in FP8 for forward, and for backward under a
+    one-scale recipe (its record's ``one_scale``, tensorwise): one byte per element; rowwise and MX gather the
+    bf16 weight for backward, so their peak stays two. They fill buckets of their own; held buckets are
+    counted as the other parameters' first (an upper bound)."""
     level = layout.level
     if level not in ("optim_grads", "optim_grads_params") or layout.shards == 1:
         return 0.0
@@ -240,7 +249,7 @@ def gathered_bytes(params: float, layout: Layout, fp8_params: float = 0.0) -> fl
         return scratch
     elem = 4 if layout.precision == "fp32" else 2
     held = params if not layout.reshard_after_forward else two_buckets
-    if layout.fp8_gather != "tensorwise" or elem != 2:
+    if not layout.fp8_gather or not fp8_recipe(layout.fp8_gather).one_scale or elem != 2:
         return scratch + held * elem
     high = min(held, params - fp8_params)
     return scratch + high * elem + (held - high) * 1
@@ -257,9 +266,30 @@ def stage_fp8_gathered_params(model: Mapping[str, Any], layout: Layout, stage: i
     total = 0.0
     for i in stage_layers(shape.layers, layout, stage):
         if layout.fp8_bf16_layers <= i < shape.layers - layout.fp8_bf16_layers:
-            lp = layer_params(shape, moe=shape.is_moe(i))
+            lp = layer_params(shape, moe=shape.is_moe(i), layer=i)
             total += (lp.qkv_weight + lp.proj_weight + lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
     return total
+
+
+def stage_fp8_cache_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """The step's FP8 weight cache on a rank of pipeline ``stage``: a recipe that keeps one (its record's
+    ``weight_cache_bytes`` per element, tensorwise: one byte) quantises each FP8 layer's weights once per step
+    and holds them through the last backward, a copy per view a product reads: every FP8 linear's weight once,
+    the SwiGLU fc1's twice (its forward reads the gate and up rows apart, its input gradient the whole
+    weight). None compiled (``fp8_gather`` unset) or under ZeRO-3 (each gathered weight is freed instead)."""
+    if not layout.fp8_gather or layout.level == "optim_grads_params":
+        return 0.0
+    per_element = fp8_recipe(layout.fp8_gather).weight_cache_bytes
+    if not per_element:
+        return 0.0
+    shape = Shape.from_config(model)
+    total = 0.0
+    for i in stage_layers(shape.layers, layout, stage):
+        if layout.fp8_bf16_layers <= i < shape.layers - layout.fp8_bf16_layers:
+            lp = layer_params(shape, moe=shape.is_moe(i))
+            fc1_copies = 2 if shape.swiglu else 1
+            total += (lp.qkv_weight + lp.proj_weight + fc1_copies * lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
+    return per_element * total
 
 
 def _activation_elem_bytes(layout: Layout) -> int:
@@ -292,10 +322,30 @@ def moe_block_activation_bytes(model: Mapping[str, Any], layout: Layout) -> floa
     return tokens * 8 * shape.experts / seq_split + routed + shared
 
 
+def linear_attention_bytes(shape: Shape, e: int, recompute: str) -> float:
+    """Per token, split over tp: what a Gated DeltaNet token mixer stores for backward (the C channels of its
+    convolution: 2·Hk·dk + Hv·dv). Kept under any recomputation but full: its in-projections' outputs
+    e·(2·Hk·dk + 2·Hv·dv + 2·Hv), the fp32 core input and gates 4·(C + 4·Hv), the gated norm's input and the
+    output projection's input 2·e·Hv·dv and its fp32 products 12·Hv·dv. The core (dropped by selective
+    recomputation) runs in fp32: the convolution's input, sum and activation 12·C, per value head five C×C
+    chunk matrices (decays, masks, the triangular system, the intra-chunk scores), the normalised, decayed and
+    solved queries, keys and values 4·(5·C + 8·dk + 5·dv), and the state at each chunk boundary 4·dk·dv/C (the
+    recurrent state's memory)."""
+    from megand.core.transformer.gated_deltanet import CHUNK
+
+    Hk, Hv, dk, dv = shape.lin_k_heads, shape.lin_v_heads, shape.lin_dk, shape.lin_dv
+    channels = 2 * Hk * dk + Hv * dv
+    kept = e * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) + 4 * (channels + 4 * Hv) + 2 * e * Hv * dv + 12 * Hv * dv
+    if recompute == "selective":
+        return kept
+    core = 12 * channels + 4 * Hv * (5 * CHUNK + 8 * dk + 5 * dv + dk * dv / CHUNK)
+    return kept + core * shape.linear_padded_seq / shape.seq
+
+
 def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None,
-                           moe: bool = False) -> float:
-    """Bytes one layer (``moe``: a MoE layer) stores for backward for one micro-batch on one rank (see the
-    module docstring)."""
+                           moe: bool = False, linear: bool = False) -> float:
+    """Bytes one layer (``moe``: a MoE layer; ``linear``: a Gated DeltaNet layer) stores for backward for one
+    micro-batch on one rank (see the module docstring)."""
     shape = Shape.from_config(model)
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
@@ -311,6 +361,9 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
     if recompute == "selective":
+        core = 0
+    if linear:  # the token mixer is Gated DeltaNet's instead of attention's
+        split = linear_attention_bytes(shape, e, recompute) + (0 if moe else (3 if shape.swiglu else 2) * e * f)
         core = 0
     block = moe_block_activation_bytes(model, layout) if moe else 0.0
     return tokens * (replicated / seq_split + (split + core) / layout.tp) + block
@@ -419,6 +472,9 @@ def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> 
     n_moe = stage_moe_layers(model, layout, stage)
     layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
               else math.ceil(shape.layers / layout.pp))
+    if shape.linear:  # the token mixers differ per layer: the stage's own layers
+        return sum(layer_params(shape, moe=shape.is_moe(i), layer=i).per_tp_rank(layout.tp, layout.ep, layout.expert_tp)
+                   for i in stage_layers(shape.layers, layout, stage))
     return ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
             + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
 
@@ -469,10 +525,12 @@ class StageMemory:
     expert_params: float = 0.0             # of ``params``: routed experts (split over ep, etp; sharded over edp)
     moe_layers: int = 0                    # MoE layers on this stage
     all_to_all_bytes_per_step: float = 0.0  # expert-parallel dispatch + combine, sent by this rank per step
+    fp8_cache_bytes: float = 0.0           # the FP8 layers' weights quantised once for the step (train.fp8)
     total_bytes: float = field(init=False)
 
     def __post_init__(self):
         self.total_bytes = (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.gathered_bytes
+                            + self.fp8_cache_bytes
                             + self.layer_activation_bytes
                             + self.extra_activation_bytes + self.recompute_working_bytes)
 
@@ -602,8 +660,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
-        kinds = [(mode(i), shape.is_moe(i)) for i in ids]
-        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1]) for k in set(kinds)}
+        kinds = [(mode(i), shape.is_moe(i), i in shape.linear) for i in ids]
+        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1], linear=k[2]) for k in set(kinds)}
         per_layer = sum(stored[k] for k in kinds) / len(ids)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
         working = 0.0
@@ -617,7 +675,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
             extra_activation_bytes=_extra_activation_bytes(model, layout, stage),
             gathered_bytes=gathered_bytes(params, layout, stage_fp8_gathered_params(model, layout, stage)),
             recompute_working_bytes=working, expert_params=experts, moe_layers=n_moe,
-            all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage)))
+            all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage),
+            fp8_cache_bytes=stage_fp8_cache_bytes(model, layout, stage)))
     return MemoryEstimate(stages=stages)
 
 
@@ -678,6 +737,8 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  grads", lambda st: _gib(st.grad_bytes)),
         ("  optimizer (main params + states)", lambda st: _gib(st.optimizer_bytes)),
         ("  gathered buckets (ZeRO-2/3)", lambda st: _gib(st.gathered_bytes)),
+        *([("  FP8 weights for the step", lambda st: _gib(st.fp8_cache_bytes))]
+          if any(st.fp8_cache_bytes for st in estimate.stages) else []),
         ("activations per layer, micro-batch", lambda st: _gib(st.activation_bytes_per_layer)),
         ("layer x micro-batches in flight", lambda st: f"{st.layer_microbatches_in_flight:g}"),
         ("  activations of the layers", lambda st: _gib(st.layer_activation_bytes)),
@@ -698,5 +759,6 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         lines.append(label.ljust(width) + "".join(fmt(st).rjust(colw) for st in estimate.stages))
     lines.append("")
     lines.append(f"peak: stage {estimate.peak.stage}, {_gib(estimate.peak.total_bytes)} per rank "
-                 "(excludes temporary/communication buffers, fragmentation and the CUDA context)")
+                 "(excludes temporary/communication buffers, fragmentation and the CUDA context; to size a device, "
+                 "plan on tools/rehearse.py's measured peak, which includes them (not the CUDA context))")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Show what a run will train on: datasets, blend, epochs, and decoded samples as a rank receives them.
 
     python tools/inspect_data.py data=indexed 'data.paths=[[1.0, data/corpus_text_document]]' \\
-        data.tokenizer=tok.model [--samples 2] [--rank 0] [--world-size N] [--iteration 0] [any key=value]
+        data.tokenizer=tok.model [--samples 2] [--rank 0] [--world-size N] [--iteration 1] [any key=value]
 
 Takes the run's own overrides (the same as pretrain_gpt.py). Prints each dataset's documents and tokens,
 the blend weights, how many epochs of each train split the run's ``train.iters`` read, then the first
@@ -21,14 +21,13 @@ from megand.core.batch_shares import replica_rows
 
 def _layout_rank(cfg, world_size: int, rank: int):
     """The data coordinates of ``rank`` in the layout, without processes."""
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
 
-    p = cfg.parallel
-    sizes = ParallelSizes.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    c = rank_coords(rank, sizes, p.order)
-    shares = None if p.get("dp_microbatches") is None else tuple(p.dp_microbatches)
-    return SimpleNamespace(dp_size=sizes.dp, dp_rank=c["dp"], dp_microbatches=shares, cp_size=sizes.cp, cp_rank=c["cp"], pp_rank=c["pp"],
-                           pp_size=sizes.pp, tp_rank=c["tp"], device=torch.device("cpu"))
+    layout = ParallelLayout.from_keys(cfg.parallel, world_size)
+    c = layout.coords(rank)
+    return SimpleNamespace(dp_size=layout.dp, dp_rank=c["dp"], dp_microbatches=layout.dp_microbatches,
+                           cp_size=layout.cp, cp_rank=c["cp"], pp_rank=c["pp"],
+                           pp_size=layout.pp, tp_rank=c["tp"], device=torch.device("cpu"))
 
 
 def _datasets_summary(cfg, train) -> list[str]:
@@ -115,8 +114,10 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--rank", type=int, default=0, help="global rank of the layout whose samples to show")
     p.add_argument("--world-size", type=int, default=None, help="default: tp*pp*cp (x parallel.dp when set)")
-    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--iteration", type=int, default=1,
+                   help="the iteration whose global batch to show, counted from 1 as the console line counts")
     args, overrides = p.parse_known_args(argv)
+    from megand.core.parallel_layout import ParallelLayout
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
     from megand.data.source import STREAM, data_kind
@@ -126,12 +127,14 @@ def main(argv=None) -> int:
 
     try:
         cfg = compose(overrides)
-        pc = cfg.parallel
-        world = args.world_size or pc.tp * pc.pp * pc.cp * (pc.dp or 1)
+        world = args.world_size or ParallelLayout.world_of(cfg.parallel)
         validate(cfg, world)
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is outside the world of {world} ranks")
         m, t = cfg.model, cfg.train
+        if not 1 <= args.iteration <= t.iters:
+            raise ConfigError(f"--iteration {args.iteration} is outside the run's iterations 1..{t.iters} "
+                              f"(train.iters={t.iters}; counted from 1 as the console line counts)")
         train, _, _ = build_datasets(cfg.data, m.seq_length, m.vocab_size, t.seed,
                                      (t.iters * t.global_batch_size, 0, 0))
         tok = data_tokenizer(cfg.data, m.vocab_size)
@@ -146,13 +149,13 @@ def main(argv=None) -> int:
     topo = _layout_rank(cfg, world, args.rank)
     if data_kind(cfg.data.kind).access == STREAM:
         try:
-            microbatches, sources = _stream_microbatches(train, args.iteration, t, topo, flags, m.seq_length)
+            microbatches, sources = _stream_microbatches(train, args.iteration - 1, t, topo, flags, m.seq_length)
         except DataError as e:
             print(f"inspect_data: {e}", file=sys.stderr)
             return 2
     else:
         sources = None
-        microbatches = rank_microbatches(train, args.iteration, t.global_batch_size, t.micro_batch_size, topo,
+        microbatches = rank_microbatches(train, args.iteration - 1, t.global_batch_size, t.micro_batch_size, topo,
                                          documents=flags)
     print(f"rank {args.rank} (dp {topo.dp_rank}/{topo.dp_size}, cp {topo.cp_rank}/{topo.cp_size}, "
           f"pp {topo.pp_rank}/{topo.pp_size}), iteration {args.iteration}:")

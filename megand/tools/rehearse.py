@@ -129,13 +129,6 @@ class LiveBytes(TorchDispatchMode):
 
 
 
-def steady_microbatches(pp: int, vpp: int | None) -> int:
-    """Micro-batches per dp rank that reach the schedule's steady state (peak activations in flight)."""
-    if pp == 1:
-        return 2  # the second repeats the first with the gradients already accumulating
-    return 2 * pp if vpp and vpp > 1 else pp
-
-
 DEVICES_PER_NODE = 8
 
 
@@ -167,22 +160,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prepare_config(args):
     """The composed config with the rehearsal's changes: mock data, the cut global batch, no checkpoints."""
+    from megand.core.parallel_layout import LayoutError, ParallelLayout
     from megand.training.config import ConfigError, compose, validate
 
     cfg = compose(args.overrides)
     p, t = cfg.parallel, cfg.train
-    world = args.world_size or p.tp * p.pp * p.cp * (p.dp or 1)
-    if world % (p.tp * p.pp * p.cp):
-        raise SystemExit(f"rehearse: world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp}")
-    dp = world // (p.tp * p.pp * p.cp)
+    try:
+        world = args.world_size or ParallelLayout.world_of(p)
+        layout = ParallelLayout.from_keys({**p, "dp": None}, world)  # a parallel.dp that disagrees: validate() below
+    except LayoutError as e:
+        raise SystemExit(f"rehearse: {e}")
     if not 0 <= args.rank < world:
         raise SystemExit(f"rehearse: --rank {args.rank} is not in a world of {world} ranks")
-    configured = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.get("dp_microbatches") is not None:  # uneven shares: the rank's peak is the largest share's
-        configured = max(p.dp_microbatches)
+    configured = layout.microbatches(t.global_batch_size, t.micro_batch_size)
+    if layout.dp_microbatches is not None:  # uneven shares: the rank's peak is the largest share's
+        configured = max(layout.dp_microbatches)
         p.dp_microbatches = None  # the rehearsal's own batch below, split evenly
-    micro = args.microbatches or min(max(configured, 1), steady_microbatches(p.pp, p.vpp))
-    t.global_batch_size = micro * t.micro_batch_size * dp
+    micro = args.microbatches or min(max(configured, 1), layout.steady_microbatches)
+    t.global_batch_size = micro * t.micro_batch_size * layout.dp
     cfg.data.kind = "mock"
     cfg.checkpoint.save = cfg.checkpoint.load = None
     t.compile = False  # the rehearsal runs the eager step (torch.compile does not trace fake CUDA here)
@@ -358,7 +353,7 @@ def trainer_for_rehearsal(cfg, configs, topo, data, clock):
     trainer.named_params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters()]
     trainer.params = [p for _, p in trainer.named_params]
     trainer.optimizer = Optimizer(trainer.named_params, configs.optimizer, topo, trainer.ddp)
-    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.topology.pp_schedule)
+    trainer.compile_timer, trainer.schedule = None, get_schedule(topo, schedule=configs.layout.pp_schedule)
     trainer.ramp = batch_ramp(cfg.train)
     trainer._plan_batches(cfg.train.global_batch_size)
     trainer.train_feed = RandomAccessFeed(data, topo, cfg.train.micro_batch_size, trainer.batch_needs, trainer.ramp)
@@ -440,8 +435,8 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str 
                 stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
                                                       rules.scaled_dot_product_attention))
                 stack.enter_context(mock.patch.object(torch.nn.functional, "rms_norm", rules.rms_norm))
-            configs = core_configs(cfg, device)  # the one reading of the run config, as a run's start-up does
-            topo = build_topology(configs.topology, device)
+            configs = core_configs(cfg, device, world)  # the one reading of the run config, as a run's start-up does
+            topo = build_topology(configs, device)
             t, m = cfg.train, configs.model
             data = MockGPTDataset(m.seq_length, m.vocab_size, configs.seed, t.global_batch_size)
             stack.enter_context(fake_mode)
@@ -456,7 +451,7 @@ def rehearse(cfg, world: int, rank: int, device_kind: str = "cpu", profile: str 
                 clock.enter(None)
             finally:
                 trainer.train_feed.close()
-        micro = t.global_batch_size // (t.micro_batch_size * topo.dp_size)
+        micro = topo.layout.microbatches(t.global_batch_size, t.micro_batch_size)
         log_step = int(t.log_interval == 1)  # the rehearsed step (iteration 0) synchronises if it is logged
         step = ("forward_backward", "optimizer_step")
         result = {"phases": clock.phases, "local_params": sum(p.numel() for p in trainer.params),
@@ -487,10 +482,10 @@ def _gib(n: float) -> str:
 
 
 def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> str:
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
 
     p = cfg.parallel
-    coords = rank_coords(rank, ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), p.order)
+    coords = ParallelLayout.from_keys(p, world).coords(rank)
     lines = [f"rank {rank}/{world} on {result['device']}: tp {coords['tp']}/{p.tp} cp {coords['cp']}/{p.cp} "
              f"dp {coords['dp']} pp {coords['pp']}/{p.pp} vpp {p.vpp}; {result['local_params']:,} parameters; "
              f"{result['microbatches']} micro-batches of {cfg.train.micro_batch_size} x {cfg.model.seq_length} tokens, "
@@ -505,6 +500,11 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
     lines.append(f"steady peak (forward_backward) {_gib(steady)}; phases above it by more than 10%: "
                  f"{', '.join(over) if over else 'none'}; estimator with "
                  f"{'fused' if result['estimator_fused_attention'] else 'unfused'} attention")
+    highest = max(PHASES, key=lambda n: result["phases"][n]["peak_bytes"])
+    lines.append(f"plan on: {_gib(result['phases'][highest]['peak_bytes'])} ({highest}), the highest rehearsed peak: it "
+                 f"counts every tensor this rank really allocates (weights, gradients, optimizer state, activations, "
+                 f"communication buffers and temporaries); tools/estimate.py's figure is a formula of the main terms, "
+                 f"for comparing layouts before rehearsing, and leaves out allocator rounding and short-lived buffers")
     if "syncs" in result:
         s = result["syncs"]
         lines.append(f"host syncs in the step: {s['step']} (allowed {s['allowed']})")
@@ -562,18 +562,19 @@ def main(argv=None) -> None:
             if proc.returncode:
                 raise SystemExit(proc.returncode)
             return
-    from megand.core.parallel_state import ParallelSizes, rank_coords
+    from megand.core.parallel_layout import ParallelLayout
     from megand.tools.device_rules import RehearsalError
 
+    from megand.tools.progress import heartbeat
     from megand.tools.rehearsal_devices import DEVICES, fit_verdict
 
     memory = int(args.device_memory_gib * 2**30)
     try:
-        result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
+        with heartbeat(f"rehearse: building and stepping rank {args.rank} on {args.device}"):
+            result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
     except RehearsalError as e:
         raise SystemExit(f"rehearse: rank {args.rank} fails on {args.device}: {e}")
-    p = cfg.parallel
-    stage = rank_coords(args.rank, ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp), p.order)["pp"]
+    stage = ParallelLayout.from_keys(cfg.parallel, world).coords(args.rank)["pp"]
     fused = fused_attention_ran(result)
     estimate = estimator_phases(cfg, world, stage, fused_attention=fused)
     result.update(rank=args.rank, world_size=world, stage=stage, estimator_fused_attention=fused,

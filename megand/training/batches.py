@@ -218,11 +218,9 @@ def samples_microbatches(tokens: torch.Tensor | None, micro_batch_size, topo, se
 def data_peer_group(topo):
     """Collective: a gloo group of the ranks that share this rank's data-parallel rank (its tp/cp/pp peers),
     and the global rank that reads for them (the first)."""
-    from megand.core.parallel_state import rank_coords
-
     by_dp: dict[int, list[int]] = {}
     for r in range(topo.world_size):
-        by_dp.setdefault(rank_coords(r, topo.sizes, topo.order)["dp"], []).append(r)
+        by_dp.setdefault(topo.layout.coords(r)["dp"], []).append(r)
     mine = None
     for dp_rank in sorted(by_dp):
         group = dist.new_group(by_dp[dp_rank], backend="gloo")  # every rank takes part in every group

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from megand.core.tensor_parallel.fp8_recipes import RECIPES as FP8_RECIPES
 from megand.data.source import DATA_KINDS, STREAM
 from megand.training.model_schema import ModelConfig  # the model group: generated from core's TransformerConfig
 
@@ -59,6 +60,7 @@ class TrainConfig:
     spike_window: int = 20  # recent steps in the running median; the spike guard starts once it is full
     spike_rollback: bool = False  # on a spike reload the last checkpoint and skip the data up to the spike
     max_rollbacks: int = 3  # spike rollbacks allowed in one run; later spikes are only logged
+    hang_report_ops: int = 1000  # operations per process kept by torch's flight recorder for the hang report (run_dir/hang/); 0: none
     collective_timeout_s: Optional[float] = None  # hang watchdog (no step progress for this long dumps stacks and exits) and the process groups' collective timeout; null: 600 on GPU, 1800 on CPU
     straggler_ratio: float = 1.3  # warn when the slowest rank's busy time exceeds the median by this factor
     exit_duration_mins: Optional[float] = None  # save and exit 0 at the first step boundary after this many minutes
@@ -122,8 +124,9 @@ class CheckpointConfig:
     interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
     async_save: bool = False  # write checkpoints in the background after a copy to CPU
     keep_last: Optional[int] = None  # keep only the newest N iter_* directories after each save; null: keep all
-    continue_on_error: bool = False  # a failed save only warns (default: the run stops, exit code 1)
-    save_timeout_s: Optional[float] = None  # longest a checkpoint save or load may take before the hang watchdog fires (also its collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
+    continue_on_error: bool = False  # a failed save never stops the run, the final one included (it only warns)
+    max_failed_saves: int = 3  # consecutive failed saves before the run stops (exit code 5); a failed final save also stops it
+    save_timeout_s: Optional[float] = None  # longest a checkpoint save may take before it counts as failed, and a load before the hang watchdog fires (also their collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
 
 
 @dataclass
@@ -179,9 +182,6 @@ CHOICES = {
 }
 
 
-FP8_RECIPES = ("tensorwise", "rowwise", "mxfp8")
-
-
 class ConfigError(ValueError):
     """An invalid configuration; raised before any work, naming the keys and values."""
 
@@ -204,13 +204,13 @@ def check_keys(cfg) -> None:
         raise ConfigError(f"{e.msg if hasattr(e, 'msg') else e} (full key: {getattr(e, 'full_key', '?')})") from None
 
 
-def check_expert_parallel(cfg, sizes) -> None:
+def check_expert_parallel(cfg, layout) -> None:
     """parallel.ep / parallel.etp against the layout and the experts; ConfigError naming the values."""
     from megand.core.parallel_state import LayoutError, expert_rank_groups
 
     m, p = cfg.model, cfg.parallel
     try:
-        expert_rank_groups(sizes, p.order, p.ep, p.etp)
+        expert_rank_groups(layout)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     experts = m.get("num_experts")
@@ -218,7 +218,7 @@ def check_expert_parallel(cfg, sizes) -> None:
         raise ConfigError(f"parallel.ep={p.ep} needs a Mixture-of-Experts model (model.num_experts is null)")
     if experts and experts % p.ep:
         raise ConfigError(f"model.num_experts={experts} is not divisible by parallel.ep={p.ep}")
-    if p.ep > 1 and p.dp_shard is not None and p.dp_shard != sizes.dp * sizes.cp:
+    if p.ep > 1 and p.dp_shard is not None and p.dp_shard != layout.dp_cp:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} (hybrid sharding) with parallel.ep={p.ep} is not supported: "
                           f"expert weights shard over their whole expert-data-parallel group; unset parallel.dp_shard")
 
@@ -237,21 +237,23 @@ def check_fp8(t) -> None:
 
 
 def check_fp8_device(fp8, device) -> None:
-    """``train.fp8=mxfp8`` on a GPU without MX block-scaled tensor cores (before Blackwell) is refused: its
-    emulation there runs slower than bf16. On the CPU the emulation is the reference and runs."""
+    """A recipe whose record ``needs`` its kernel (``train.fp8=mxfp8``: MX block-scaled tensor cores, from
+    Blackwell) on a GPU without it is refused: its emulation there runs slower than bf16. On the CPU the
+    emulation is the reference and runs."""
     from megand.core.parallel_state import device_capability
     from megand.core.tensor_parallel.fp8 import Fp8Kernels
 
-    if fp8 != "mxfp8":
+    rec = FP8_RECIPES.get(fp8)
+    if rec is None or rec.needs is None:
         return
     capability = device_capability(device)
-    if capability is None or Fp8Kernels.for_capability(capability).mx:
+    if capability is None or getattr(Fp8Kernels.for_capability(capability), rec.kernel):
         return
     import torch
 
-    raise ConfigError(f"train.fp8=mxfp8 needs MX block-scaled tensor cores (compute capability 10.0+, Blackwell); "
-                      f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use train.fp8=rowwise "
-                      f"or tensorwise (emulating MX blocks on this GPU would run slower than bf16)")
+    others = " or ".join(reversed([r.name for r in FP8_RECIPES.values() if r.needs is None]))  # finest first
+    raise ConfigError(f"train.fp8={fp8} needs {rec.needs}; {torch.cuda.get_device_name(device)} is "
+                      f"{capability[0]}.{capability[1]}: use train.fp8={others} ({rec.needs_why})")
 
 
 def validate(cfg, world_size: int) -> None:
@@ -280,15 +282,12 @@ def validate(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be positive")
     check_counts(cfg)
     try:
-        layout = ParallelLayout.infer(world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, vpp=p.vpp, order=p.order,
-                                      dp_shard=p.dp_shard, ep=p.ep, etp=p.etp, pp_schedule=p.pp_schedule,
-                                      dp_microbatches=p.dp_microbatches)
+        layout = ParallelLayout.from_keys(p, world_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    sizes = layout.sizes
     if cfg.optim.sharding == "none" and layout.shard_size != layout.dp_cp:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
-    check_expert_parallel(cfg, sizes)
+    check_expert_parallel(cfg, layout)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
     head_dim = resolve_head_dim(m.hidden_size, m.num_attention_heads, m.head_dim)
@@ -305,9 +304,9 @@ def validate(cfg, world_size: int) -> None:
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (layout.dp_microbatches is not None or  # the shares' own check below
-         t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
+         t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * layout.dp) == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
-         f" x dp={sizes.dp} = {t.micro_batch_size * sizes.dp}"),
+         f" x dp={layout.dp} = {t.micro_batch_size * layout.dp}"),
     ]
     seq_multiple = layout.sequence_multiple(p.sequence_parallel)
     checks.append((m.seq_length % seq_multiple == 0,
@@ -322,12 +321,12 @@ def validate(cfg, world_size: int) -> None:
     if layout.dp_microbatches is not None:
         validate_batch_shares(cfg, layout, rule)
     else:
-        ramp_message = ramp_error(t, t.micro_batch_size * sizes.dp, rule)
+        ramp_message = ramp_error(t, t.micro_batch_size * layout.dp, rule)
         if ramp_message:
             raise ConfigError(ramp_message)
-        micro_batches = t.global_batch_size // (t.micro_batch_size * sizes.dp)
+        micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
         schedule_message = rule.error(micro_batches, f"{micro_batches} = global batch {t.global_batch_size} / (micro "
-                                                     f"batch {t.micro_batch_size} x dp {sizes.dp})", keys="parallel.")
+                                                     f"batch {t.micro_batch_size} x dp {layout.dp})", keys="parallel.")
         if schedule_message:
             raise ConfigError(schedule_message)
     try:
@@ -341,6 +340,13 @@ def validate(cfg, world_size: int) -> None:
                           f"divisible by parallel.cp={p.cp} (model.num_query_groups={groups})")
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
+    linear = "linear_attention" in (m.get("layer_types") or ())
+    if linear and m.linear_num_key_heads % p.tp:
+        raise ConfigError(f"model.linear_num_key_heads={m.linear_num_key_heads} is not divisible by parallel.tp={p.tp}")
+    if linear and p.cp > 1 and m.seq_length // (2 * p.cp) < m.linear_conv_kernel - 1:
+        raise ConfigError(f"model.seq_length={m.seq_length} gives {m.seq_length // (2 * p.cp)} tokens per context-parallel "
+                          f"chunk (2 x parallel.cp={p.cp} chunks): Gated DeltaNet's convolution needs "
+                          f"model.linear_conv_kernel - 1 = {m.linear_conv_kernel - 1}")
     _validate_data_kind(cfg)
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
@@ -359,7 +365,7 @@ def validate_batch_shares(cfg, layout, rule) -> None:
     replica runs what its pipeline schedule needs, and no group that meets per micro-batch spans replicas
     of different shares."""
     from megand.core.batch_shares import group_error, microbatch_count_error
-    from megand.core.parallel_state import rank_coords, rank_groups
+    from megand.core.parallel_state import rank_groups
 
     t, shares = cfg.train, layout.dp_microbatches
     message = microbatch_count_error(shares, t.global_batch_size, t.micro_batch_size)
@@ -374,8 +380,7 @@ def validate_batch_shares(cfg, layout, rule) -> None:
             raise ConfigError(message)
     per_microbatch_shards = cfg.optim.sharding in ("optim_grads", "optim_grads_params")
     kinds = ["ep"] + per_microbatch_shards * ["dp_shard"] + (per_microbatch_shards and layout.ep > 1) * ["expert_dp"]
-    groups = rank_groups(layout.sizes, layout.order, layout.dp_shard, layout.ep, layout.etp)
-    message = group_error(shares, lambda r: rank_coords(r, layout.sizes, layout.order)["dp"], groups, kinds)
+    message = group_error(shares, lambda r: layout.coords(r)["dp"], rank_groups(layout), kinds)
     if message:
         raise ConfigError(message)
 
@@ -444,6 +449,7 @@ def validate_fault_keys(cfg) -> None:
                                       ("train.exit_duration_mins", t.exit_duration_mins),
                                       ("train.exit_interval", t.exit_interval),
                                       ("checkpoint.keep_last", c.keep_last),
+                                      ("checkpoint.max_failed_saves", c.max_failed_saves),
                                       ("checkpoint.save_timeout_s", c.save_timeout_s)) if v is not None]
     for key, value in positive:
         if value <= 0:
@@ -452,6 +458,8 @@ def validate_fault_keys(cfg) -> None:
         raise ConfigError(f"train.spike_factor={t.spike_factor} must be greater than 1")
     if t.straggler_ratio < 1.0:
         raise ConfigError(f"train.straggler_ratio={t.straggler_ratio} must be at least 1")
+    if t.hang_report_ops < 0:
+        raise ConfigError(f"train.hang_report_ops={t.hang_report_ops} must be >= 0")
     if t.max_rollbacks < 0:
         raise ConfigError(f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
     if t.spike_rollback and not (c.save and c.interval > 0):
@@ -515,7 +523,7 @@ def check_counts(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
     if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
         raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
-    check_wsd(cfg.optim, cfg.optim.decay_iters or cfg.train.iters)
+    check_optim(cfg.optim, cfg.optim.decay_iters or cfg.train.iters, cfg.train.iters)
     try:
         train_fraction = parse_split(cfg.data.split)[0]
     except DataError as e:
@@ -524,17 +532,14 @@ def check_counts(cfg) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
 
 
-def check_wsd(o, decay_iters: int) -> None:
-    """``optim.decay_fraction`` / ``decay_start`` within the schedule (checked whatever the schedule)."""
-    if not 0.0 <= o.decay_fraction <= 1.0:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be between 0 and 1")
-    if o.decay_start is not None and not o.warmup_iters <= o.decay_start <= decay_iters:
-        raise ConfigError(f"optim.decay_start={o.decay_start} must lie between optim.warmup_iters={o.warmup_iters} and "
-                          f"the end of the decay {decay_iters} (optim.decay_iters, null: train.iters)")
-    start = o.decay_start if o.decay_start is not None else decay_iters - round(o.decay_fraction * decay_iters)
-    if o.schedule == "wsd" and start < o.warmup_iters:
-        raise ConfigError(f"optim.schedule=wsd decays from step {start} (optim.decay_fraction={o.decay_fraction} of "
-                          f"{decay_iters} steps), inside the warm-up (optim.warmup_iters={o.warmup_iters})")
+def check_optim(o, decay_iters: int, iters: int) -> None:
+    """Every optimizer and schedule value (signs, orders, ranges; the optimizer's own in its record)."""
+    from megand.core.optimizer.registry import check_values
+
+    try:
+        check_values(o, decay_iters, iters)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def compose(overrides=(), config_dir: str | None = None):

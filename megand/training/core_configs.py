@@ -4,8 +4,8 @@
 start-up (topology, datasets, model, data-parallel engine, optimizer, checkpointer) takes its piece of it
 and never the Hydra config::
 
-    cfg --validate--> core_configs(cfg) --> CoreConfigs
-        .topology       -> Topology.from_config            (build_topology)
+    cfg --validate--> core_configs(cfg, device, world_size) --> CoreConfigs
+        .layout, .collective_timeout_s -> Topology           (build_topology)
         .datasets       -> the train/valid datasets         (build_datasets)
         .model, .pipeline, .fp8, .seed -> the model chunks (build_model)
         .data_parallel  -> DataParallel                     (build_model_and_engine)
@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from megand.core.checkpointing.config import CheckpointConfig
 from megand.core.distributed.config import DataParallelConfig
 from megand.core.optimizer.config import OptimizerConfig
-from megand.core.parallel_state import TopologyConfig
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.pipeline_parallel.layout import PipelinePlan, pipeline_layout, recomputed_layer_ids
 from megand.core.tensor_parallel.fp8 import Fp8Config
 from megand.core.transformer import TransformerConfig
@@ -52,8 +52,9 @@ READ_ELSEWHERE = {
     "checkpoint": {
         "load": "the Trainer's resume (megand.training.resume.load_path)",
         "interval": "the Trainer's checkpoint step",
-        "continue_on_error": "the Trainer's checkpoint step",
-        "save_timeout_s": "CheckpointConfig.timeout_s (with the backend's grace) and the hang watchdog",
+        "continue_on_error": "the Trainer's checkpoint step (SaveFailures)",
+        "max_failed_saves": "the Trainer's checkpoint step (SaveFailures)",
+        "save_timeout_s": "CheckpointConfig.budget_s, .timeout_s (with the backend's grace) and the hang watchdog",
     },
     "parallel": {
         "sequence_parallel": "TransformerConfig.sequence_parallel",
@@ -81,7 +82,7 @@ class CoreConfigs:
     """Every typed config the start-up builds from; see the module docstring for which builder takes what."""
 
     model: TransformerConfig
-    topology: TopologyConfig
+    layout: ParallelLayout  # the parallel sizes and options on the run's world size
     pipeline: PipelinePlan
     fp8: Fp8Config | None  # None: no FP8 GEMMs
     seed: int  # initialisation (per parameter name) and the random streams
@@ -109,9 +110,10 @@ def _section(cfg, name: str) -> dict[str, Any]:
     return OmegaConf.to_container(cfg[name], resolve=True)
 
 
-def topology_config(cfg, device) -> TopologyConfig:
-    (keys,) = split_section("parallel", _section(cfg, "parallel"), TopologyConfig)
-    return TopologyConfig(**keys, timeout_s=backend_timeout_s(collective_timeout_s(cfg, device)))
+def parallel_layout(cfg, world_size: int) -> ParallelLayout:
+    """The ``parallel`` section on ``world_size`` ranks (``parallel.dp`` null: what the world leaves)."""
+    (keys,) = split_section("parallel", _section(cfg, "parallel"), ParallelLayout)
+    return ParallelLayout.from_keys(keys, world_size)
 
 
 def pipeline_plan(cfg) -> PipelinePlan:
@@ -140,7 +142,7 @@ def optimizer_and_data_parallel_configs(cfg) -> tuple[OptimizerConfig, DataParal
 
 def checkpoint_config(cfg) -> CheckpointConfig:
     (keys,) = split_section("checkpoint", _section(cfg, "checkpoint"), CheckpointConfig)
-    return CheckpointConfig(**keys, timeout_s=backend_timeout_s(save_timeout_s(cfg)))
+    return CheckpointConfig(**keys, timeout_s=backend_timeout_s(save_timeout_s(cfg)), budget_s=save_timeout_s(cfg))
 
 
 def dataset_plan(cfg) -> DatasetPlan:
@@ -161,13 +163,14 @@ def document_flags(cfg) -> DocumentFlags | None:
                          bool(d.reset_attention_mask), bool(d.reset_position_ids), bool(d.eod_mask_loss))
 
 
-def core_configs(cfg, device) -> CoreConfigs:
-    """The validated run config ``cfg`` as core's typed configs, for a run on ``device`` (its type sets the
-    default timeouts). Called once per start-up; the builders take only its pieces."""
+def core_configs(cfg, device, world_size: int) -> CoreConfigs:
+    """The validated run config ``cfg`` as core's typed configs, for a run of ``world_size`` ranks on
+    ``device`` (its type sets the default timeouts). Called once per start-up; the builders take only its
+    pieces."""
     optimizer, data_parallel = optimizer_and_data_parallel_configs(cfg)
     return CoreConfigs(
         model=transformer_config(cfg),
-        topology=topology_config(cfg, device),
+        layout=parallel_layout(cfg, world_size),
         pipeline=pipeline_plan(cfg),
         fp8=fp8_config(cfg),
         seed=int(cfg.train.seed),

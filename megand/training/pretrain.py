@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -22,7 +23,6 @@ from megand.core.optimizer import Optimizer
 from megand.core.optimizer.optimizer import StepResult
 from megand.core.parallel_state import (
     Topology,
-    TopologyConfig,
     choose_device_and_backend,
     device_capability,
     init_distributed,
@@ -46,15 +46,20 @@ from megand.training.config import backend_timeout_s, collective_timeout_s, vali
 from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
+from megand.training.hang_report import enable_recorder
 from megand.training.metrics import MetricsWriter, console_line
-from megand.training.output_dirs import check_output_dirs
+from megand.training.schedule_continuity import check_no_rewarm
+from megand.training.output_dirs import check_output_dirs, check_run_dir_reuse
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import ConstantBatch, batch_ramp
+from megand.training.save_failures import SaveFailures
 from megand.training.wandb_logger import WandbLogger
 
 
-def build_topology(config: TopologyConfig, device) -> Topology:
-    return Topology.from_config(config, device)
+def build_topology(configs: CoreConfigs, device) -> Topology:
+    """Collective: this rank's topology of the run's layout; its groups' collectives wait as long as the
+    backend's timeout allows."""
+    return Topology(configs.layout, device, backend_timeout_s(configs.collective_timeout_s))
 
 
 def build_model(configs: CoreConfigs, topo, device=None) -> list[GPTModel]:
@@ -141,14 +146,16 @@ class Trainer:
         self.cfg = cfg
         # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first), a
         # little after the watchdog's, which reports where each rank is
+        enable_recorder(cfg.train.hang_report_ops)  # before the first process group: the hang report's record
         device = init_distributed(backend_timeout_s(collective_timeout_s(cfg, choose_device_and_backend()[0])))
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
+        on_every_rank(lambda: check_run_dir_reuse(cfg))
         # the one reading of the Hydra config for core: every builder below takes its typed piece of it
-        self.configs = core_configs(cfg, device)
+        self.configs = core_configs(cfg, device, dist.get_world_size())
         self.model_cfg = self.configs.model
-        self.topo = build_topology(self.configs.topology, device)
+        self.topo = build_topology(self.configs, device)
         # data before the model: a bad dataset fails before any model memory is spent (numpy RNGs of its
         # own: the order changes no random stream); the train split also covers what spike rollbacks may skip
         train, valid = build_datasets(self.configs.datasets, self.topo, self.rollback_sample_budget())
@@ -158,7 +165,7 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = Optimizer(self.named_params, self.configs.optimizer, self.topo, self.ddp)
         self.compile_timer = compile_layers(self.chunks) if cfg.train.compile else None
-        self.schedule = get_schedule(self.topo, schedule=self.configs.topology.pp_schedule)
+        self.schedule = get_schedule(self.topo, schedule=self.configs.layout.pp_schedule)
         self.ramp = batch_ramp(cfg.train)  # the global batch of each step (train.rampup_batch_size)
         self._plan_batches(cfg.train.global_batch_size)
         self.iteration, self.consumed_samples = 0, 0  # consumed: true samples, also after batch-size changes
@@ -170,6 +177,8 @@ class Trainer:
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
+        self.save_failures = SaveFailures(cfg.checkpoint.max_failed_saves, cfg.checkpoint.continue_on_error,
+                                          self._report_save_failure)
         self.stop = StopOnSignal()
         self.agreed_stop = None  # the ranks' stop decision, taken with the last step's all-reduce
         self.best_val = float("inf")  # the best validation loss of this run so far
@@ -184,6 +193,9 @@ class Trainer:
         # a smaller global batch size resumes further into the data than the run was built for
         self.train_feed.reserve(self.consumed_samples + (cfg.train.iters - self.iteration) * cfg.train.global_batch_size
                                 + self.rollback_sample_budget())
+        # this process's steps and samples, for the summary; the loaded checkpoint's iteration (0: fresh)
+        self.run_steps = self.run_samples = 0
+        self.resumed_from = self.iteration
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
@@ -275,6 +287,8 @@ class Trainer:
         notice = self.train_feed.load_state_dict((loaded.extra_state or {}).get("data"))
         if notice and self.topo.is_logging_rank:
             print(f" {loaded.path} {notice}", flush=True)
+        if self.loaded_iteration is None:  # the run's first load (a rollback reloads under the same schedule)
+            check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
@@ -285,15 +299,15 @@ class Trainer:
             print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
                   f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: {rng})", flush=True)
 
-    def save_checkpoint(self) -> bool:
-        """Save (collective); False when nothing was saved: non-finite state, or a failed write under
-        ``checkpoint.continue_on_error`` (otherwise a failed write raises CheckpointWriteError)."""
-        from megand.core.checkpointing import CheckpointWriteError
-        from megand.core.checkpointing.files import iter_dir_name
-
+    def save_checkpoint(self, final: bool = False) -> bool:
+        """Save (collective); False when nothing was saved: non-finite state, or a failed write (reported; see
+        :mod:`megand.training.save_failures`, which raises SaveFailureStop when the run must stop).
+        ``final``: the run's last save. An asynchronous save's outcome is known at the next save or at
+        :meth:`close_checkpointer`."""
         t = self.cfg.train
         self.last_save_attempt = self.iteration
-        self._progress("checkpoint save", self.configs.save_timeout_s)
+        self._progress("checkpoint save", *self._save_budget())
+        self.settle_save()  # the previous asynchronous save, published or failed
         self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
         # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
         weights = [data for _, _, _, data in self.ddp.param_shards()]
@@ -303,34 +317,63 @@ class Trainer:
                       f"state are not finite", flush=True)
             return False
         extra = {**self.guard_state(), "data": self.data_state()}
+        from megand.core.checkpointing import CheckpointWriteError
+
         try:
             self.checkpointer.save(self.iteration, self.consumed_samples, self.wandb_run_id, t.global_batch_size,
                                    extra_state=extra)
         except CheckpointWriteError as e:
-            if not self.cfg.checkpoint.continue_on_error:
-                raise
-            if self.topo.is_logging_rank:
-                print(f" WARNING: checkpoint save failed, training continues (checkpoint.continue_on_error=true): {e}",
-                      flush=True)
+            self.save_failures.failed(self.iteration, e, final)
             return False
-        self.rollback_path = os.path.join(self.cfg.checkpoint.save, iter_dir_name(self.iteration))
-        if self.topo.is_logging_rank:
-            print(f" saved checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} "
+        if self.checkpointer.pending_iteration is None:  # synchronous: published
+            self._saved(self.iteration, f" (training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)")
+        elif self.topo.is_logging_rank:
+            print(f" saving checkpoint at iteration {self.iteration} to {self.cfg.checkpoint.save} in the background "
                   f"(training stalled {self.checkpointer.last_stall_s * 1e3:.0f} ms)", flush=True)
         return True
 
-    def close_checkpointer(self) -> None:
-        """Wait for an asynchronous save to be complete and published (its failure handled as a save's)."""
+    def _saved(self, iteration: int, note: str = "") -> None:
+        from megand.core.checkpointing.files import iter_dir_name
+
+        self.save_failures.succeeded()
+        self.rollback_path = os.path.join(self.cfg.checkpoint.save, iter_dir_name(iteration))
+        if self.topo.is_logging_rank:
+            print(f" saved checkpoint at iteration {iteration} to {self.cfg.checkpoint.save}{note}", flush=True)
+
+    def settle_save(self, final: bool = False) -> None:
+        """Collective: wait for the asynchronous save still being written, if any, and take its outcome (a
+        failure reported as a synchronous save's; ``final``: it was the run's last save)."""
         from megand.core.checkpointing import CheckpointWriteError
 
-        self._progress("checkpoint save (the last asynchronous write)", self.configs.save_timeout_s)
+        iteration = self.checkpointer.pending_iteration
+        if iteration is None:
+            return
         try:
-            self.checkpointer.close()
+            self.checkpointer.wait()
         except CheckpointWriteError as e:
-            if not self.cfg.checkpoint.continue_on_error:
-                raise
-            if self.topo.is_logging_rank:
-                print(f" WARNING: the last checkpoint save failed (checkpoint.continue_on_error=true): {e}", flush=True)
+            self.save_failures.failed(iteration, e, final)
+            return
+        self._saved(iteration)
+
+    def _save_budget(self) -> tuple[float, str]:
+        """The hang watchdog's budget for a save phase: a save over ``checkpoint.save_timeout_s`` is a failed
+        save the ranks then agree on (a collective), so the watchdog waits that collective's timeout more."""
+        return (self.configs.save_timeout_s + self.configs.collective_timeout_s,
+                "checkpoint.save_timeout_s + train.collective_timeout_s")
+
+    def _report_save_failure(self, record: dict, line: str, alert: str) -> None:
+        self.writer.write(record)
+        self.wandb.alert("megand: checkpoint save failed", alert)
+        if self.topo.is_logging_rank:
+            print(line, flush=True)
+
+    def close_checkpointer(self) -> None:
+        """Wait for an asynchronous save to be complete and published (its failure handled as a final save's)."""
+        # also the time the collectives of a save abandoned over its budget may take to time out (Checkpointer.close)
+        budget, key = self._save_budget()
+        self._progress("checkpoint save (the last asynchronous write)", budget + self.configs.checkpoint.timeout_s, key)
+        self.settle_save(final=True)
+        self.checkpointer.close()
 
     def close(self) -> None:
         """Let go of what outlives the trainer otherwise: the data-parallel engine's hooks on the model
@@ -357,7 +400,7 @@ class Trainer:
         self.agreed_stop = None
         over_iters = self.limits_reached(self.iteration)[1]
         if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
-            self.save_checkpoint()
+            self.save_checkpoint(final=bool(stop) or self.iteration >= t.iters)
         if stop and self.topo.is_logging_rank:
             why = ("stop signal received" if stop == StopOnSignal.SIGNAL else
                    f"iteration limit reached (train.exit_interval={t.exit_interval})" if over_iters else
@@ -444,12 +487,12 @@ class Trainer:
         loss = float("nan") if agreed["loss_bad"] else agreed["loss"]
         return loss, agreed["grad_norm"], bool(agreed["grad_bad"]), int(agreed["stop"])
 
-    def _progress(self, phase: str, timeout_s: float | None = None) -> None:
+    def _progress(self, phase: str, timeout_s: float | None = None, key: str = "checkpoint.save_timeout_s") -> None:
         """Report progress to the hang watchdog; ``timeout_s``: a phase of file I/O (a checkpoint save or
-        load, budget ``checkpoint.save_timeout_s``), where the process's own writes count as
-        progress (see megand/training/watchdog.py)."""
+        load, budget ``checkpoint.save_timeout_s``, the config key(s) ``key``), where the process's own writes
+        count as progress (see megand/training/watchdog.py)."""
         if self.watchdog is not None:
-            self.watchdog.progress(self.iteration + 1, phase, timeout_s)
+            self.watchdog.progress(self.iteration + 1, phase, timeout_s, key)
 
     def fp8_weights(self):
         """The FP8 layers' weights quantised once for the step's micro-batches (the optimizer steps after
@@ -563,7 +606,7 @@ class Trainer:
         spike window as it was there, and skip the data from it up to and including the spike's batch."""
         t = self.cfg.train
         self._progress("spike rollback: loading the last checkpoint", self.configs.save_timeout_s)
-        self.checkpointer.wait()  # an asynchronous save must be published before it is the one to go back to
+        self.settle_save()  # an asynchronous save must be published before it is the one to go back to
         position = self.consumed_samples  # after the spike's batch
         rollbacks = self.rollbacks + 1
         loaded = self.checkpointer.load(self.rollback_path)
@@ -662,7 +705,7 @@ class Trainer:
         start, best_val = time.perf_counter(), float("inf")
         if self.topo.is_logging_rank:
             print(f" attention: {self.attention_summary()}", flush=True)
-        self.watchdog = HangWatchdog(self.configs.collective_timeout_s, self.topo.rank)
+        self.watchdog = HangWatchdog(self.configs.collective_timeout_s, self.topo.rank, self._hang_report)
         try:
             best_val = self._loop(start, best_val)
         finally:
@@ -674,6 +717,17 @@ class Trainer:
         if self.topo.is_logging_rank:
             print(final_summary(self, time.perf_counter() - start, best_val), flush=True)
 
+    def _hang_report(self, message: str, iteration: int, phase: str) -> None:
+        """The watchdog's last act on this rank: its report in run_dir/hang/; rank 0 also the summary."""
+        from megand.training import hang_report
+
+        out = hang_report.write_rank_report(self.cfg.run_dir, self.topo.rank, self.topo.world_size, iteration,
+                                            phase, message)
+        if self.topo.rank == 0:
+            # the other ranks' watchdogs fire within about one check period of this one (or never: stopped)
+            lines = hang_report.write_summary(out, self.topo.world_size, wait_s=min(20.0, self.configs.collective_timeout_s))
+            print("\n".join(f"megand: hang report: {line}" for line in lines), file=sys.stderr, flush=True)
+
     def iterate(self) -> bool:
         """One iteration of the run's loop, everything a run does per step: the step, its log line (when
         due), evaluation, checkpoint and the stop decision (when due). True: the run stops here. (What
@@ -682,6 +736,8 @@ class Trainer:
         step_start = time.perf_counter()
         loss, result = self.step()
         self.log(loss, result, time.perf_counter() - step_start)
+        self.run_steps += 1  # this process's steps and samples, for the summary (a resume counts its own)
+        self.run_samples += self.batch_size
         if self.skips.exhausted:  # every rank alike; nothing is saved from this state
             raise NonFiniteStop(self.skips.message())
         if self.last_spike and self.can_roll_back():
@@ -714,7 +770,7 @@ class Trainer:
         best_val = self.best_val
         if self.cfg.checkpoint.save and self.iteration not in (self.checkpointer.last_saved, self.last_save_attempt,
                                                                self.loaded_iteration):
-            self.save_checkpoint()
+            self.save_checkpoint(final=True)
         if self.checkpointer is not None:
             self.close_checkpointer()
         self.stop.restore()
@@ -725,15 +781,19 @@ class Trainer:
 
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:
-    """The run's last two lines: one for people, one JSON line for scripts."""
-    tokens = trainer.consumed_samples * trainer.cfg.model.seq_length
+    """The run's last two lines: one for people, one JSON line for scripts. Steps, tokens and time are this
+    run's own (after a resume: the steps since the checkpoint, not the iterations the checkpoint had done)."""
+    tokens = trainer.run_samples * trainer.cfg.model.seq_length
     save = trainer.cfg.checkpoint.save
     best = f"{best_val:.4f}" if best_val != float("inf") else "n/a (no evaluation)"
-    human = (f" training done: {trainer.iteration} iterations, {tokens:,} tokens in {seconds:,.1f} s "
+    resumed = (f" (resumed at iteration {trainer.resumed_from}, now at {trainer.iteration})"
+               if trainer.resumed_from else "")
+    human = (f" training done: {trainer.run_steps} iterations{resumed}, {tokens:,} tokens in {seconds:,.1f} s "
              f"({tokens / max(seconds, 1e-9):,.0f} tokens/s) | best val loss {best} | "
              f"checkpoints: {os.path.abspath(save) if save else 'none (checkpoint.save is null)'} | "
              f"logs: {os.path.abspath(trainer.cfg.run_dir)}")
-    machine = json.dumps({"summary": {"iterations": trainer.iteration, "tokens": tokens, "seconds": round(seconds, 2),
+    machine = json.dumps({"summary": {"iterations": trainer.run_steps, "final_iteration": trainer.iteration,
+                                      "tokens": tokens, "seconds": round(seconds, 2),
                                       "best_val_loss": best_val if best_val != float("inf") else None,
                                       "checkpoint_dir": save, "run_dir": trainer.cfg.run_dir,
                                       "wandb_run_id": trainer.wandb_run_id}})

@@ -86,6 +86,15 @@ class WandbLogger:
         except Exception as e:  # noqa: BLE001
             self._disable(f"wandb log failed ({type(e).__name__}: {e})")
 
+    def alert(self, title: str, text: str) -> None:
+        """A wandb alert (an email or Slack message where the project has them set up; recorded offline)."""
+        if self._run is None:
+            return
+        try:
+            self._run.alert(title=title, text=text, level="WARN")
+        except Exception as e:  # noqa: BLE001
+            self._disable(f"wandb alert failed ({type(e).__name__}: {e})")
+
     def finish(self) -> None:
         if self._run is None:
             return

@@ -32,8 +32,10 @@ def io_bytes() -> int | None:
 
 
 class HangWatchdog:
-    def __init__(self, timeout_s: float, rank: int):
-        self.timeout_s, self.rank = timeout_s, rank
+    def __init__(self, timeout_s: float, rank: int, on_hang=None):
+        """``on_hang(message, iteration, phase)``: called before the exit (the hang report); its failure is
+        printed and the exit goes on."""
+        self.timeout_s, self.rank, self.on_hang = timeout_s, rank, on_hang
         self.progress(0, "start")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="megand-watchdog", daemon=True)
@@ -82,4 +84,10 @@ class HangWatchdog:
                 f"then exit {EXIT_HANG}\n")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
+            if self.on_hang is not None:
+                try:
+                    self.on_hang(head, iteration, phase)
+                except Exception as e:  # noqa: BLE001 - the exit must come whatever the report does
+                    sys.stderr.write(f"megand: rank {self.rank}: the hang report failed: {type(e).__name__}: {e}\n")
+                sys.stderr.flush()
             os._exit(EXIT_HANG)

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megand.core.parallel_state import ParallelSizes, Topology
+from megand.core.parallel_layout import ParallelLayout
+from megand.core.parallel_state import Topology
 from megand.core.sharding import init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.transformer import TransformerConfig
@@ -101,13 +102,13 @@ def record_masks(topo, cfg, layer_ids, pre_process):
 
 # name: (sizes, sequence parallel, pre_process); each stage holds two layers of a four-layer model
 MASK_LAYOUTS = {
-    "tp2_dp2": (ParallelSizes(tp=2, dp=2), False, True),
-    "tp2_dp2_sp": (ParallelSizes(tp=2, dp=2), True, True),
-    "tp2_cp2": (ParallelSizes(tp=2, cp=2), False, True),
-    "tp2_cp2_sp": (ParallelSizes(tp=2, cp=2), True, True),
+    "tp2_dp2": (ParallelLayout(tp=2, dp=2), False, True),
+    "tp2_dp2_sp": (ParallelLayout(tp=2, dp=2), True, True),
+    "tp2_cp2": (ParallelLayout(tp=2, cp=2), False, True),
+    "tp2_cp2_sp": (ParallelLayout(tp=2, cp=2), True, True),
     # every stage without the embedding, so that stages draw the same sequence of masks
-    "tp2_pp2": (ParallelSizes(tp=2, pp=2), False, False),
-    "tp2_pp2_sp": (ParallelSizes(tp=2, pp=2), True, False),
+    "tp2_pp2": (ParallelLayout(tp=2, pp=2), False, False),
+    "tp2_pp2_sp": (ParallelLayout(tp=2, pp=2), True, False),
 }
 
 
@@ -132,7 +133,7 @@ def dropout_checks():
         cfg = model_config(sp, num_layers=4, attention_dropout=0.0 if sizes.cp > 1 else P)
         layer_ids = [2 * topo.pp_rank, 2 * topo.pp_rank + 1]
         out["masks"][name] = (topo.coords, record_masks(topo, cfg, layer_ids, pre_process))
-    topo = Topology(ParallelSizes(tp=2, dp=2))
+    topo = Topology(ParallelLayout(tp=2, dp=2))
     for sp in (False, True):
         for run in ("none", "full", "selective", "none again"):
             out["train"][sp, run] = train_steps(topo, sp, run.split()[0])
@@ -223,6 +224,7 @@ def test_recompute_replays_the_masks(results, sp):
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.iters=4", "train.eval_iters=0"]
 
 
+@pytest.mark.slow
 def test_same_seed_runs_are_bit_identical_with_or_without_the_peak_cache(tmp_path):
     """The first run measures the CPU peak FLOP/s on its logging rank, the second finds it cached; with
     tp=2 and no sequence parallelism the hidden-state masks must still agree across tp ranks and runs."""

@@ -3,10 +3,11 @@
 import torch
 import torch.distributed as dist
 
-from megand.core.parallel_state import ParallelSizes, Topology, rank_groups
+from megand.core.parallel_layout import ParallelLayout
+from megand.core.parallel_state import Topology, rank_groups
 from megand.tools.spawn import run_distributed
 
-SIZES = ParallelSizes(tp=2, cp=1, dp=2, pp=2)
+SIZES = ParallelLayout(tp=2, cp=1, dp=2, pp=2)
 
 
 def _reduce_each_group():

@@ -65,3 +65,20 @@ def test_bad_shares_are_refused_in_one_line(overrides, world_size, message):
 ])
 def test_shares_that_keep_every_per_microbatch_group_inside_a_replica_pass(overrides, world_size):
     validate(compose(["+experiment=tiny_llama", *overrides]), world_size)
+
+
+def test_replica_microbatches_are_its_slice_of_the_global_batch():
+    """Shares [3,1] at micro-batches of 2: replica 0 reads samples 0-5 as 3 micro-batches, replica 1 samples 6-7."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from megand.training.batches import rank_microbatches
+
+    data = [np.full(5, i) for i in range(40)]
+    view = lambda r: SimpleNamespace(dp_rank=r, dp_size=2, cp_rank=0, cp_size=1, dp_microbatches=(3, 1),  # noqa: E731
+                                     device=torch.device("cpu"))
+    first, second = (rank_microbatches(data, 1, 8, 2, view(r)) for r in range(2))
+    assert [sorted(mb.input_ids[:, 0].tolist()) for mb in first] == [[8, 11], [9, 12], [10, 13]]
+    assert [sorted(mb.input_ids[:, 0].tolist()) for mb in second] == [[14, 15]]

@@ -8,9 +8,9 @@ from megand.data.mock import MockGPTDataset
 from megand.training.batches import rank_microbatches
 
 
-def topo(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1):
+def topo(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, dp_microbatches=None):
     return SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, cp_size=cp_size,
-                           device=torch.device("cpu"))
+                           dp_microbatches=dp_microbatches, device=torch.device("cpu"))
 
 
 def samples(mb):

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megand.core.optimizer.config import OptimizerConfig
+from megand.core.parallel_layout import ParallelLayout
 from megand.training import config as schema
 from megand.training import core_configs as core_configs_module
 from megand.training.config import ConfigError, compose, validate
@@ -23,7 +24,8 @@ CPU = torch.device("cpu")
 # a schema key -> (overrides it needs to be valid, a value other than its default) where the type alone does
 # not give one (strings, nulls, keys that depend on others); others: a flipped bool, int + 1, float x 2
 OTHER_VALUE = {
-    "parallel.dp": ({}, 1),
+    "parallel.dp": ({}, 2),  # on the world it names (_core_configs): dp=null on one rank is dp=1
+    "parallel.ep": ({"parallel.dp": 2}, 2),
     "parallel.vpp": ({"parallel.pp": 2}, 2),
     "parallel.pp_schedule": ({"parallel.pp": 2}, "zb1p"),
     "parallel.order": ({}, "dp-tp-cp-pp"),
@@ -61,6 +63,11 @@ def tiny():
     return compose(TINY)
 
 
+def _core_configs(cfg):
+    """The core configs of ``cfg`` on the world its ``parallel`` keys name (a null dp counted as 1)."""
+    return core_configs(cfg, CPU, ParallelLayout.world_of(cfg.parallel))
+
+
 def _with(cfg, values):
     cfg = copy.deepcopy(cfg)
     for key, value in values.items():
@@ -77,8 +84,8 @@ def test_every_schema_key_reaches_a_core_config(tiny, section, name):
     key = f"{section}.{name}"
     needs, value = OTHER_VALUE.get(key, ({}, _other(getattr(SECTIONS[section](), name))))
     assert value is not None, f"{key}: add a non-default value to OTHER_VALUE"
-    before = core_configs(_with(tiny, needs), CPU)
-    after = core_configs(_with(tiny, {**needs, key: value}), CPU)
+    before = _core_configs(_with(tiny, needs))
+    after = _core_configs(_with(tiny, {**needs, key: value}))
     assert before != after, f"{key}={value} changes no core config: it would be silently ignored"
 
 
@@ -108,9 +115,9 @@ def test_start_up_reads_the_run_config_into_core_configs_once(one_process_world,
 
     calls = []
 
-    def counted(cfg, device):
+    def counted(cfg, device, world_size):
         calls.append(device)
-        return core_configs_module.core_configs(cfg, device)
+        return core_configs_module.core_configs(cfg, device, world_size)
 
     monkeypatch.setattr(pretrain, "core_configs", counted)
     trainer = pretrain.Trainer(compose(["+experiment=tiny_gpt", "train.iters=1", "train.eval_iters=0",

@@ -46,11 +46,12 @@ def registries() -> dict:
     """Every registry a reader of the README or of docs/extending.md should find complete: kind -> names."""
     from megand.core.optimizer.registry import OPTIMIZERS
     from megand.core.pipeline_parallel.registry import schedule_names
+    from megand.core.tensor_parallel.fp8_recipes import RECIPES
     from megand.data.source import DATA_KINDS
     from megand.models.hf_families import FAMILIES
 
     return {"schedules": schedule_names(), "families": tuple(FAMILIES), "optimizers": tuple(OPTIMIZERS),
-            "data sources": tuple(DATA_KINDS)}
+            "data sources": tuple(DATA_KINDS), "precision recipes": tuple(RECIPES)}
 
 
 def test_extending_lists_exactly_the_registered_records():
@@ -66,7 +67,8 @@ def test_extending_lists_exactly_the_registered_records():
 
 
 def test_readme_names_every_registered_record():
-    """The README's intro and code map name every registered schedule, family, optimizer and data source."""
+    """The README's intro and code map name every registered schedule, family, optimizer, data source and
+    precision recipe."""
     import re
 
     text = open(os.path.join(ROOT, "README.md")).read()

@@ -35,63 +35,63 @@ ATT = 5 * A * S / H  # 160
     (1, False, "full", 2 * SBH),
 ])
 def test_korthikanti_table(tp, sp, recompute, expected):
-    layout = Layout(tp=tp, sequence_parallel=sp, recompute=recompute, micro_batch_size=B, precision="bf16")
+    layout = Layout.of(tp=tp, sequence_parallel=sp, recompute=recompute, micro_batch_size=B, precision="bf16")
     assert layer_activation_bytes(GPT, layout) == pytest.approx(expected)
 
 
 def test_swiglu_gqa_no_dropout_by_hand():
     # per token: replicated 4·2·64 = 512; split 2·(64+32) + 2·32 + 2·64 + 3·2·96 = 960; core 4·32·2 = 256
-    assert layer_activation_bytes(LLAMA, Layout()) == 32 * (512 + 960 + 256)
+    assert layer_activation_bytes(LLAMA, Layout.of()) == 32 * (512 + 960 + 256)
     # fp32 doubles every term (no 1-byte masks without dropout); context parallelism halves tokens
-    assert layer_activation_bytes(LLAMA, Layout(precision="fp32")) == 2 * 32 * (512 + 960 + 256)
-    assert layer_activation_bytes(LLAMA, Layout(cp=2)) == 16 * (512 + 960 + 256)
+    assert layer_activation_bytes(LLAMA, Layout.of(precision="fp32")) == 2 * 32 * (512 + 960 + 256)
+    assert layer_activation_bytes(LLAMA, Layout.of(cp=2)) == 16 * (512 + 960 + 256)
 
 
 def test_fused_attention_keeps_no_probabilities():
-    fused = layer_activation_bytes(LLAMA, Layout(fused_attention=True))
+    fused = layer_activation_bytes(LLAMA, Layout.of(fused_attention=True))
     assert fused == 32 * (512 + 960 + 4 * 4)
-    assert layer_activation_bytes(LLAMA, Layout(fused_attention=True, recompute="selective")) == 32 * (512 + 960)
+    assert layer_activation_bytes(LLAMA, Layout.of(fused_attention=True, recompute="selective")) == 32 * (512 + 960)
 
 
 def test_state_bytes():
-    assert sum(state_bytes_per_param(Layout(precision="bf16")).values()) == 18
-    assert sum(state_bytes_per_param(Layout(precision="fp32")).values()) == 16
-    assert sum(state_bytes_per_param(Layout(precision="bf16", distributed_optimizer=True, dp=4)).values()) == 6 + 3
-    assert sum(state_bytes_per_param(Layout(precision="fp32", distributed_optimizer=True, dp=4)).values()) == 8 + 2
+    assert sum(state_bytes_per_param(Layout.of(precision="bf16")).values()) == 18
+    assert sum(state_bytes_per_param(Layout.of(precision="fp32")).values()) == 16
+    assert sum(state_bytes_per_param(Layout.of(precision="bf16", distributed_optimizer=True, dp=4)).values()) == 6 + 3
+    assert sum(state_bytes_per_param(Layout.of(precision="fp32", distributed_optimizer=True, dp=4)).values()) == 8 + 2
     # sharded over the whole gradient-reduction group dp·cp
-    assert state_bytes_per_param(Layout(distributed_optimizer=True, dp=2, cp=2))["optimizer"] == 3
+    assert state_bytes_per_param(Layout.of(distributed_optimizer=True, dp=2, cp=2))["optimizer"] == 3
 
 
 def test_microbatches_in_flight():
-    assert layer_microbatches_in_flight(8, Layout(pp=1, num_microbatches=16), 0) == 8
-    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=8), 0) == 8   # pp micro-batches × L/pp
-    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=8), 3) == 2   # last stage: one
-    assert layer_microbatches_in_flight(8, Layout(pp=4, num_microbatches=2), 0) == 4   # fewer than pp
+    assert layer_microbatches_in_flight(8, Layout.of(pp=1, num_microbatches=16), 0) == 8
+    assert layer_microbatches_in_flight(8, Layout.of(pp=4, num_microbatches=8), 0) == 8   # pp micro-batches × L/pp
+    assert layer_microbatches_in_flight(8, Layout.of(pp=4, num_microbatches=8), 3) == 2   # last stage: one
+    assert layer_microbatches_in_flight(8, Layout.of(pp=4, num_microbatches=2), 0) == 4   # fewer than pp
     # interleaved: Megatron's (1 + (pp-1)/(pp·v)) factor on stage 0
-    assert layer_microbatches_in_flight(8, Layout(pp=4, vpp=2, num_microbatches=8), 0) == 8 * (1 + 3 / 8)
+    assert layer_microbatches_in_flight(8, Layout.of(pp=4, vpp=2, num_microbatches=8), 0) == 8 * (1 + 3 / 8)
 
 
 def test_interleaved_with_as_many_microbatches_as_stages_holds_every_chunk():
     # m == pp: interleaving runs every forward before any backward, so every stage holds all m·v chunks
     # (the warm-up formula said 2·(pp-r-1) + (v-1)·pp + 1, i.e. 5 of 8 chunks on the last stage)
-    layout = Layout(pp=4, vpp=2, num_microbatches=4)
+    layout = Layout.of(pp=4, vpp=2, num_microbatches=4)
     assert [layer_microbatches_in_flight(8, layout, r) for r in range(4)] == [8, 8, 8, 8]
 
 
 def test_stage_params_by_hand():
     # layer per tp rank: (qkv 64·128 + proj 64·64 + gate/up 2·64·96 + down 96·64)/2 + norms 2·64 = 15488
-    layout = Layout(tp=2, pp=2)
+    layout = Layout.of(tp=2, pp=2)
     assert stage_params(LLAMA, layout, 0) == 15488 + 256 * 64 / 2
     assert stage_params(LLAMA, layout, 1) == 15488 + 64 + 256 * 64 / 2
     # the padded vocabulary is what is allocated: 250 -> 256 rows at tp=2 (a multiple of 128 x 2)
     assert stage_params(dict(LLAMA, vocab_size=250), layout, 0) == 15488 + 256 * 64 / 2
     # one rank holding everything is the full count, tied (GPT) and untied (LLaMA)
     for cfg in (LLAMA, GPT):
-        assert stage_params(cfg, Layout(), 0) == param_counts(cfg).total
+        assert stage_params(cfg, Layout.of(), 0) == param_counts(cfg).total
 
 
 def test_estimate_totals_and_peak():
-    layout = Layout(tp=2, pp=2, dp=2, distributed_optimizer=True, micro_batch_size=B, num_microbatches=4)
+    layout = Layout.of(tp=2, pp=2, dp=2, distributed_optimizer=True, micro_batch_size=B, num_microbatches=4)
     est = estimate_memory(GPT, layout)
     assert [st.stage for st in est.stages] == [0, 1]
     first = est.stages[0]
@@ -107,7 +107,7 @@ def test_estimate_totals_and_peak():
 
 
 def test_full_recompute_working_set():
-    est = estimate_memory(GPT, Layout(recompute="full", micro_batch_size=B))
+    est = estimate_memory(GPT, Layout.of(recompute="full", micro_batch_size=B))
     assert est.stages[0].recompute_working_bytes == pytest.approx(SBH * (34 + ATT))
 
 
@@ -142,7 +142,7 @@ def test_model_presets_are_complete():
     assert {"gpt2_125m", "llama_50m", "llama_8b", "llama_70b"} <= set(presets)
     for name in presets:
         model = OmegaConf.to_container(compose([f"model={name}"]).model, resolve=True)
-        assert estimate_memory(model, Layout()).peak.total_bytes > 0
+        assert estimate_memory(model, Layout.of()).peak.total_bytes > 0
 
 
 def test_states_match_measured_tensors_of_a_reference_model():
@@ -158,31 +158,31 @@ def test_states_match_measured_tensors_of_a_reference_model():
     measured = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
     measured += sum(t.nbytes for state in optimizer.state.values() for t in state.values()
                     if isinstance(t, torch.Tensor))
-    st = estimate_memory(LLAMA, Layout(precision="fp32")).stages[0]
+    st = estimate_memory(LLAMA, Layout.of(precision="fp32")).stages[0]
     predicted = st.param_bytes + st.grad_bytes + st.optimizer_bytes
     assert abs(predicted - measured) / measured < 0.01, (predicted, measured)
 
 
 def test_sharding_levels_and_hsdp_bytes_per_param():
     def total(**kw):
-        return sum(state_bytes_per_param(Layout(precision="bf16", dp=4, **kw)).values())
+        return sum(state_bytes_per_param(Layout.of(precision="bf16", dp=4, **kw)).values())
 
     assert total(sharding="none") == 18
     assert total(sharding="optim") == 6 + 12 / 4
     assert total(sharding="optim_grads") == 2 + 16 / 4
     assert total(sharding="optim_grads_params") == 18 / 4
     assert total(sharding="optim_grads_params", dp_shard=2) == 18 / 2  # HSDP: sharded over the shard group only
-    assert sum(state_bytes_per_param(Layout(precision="fp32", dp=2, cp=2, sharding="optim_grads_params")).values()) == 4
+    assert sum(state_bytes_per_param(Layout.of(precision="fp32", dp=2, cp=2, sharding="optim_grads_params")).values()) == 4
     layout = Layout.from_config({"dp": 8, "dp_shard": 4}, {"precision": "bf16"}, {"sharding": "optim_grads"})
     assert (layout.level, layout.shards) == ("optim_grads", 4)
     with pytest.raises(ValueError, match="sharding must be"):
-        Layout(sharding="zero3")
+        Layout.of(sharding="zero3")
 
 
 def test_zero3_gathered_buckets_count_in_the_estimate():
     model = {**LLAMA, "num_layers": 4}
-    kept = estimate_memory(model, Layout(dp=4, sharding="optim_grads_params", reshard_after_forward=False)).peak
-    resharded = estimate_memory(model, Layout(dp=4, sharding="optim_grads_params", bucket_size=1000)).peak
+    kept = estimate_memory(model, Layout.of(dp=4, sharding="optim_grads_params", reshard_after_forward=False)).peak
+    resharded = estimate_memory(model, Layout.of(dp=4, sharding="optim_grads_params", bucket_size=1000)).peak
     assert kept.gathered_bytes == kept.params * 2 + min(2 * 40_000_000, kept.params) * 4
     assert resharded.gathered_bytes == 2 * 1000 * 2 + 2 * 1000 * 4
     assert resharded.total_bytes < kept.total_bytes
@@ -192,7 +192,7 @@ def test_uneven_pipeline_layout_counts_each_stages_own_layers():
     from megand.models.flops import Shape, layer_params
 
     per_layer = layer_params(Shape.from_config(GPT)).total
-    even = Layout(pp=2, num_microbatches=8)
+    even = Layout.of(pp=2, num_microbatches=8)
     uneven = Layout.from_config({"pp": 2, "pipeline_layout": [18, 6]}, {"micro_batch_size": 1, "global_batch_size": 8},
                                 {}, world_size=2)
     assert stage_params(GPT, uneven, 1) == stage_params(GPT, even, 1) - 6 * per_layer
@@ -205,10 +205,10 @@ def test_mtp_depths_on_the_last_stage_by_hand():
     """Each depth adds a layer (15488 per tp rank), its projection 2·64·64/2 and three norms 3·64 on the last
     stage, plus (untied, pp > 1) the word embedding's copy there; one rank holds the full count."""
     mtp = dict(LLAMA, mtp_layers=2)
-    layout = Layout(tp=2, pp=2)
+    layout = Layout.of(tp=2, pp=2)
     assert stage_params(mtp, layout, 0) == stage_params(LLAMA, layout, 0)
     assert stage_params(mtp, layout, 1) == stage_params(LLAMA, layout, 1) + 2 * (15488 + 4096 + 192) + 256 * 64 / 2
-    assert stage_params(mtp, Layout(), 0) == param_counts(mtp).total
+    assert stage_params(mtp, Layout.of(), 0) == param_counts(mtp).total
     assert (estimate_memory(mtp, layout).stages[1].extra_activation_bytes
             > estimate_memory(LLAMA, layout).stages[1].extra_activation_bytes)
 
@@ -231,7 +231,7 @@ def test_zero3_fp8_gathered_weights_count_one_byte(model_name):
         overrides.append("model=moe_tiny")
     cfg = compose(overrides)
     topo = single_process_topology()
-    chunks = build_model(core_configs(cfg, topo.device), topo, device=torch.device("meta"))
+    chunks = build_model(core_configs(cfg, topo.device, topo.world_size), topo, device=torch.device("meta"))
     engine_fp8 = sum(p.numel() for p in fp8_weights(chunks))
     model = dict(cfg.model)
     layout = Layout.from_config({**dict(cfg.parallel), "dp": 2}, dict(cfg.train), dict(cfg.optim))

@@ -30,27 +30,27 @@ SMALL = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, num
 
 
 def test_expert_weights_per_rank_split_over_ep_and_etp():
-    layout = Layout(pp=4, dp=16, ep=8)
+    layout = Layout.of(pp=4, dp=16, ep=8)
     assert stage_layers(32, layout, 0) == list(range(8)) and stage_moe_layers(MIXTRAL, layout, 0) == 8
     assert stage_expert_params(MIXTRAL, layout, 0) == 8 * E * EXPERT / 8      # one expert per rank and layer
     rest = 8 * (ATTENTION + E * H + 2 * H)                                      # + router, two norms
     assert stage_params(MIXTRAL, layout, 0) == rest + 8 * EXPERT + 32000 * H  # + the word embedding
     # expert tensor parallelism: etp = tp splits each expert again; etp = 1 keeps whole experts
-    split = Layout(tp=2, pp=4, dp=8, ep=8)
-    whole = Layout(tp=2, pp=4, dp=8, ep=8, etp=1)
+    split = Layout.of(tp=2, pp=4, dp=8, ep=8)
+    whole = Layout.of(tp=2, pp=4, dp=8, ep=8, etp=1)
     assert stage_expert_params(MIXTRAL, split, 0) == 8 * EXPERT / 2
     assert stage_expert_params(MIXTRAL, whole, 0) == 8 * EXPERT
     assert stage_params(MIXTRAL, whole, 0) - stage_params(MIXTRAL, split, 0) == 8 * EXPERT / 2
     # one rank holding everything is the full count
-    assert stage_params(MIXTRAL, Layout(), 0) == param_counts(MIXTRAL).total
+    assert stage_params(MIXTRAL, Layout.of(), 0) == param_counts(MIXTRAL).total
 
 
 def test_expert_data_parallel_group_and_its_sharding():
-    assert Layout(dp=16, ep=8).edp == 2
-    assert Layout(tp=2, dp=8, ep=4).edp == 2            # etp = tp: edp = dp*cp/ep
-    assert Layout(tp=2, dp=8, ep=4, etp=1).edp == 4     # whole experts on both tp ranks: tp*dp*cp/(ep*etp)
-    assert Layout(dp=4, cp=2, ep=4).edp == 2
-    layout = Layout(pp=4, dp=16, ep=8, sharding="optim", precision="bf16")
+    assert Layout.of(dp=16, ep=8).edp == 2
+    assert Layout.of(tp=2, dp=8, ep=4).edp == 2            # etp = tp: edp = dp*cp/ep
+    assert Layout.of(tp=2, dp=8, ep=4, etp=1).edp == 4     # whole experts on both tp ranks: tp*dp*cp/(ep*etp)
+    assert Layout.of(dp=4, cp=2, ep=4).edp == 2
+    layout = Layout.of(pp=4, dp=16, ep=8, sharding="optim", precision="bf16")
     st = estimate_memory(MIXTRAL, layout, stages=[0]).stages[0]
     experts = 8 * EXPERT
     dense = st.params - experts
@@ -62,12 +62,12 @@ def test_expert_data_parallel_group_and_its_sharding():
     for bad, needle in ((dict(dp=6, ep=4), "ep=4 must be a positive divisor of dp*cp = 6*1 = 6"),
                         (dict(tp=4, dp=2, etp=2), "etp=2")):
         with pytest.raises(ValueError, match=re.escape(needle)):
-            Layout(**bad)
+            Layout.of(**bad)
 
 
 def test_dispatch_activations_by_hand():
     # SMALL in bf16, micro-batch 2: T = 64 tokens, k = 2, E = 8, expert width 32, one shared expert (32)
-    layout = Layout(micro_batch_size=2)
+    layout = Layout.of(micro_batch_size=2)
     T, e, h = 64, 2, 64
     dense = layer_activation_bytes(SMALL, layout)
     moe = layer_activation_bytes(SMALL, layout, moe=True)
@@ -77,8 +77,8 @@ def test_dispatch_activations_by_hand():
     shared = T * 3 * e * 32
     assert moe - (dense - dense_mlp) == router + routed + shared
     # etp = 1 at tp = 2: each tp rank routes half the tokens through whole experts
-    tp_whole = Layout(micro_batch_size=2, tp=2, etp=1, sequence_parallel=True)
-    tp_split = Layout(micro_batch_size=2, tp=2, sequence_parallel=True)
+    tp_whole = Layout.of(micro_batch_size=2, tp=2, etp=1, sequence_parallel=True)
+    tp_split = Layout.of(micro_batch_size=2, tp=2, sequence_parallel=True)
     base = layer_activation_bytes(SMALL, tp_split) - T * 3 * e * 96 / 2
     assert layer_activation_bytes(SMALL, tp_split, moe=True) - base == pytest.approx(
         router / 2 + T * 2 * (2 * e * h + 3 * e * 32 / 2) + shared / 2)
@@ -91,13 +91,13 @@ def test_dispatch_activations_by_hand():
 
 def test_stages_count_their_own_moe_layers():
     # layers 0 and 2 are MoE (moe_layer_freq=2): with pp=2 each stage has one
-    layout = Layout(pp=2, micro_batch_size=2, num_microbatches=4)
+    layout = Layout.of(pp=2, micro_batch_size=2, num_microbatches=4)
     est = estimate_memory(SMALL, layout)
     assert [st.moe_layers for st in est.stages] == [1, 1]
     per_layer = (layer_activation_bytes(SMALL, layout) + layer_activation_bytes(SMALL, layout, moe=True)) / 2
     assert est.stages[0].activation_bytes_per_layer == pytest.approx(per_layer)
     # interleaved: stage 0 holds chunks 0 and 2 (layers 0 and 2), both MoE; stage 1 none
-    inter = Layout(pp=2, vpp=2, num_microbatches=4)
+    inter = Layout.of(pp=2, vpp=2, num_microbatches=4)
     assert stage_layers(4, inter, 0) == [0, 2] and stage_moe_layers(SMALL, inter, 1) == 0
     assert stage_expert_params(SMALL, inter, 0) == 2 * 8 * 3 * 64 * 32
 
@@ -105,19 +105,19 @@ def test_stages_count_their_own_moe_layers():
 def test_all_to_all_bytes_per_step_by_hand():
     # per MoE layer and micro-batch: each of its T*k assignments sends h*e bytes, (ep-1)/ep of them to
     # other ranks, in the dispatch and the combine, forward and backward (4 passes)
-    layout = Layout(dp=4, ep=4, micro_batch_size=2, num_microbatches=3, precision="bf16")
+    layout = Layout.of(dp=4, ep=4, micro_batch_size=2, num_microbatches=3, precision="bf16")
     per_pass = 64 * 2 * 64 * 2 * 3 / 4
     assert all_to_all_bytes_per_step(SMALL, layout, 0) == 2 * 3 * 4 * per_pass
     assert estimate_memory(SMALL, layout).stages[0].all_to_all_bytes_per_step == 2 * 3 * 4 * per_pass
-    full = Layout(dp=4, ep=4, micro_batch_size=2, num_microbatches=3, recompute="full")
+    full = Layout.of(dp=4, ep=4, micro_batch_size=2, num_microbatches=3, recompute="full")
     assert all_to_all_bytes_per_step(SMALL, full, 0) == 2 * 3 * 6 * per_pass  # the forward runs twice
     # sequence parallelism: each tp rank sends its own sequence shard; with experts split over tp
     # (etp = tp) what arrived is also exchanged with the tp-1 other tp ranks, and the outputs back
-    sp_whole = Layout(tp=2, dp=4, ep=4, etp=1, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
+    sp_whole = Layout.of(tp=2, dp=4, ep=4, etp=1, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
     assert all_to_all_bytes_per_step(SMALL, sp_whole, 0) == 2 * 3 * 4 * per_pass / 2
-    sp_split = Layout(tp=2, dp=4, ep=4, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
+    sp_split = Layout.of(tp=2, dp=4, ep=4, micro_batch_size=2, num_microbatches=3, sequence_parallel=True)
     assert all_to_all_bytes_per_step(SMALL, sp_split, 0) == 2 * 3 * 4 * (per_pass / 2 + 64 * 2 * 64 * 2 / 2)
-    assert all_to_all_bytes_per_step(SMALL, Layout(dp=4), 0) == 0
+    assert all_to_all_bytes_per_step(SMALL, Layout.of(dp=4), 0) == 0
     assert all_to_all_bytes_per_step({**SMALL, "num_experts": None}, layout, 0) == 0
 
 

@@ -4,9 +4,9 @@ semantics: experts use a second grid over the same ranks, in the dense order wit
 
 import pytest
 
+from megand.core.parallel_layout import ParallelLayout
 from megand.core.parallel_state import (
     LayoutError,
-    ParallelSizes,
     all_decompositions,
     expert_rank_groups,
     rank_groups,
@@ -33,7 +33,7 @@ def megatron_groups(sizes_in_order: list[int], names: list[str], token: str) -> 
     return [sorted(u + m for m in combos(masked)) for u in combos(unmasked)]
 
 
-def megatron_expert_groups(sizes: ParallelSizes, order: str, ep: int, etp: int) -> dict:
+def megatron_expert_groups(sizes: ParallelLayout, order: str, ep: int, etp: int) -> dict:
     names = order.replace("tp", "tp-ep").split("-")  # cp stays, with size 1 in the expert generator
     size = {"tp": etp, "ep": ep, "cp": 1, "dp": sizes.world_size // (etp * ep * sizes.pp), "pp": sizes.pp}
     ordered = [size[n] for n in names]
@@ -54,18 +54,18 @@ def expert_layouts():
 def test_expert_groups_equal_megatron_rank_generator(order):
     count = 0
     for sizes, ep, etp in expert_layouts():
-        ours = expert_rank_groups(sizes, order, ep, etp)
+        ours = expert_rank_groups(sizes.with_(order=order, ep=ep, etp=etp))
         ref = megatron_expert_groups(sizes, order, ep, etp)
         for kind in ("ep", "etp", "expert_dp", "expert_tp_ep"):
             assert sorted(ours[kind]) == sorted(ref[kind]), (sizes, ep, etp, kind)
-        assert sorted(ref["pp"]) == rank_groups(sizes, order)["pp"]  # Megatron's own consistency assertion
+        assert sorted(ref["pp"]) == rank_groups(sizes.with_(order=order))["pp"]  # Megatron's own consistency assertion
         count += 1
     assert count > 100  # many layouts were checked
 
 
 def test_expert_groups_partition_the_world_and_hold_distinct_experts():
     for sizes, ep, etp in expert_layouts():
-        groups = expert_rank_groups(sizes, "tp-cp-dp-pp", ep, etp)
+        groups = expert_rank_groups(sizes.with_(ep=ep, etp=etp))
         dense = rank_groups(sizes)
         for kind, size in (("ep", ep), ("etp", etp), ("expert_dp", sizes.world_size // (ep * etp * sizes.pp))):
             assert sorted(r for g in groups[kind] for r in g) == list(range(sizes.world_size))
@@ -79,42 +79,42 @@ def test_expert_groups_partition_the_world_and_hold_distinct_experts():
 
 def test_expert_group_examples():
     # 8 ranks, tp=2, dp=4: ep ranks adjacent after tp (stride 2), expert dp across them
-    g = expert_rank_groups(ParallelSizes(tp=2, dp=4), ep=2)
+    g = expert_rank_groups(ParallelLayout(tp=2, dp=4, ep=2))
     assert g["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     # etp=1: ep ranks are the fastest (the tp peers), experts replicated over tp join the expert dp group
-    g = expert_rank_groups(ParallelSizes(tp=2, dp=4), ep=2, etp=1)
+    g = expert_rank_groups(ParallelLayout(tp=2, dp=4, ep=2, etp=1))
     assert g["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["expert_dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     # cp folds into expert dp: tp=1 cp=2 dp=2 ep=4 spans every rank of the stage
-    g = expert_rank_groups(ParallelSizes(cp=2, dp=2, pp=2), ep=4)
+    g = expert_rank_groups(ParallelLayout(cp=2, dp=2, pp=2, ep=4))
     assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and g["expert_dp"] == [[r] for r in range(8)]
 
 
 def test_ep_one_follows_the_dense_grid_in_any_order():
     for order in ("tp-cp-dp-pp", "dp-tp-pp-cp", "pp-dp-cp-tp"):
         for sizes in all_decompositions(12):
-            dense = rank_groups(sizes, order)
-            g = expert_rank_groups(sizes, order)
+            dense = rank_groups(sizes.with_(order=order))
+            g = expert_rank_groups(sizes.with_(order=order))
             assert g["etp"] == dense["tp"] and g["expert_dp"] == dense["dp_cp"] and g["ep"] == [[r] for r in range(12)]
-            g1 = expert_rank_groups(sizes, order, etp=1)
+            g1 = expert_rank_groups(sizes.with_(order=order, etp=1))
             assert sorted(len(x) for x in g1["expert_dp"]) == [sizes.tp * sizes.dp * sizes.cp] * sizes.pp
 
 
 def test_expert_layout_errors_name_the_values():
     with pytest.raises(LayoutError, match=r"parallel.ep=3 must be a positive divisor of dp\*cp = 2\*2 = 4"):
-        expert_rank_groups(ParallelSizes(cp=2, dp=2), ep=3)
+        ParallelLayout(cp=2, dp=2, ep=3)
     with pytest.raises(LayoutError, match=r"parallel.etp=2 must be 1 or parallel.tp=4"):
-        expert_rank_groups(ParallelSizes(tp=4, dp=2), ep=2, etp=2)
+        ParallelLayout(tp=4, dp=2, ep=2, etp=2)
     with pytest.raises(LayoutError, match=r"parallel.order='pp-dp-cp-tp' with ep=2"):
-        expert_rank_groups(ParallelSizes(tp=2, dp=2, pp=2), "pp-dp-cp-tp", ep=2)
+        expert_rank_groups(ParallelLayout(tp=2, dp=2, pp=2, order="pp-dp-cp-tp", ep=2))
 
 
 def test_tp_ep_group_lists_ranks_etp_fastest():
     """The dispatcher reads the count matrix of the (etp x ep) group as row ``etp_rank + etp * ep_rank``."""
     for sizes, ep, etp in expert_layouts():
-        g = expert_rank_groups(sizes, "tp-cp-dp-pp", ep, etp)
+        g = expert_rank_groups(sizes.with_(ep=ep, etp=etp))
         group_of = {kind: {r: grp for grp in g[kind] for r in grp} for kind in ("ep", "etp")}
         for members in g["expert_tp_ep"]:
             for r in members:

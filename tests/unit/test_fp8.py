@@ -227,10 +227,10 @@ def test_quantisation_is_bitwise_the_plain_formula(recipe, src_dtype):
 
 
 def _counting_casts(monkeypatch):
-    from megand.core.tensor_parallel import fp8
+    from megand.core.tensor_parallel.fp8_recipes import scaling
 
-    casts, cast = [], fp8._cast
-    monkeypatch.setattr(fp8, "_cast", lambda t, *args: casts.append(tuple(t.shape)) or cast(t, *args))
+    casts, cast = [], scaling._cast
+    monkeypatch.setattr(scaling, "_cast", lambda t, *args: casts.append(tuple(t.shape)) or cast(t, *args))
     return casts
 
 

@@ -8,17 +8,18 @@ import pytest
 import torch.distributed as dist
 
 from megand.core import parallel_state
-from megand.core.parallel_state import PIPELINE_CHANNELS, ParallelSizes, Topology, rank_groups
+from megand.core.parallel_layout import ParallelLayout
+from megand.core.parallel_state import PIPELINE_CHANNELS, Topology, rank_groups
 
-SIZES = ParallelSizes(tp=8, cp=2, dp=8, pp=8)  # 1024 ranks
-KINDS = len(rank_groups(SIZES, dp_shard=16, ep=4))
+LAYOUT = ParallelLayout(tp=8, cp=2, dp=8, pp=8, dp_shard=16, ep=4)  # 1024 ranks
+KINDS = len(rank_groups(LAYOUT))
 
 
 class Calls:
     def __init__(self, monkeypatch, rank: int, splits: bool):
         self.new_group, self.split_group = [], []
         monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: SIZES.world_size)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: LAYOUT.world_size)
         monkeypatch.setattr(parallel_state, "splits_communicators", lambda: splits)
         monkeypatch.setattr(dist, "new_group", self.record_new_group)
         monkeypatch.setattr(dist, "split_group", self.record_split)
@@ -37,14 +38,14 @@ class Calls:
 def test_a_1024_rank_layout_makes_one_communicator_split_per_distinct_kind(monkeypatch, rank):
     calls = Calls(monkeypatch, rank, splits=True)
     calls.rank = rank
-    topo = Topology(SIZES, dp_shard=16, ep=4)  # dp_shard = dp x cp: the shard groups are the dp_cp groups
+    topo = Topology(LAYOUT)  # dp_shard = dp x cp: the shard groups are the dp_cp groups
     # one split per distinct kind (dp_shard shares dp_cp's; the size-1 replica groups are one split), none
     # per group (2736 world-wide splits per rank when each rank list was its own new_group); the pipeline's
     # p2p takes three more splits of the pp groups (a group per message kind and direction)
     extra = PIPELINE_CHANNELS - 1
     assert calls.new_group == [] and len(calls.split_group) <= KINDS - 1 + extra, (len(calls.new_group),
                                                                                    len(calls.split_group))
-    assert calls.split_group[-extra:] == [rank_groups(SIZES, dp_shard=16, ep=4)["pp"]] * extra
+    assert calls.split_group[-extra:] == [rank_groups(LAYOUT)["pp"]] * extra
     for kind, group in topo.groups.items():
         assert group == ("group", tuple(topo.ranks[kind])), kind
     assert topo.pp_channel_groups[0] is topo.groups["pp"] and len({id(g) for g in topo.pp_channel_groups}) == 4
@@ -54,8 +55,8 @@ def test_a_1024_rank_layout_makes_one_communicator_split_per_distinct_kind(monke
 def test_without_communicator_splits_each_distinct_group_is_made_once(monkeypatch):
     calls = Calls(monkeypatch, 5, splits=False)
     calls.rank = 5
-    topo = Topology(SIZES, dp_shard=16, ep=4)
-    lists = rank_groups(SIZES, dp_shard=16, ep=4)
+    topo = Topology(LAYOUT)
+    lists = rank_groups(LAYOUT)
     distinct = {tuple(r) for rank_lists in lists.values() for r in rank_lists}
     # and the pipeline p2p's three more groups per pipeline (the same ranks as the pp group)
     assert len(calls.new_group) == len(distinct) + (PIPELINE_CHANNELS - 1) * len(lists["pp"])

@@ -27,8 +27,8 @@ def fake_rank(rank, world_size):
 def build_rank(overrides, rank, world_size):
     cfg = compose(["+experiment=tiny_llama", "run_dir=/tmp/unused", *overrides])
     with fake_rank(rank, world_size) as device:
-        configs = core_configs(cfg, device)
-        topo = build_topology(configs.topology, device)
+        configs = core_configs(cfg, device, world_size)
+        topo = build_topology(configs, device)
         chunks, ddp = build_model_and_engine(configs, topo)
     return chunks, ddp
 

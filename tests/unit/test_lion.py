@@ -86,14 +86,14 @@ def test_lion_takes_every_role_and_keeps_one_moment_in_the_estimate_and_the_plan
                  num_query_groups=2, seq_length=128, vocab_size=1000, activation="swiglu", norm="rmsnorm",
                  position_embedding="rope", tie_embeddings=False)
     for precision in ("bf16", "fp32"):
-        adam = estimate_memory(model, Layout(tp=2, dp=4, sharding="optim", precision=precision)).stages[0]
-        lion = estimate_memory(model, Layout(tp=2, dp=4, sharding="optim", precision=precision,
+        adam = estimate_memory(model, Layout.of(tp=2, dp=4, sharding="optim", precision=precision)).stages[0]
+        lion = estimate_memory(model, Layout.of(tp=2, dp=4, sharding="optim", precision=precision,
                                              optimizer="lion")).stages[0]
         # 4 bytes less per parameter (one moment instead of two), over the shard group of dp=4
         assert adam.optimizer_bytes - lion.optimizer_bytes == pytest.approx(4 * adam.params / 4)
         assert (adam.param_bytes, adam.grad_bytes) == (lion.param_bytes, lion.grad_bytes)
     cluster = parse_cluster({"groups": [{"name": "a", "nodes": 1, "devices_per_node": 8, "device": "h100"}]})
-    c = Candidate(tp=2, dp=1, micro_batch_size=1)  # one replica: the optimizer's time is its update alone
+    c = Candidate.of(tp=2, dp=1, micro_batch_size=1)  # one replica: the optimizer's time is its update alone
     adam, lion = (predict(model, c.with_(optimizer=name), 32, [cluster.groups[0]]) for name in ("adamw", "lion"))
     # a memory-bound step over 28 bytes per element instead of 36, and 4 bytes less state per parameter
     assert lion.parts["optimizer_s"] == pytest.approx(adam.parts["optimizer_s"] * 28 / 36)

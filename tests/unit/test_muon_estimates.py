@@ -19,8 +19,8 @@ def ns(m, n):
 
 
 def test_muon_keeps_one_moment_of_the_layers_matrices():
-    adam = Layout(tp=2, dp=4, sharding="optim", precision="bf16")
-    muon = Layout(tp=2, dp=4, sharding="optim", precision="bf16", optimizer="muon")
+    adam = Layout.of(tp=2, dp=4, sharding="optim", precision="bf16")
+    muon = Layout.of(tp=2, dp=4, sharding="optim", precision="bf16", optimizer="muon")
     a, m = estimate_memory(MODEL, adam).stages[0], estimate_memory(MODEL, muon).stages[0]
     assert a.optimizer_bytes - m.optimizer_bytes == pytest.approx(4 * stage_layer_params(MODEL, muon, 0) / 4)
     assert a.param_bytes == m.param_bytes and a.grad_bytes == m.grad_bytes
@@ -28,16 +28,16 @@ def test_muon_keeps_one_moment_of_the_layers_matrices():
 
 def test_newton_schulz_flops_per_logical_matrix():
     per_layer = ns(256, 256) + 2 * ns(64, 256) + ns(256, 256) + 3 * ns(512, 256)  # q, k, v, proj; gate, up, down
-    cost = matrix_step_cost(MODEL, Layout(tp=2, dp=4, sharding="optim", optimizer="muon"), 0)
+    cost = matrix_step_cost(MODEL, Layout.of(tp=2, dp=4, sharding="optim", optimizer="muon"), 0)
     assert cost["flops"] == pytest.approx(4 * per_layer / (2 * 4))  # dealt over tp x the shard group
-    assert cost["bytes"] == pytest.approx(2 * 4 * stage_layer_params(MODEL, Layout(tp=2, dp=4), 0))
-    unsharded = matrix_step_cost(MODEL, Layout(tp=2, dp=4, optimizer="muon"), 0)  # still spread over dp
+    assert cost["bytes"] == pytest.approx(2 * 4 * stage_layer_params(MODEL, Layout.of(tp=2, dp=4), 0))
+    unsharded = matrix_step_cost(MODEL, Layout.of(tp=2, dp=4, optimizer="muon"), 0)  # still spread over dp
     assert unsharded["flops"] == pytest.approx(cost["flops"])
 
 
 def test_planner_step_includes_newton_schulz():
     cluster = parse_cluster({"groups": [{"name": "a", "nodes": 1, "devices_per_node": 8, "device": "h100"}]})
-    c = Candidate(tp=2, dp=4, sharding="optim", micro_batch_size=1)
+    c = Candidate.of(tp=2, dp=4, sharding="optim", micro_batch_size=1)
     adam = predict(MODEL, c, 32, [cluster.groups[0]])
     muon = predict(MODEL, c.with_(optimizer="muon"), 32, [cluster.groups[0]])
     assert muon.parts["optimizer_s"] > adam.parts["optimizer_s"]

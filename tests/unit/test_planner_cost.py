@@ -80,19 +80,19 @@ def _h100(nodes=2):
 def test_links_follow_megands_rank_order():
     g = _h100().groups[0]
     # tp=8 fills a node: tp inside it, dp (one rank per node) across nodes
-    c = Candidate(tp=8, dp=2)
+    c = Candidate.of(tp=8, dp=2)
     links = spanned_links(c, place(c, [g]))
     assert links["tp"] == ["intra_node"] and links["dp_cp"] == ["inter_node"]
     # tp=2, dp=4: a stage is one node; the pipeline crosses nodes
-    c = Candidate(tp=2, dp=4, pp=2)
+    c = Candidate.of(tp=2, dp=4, pp=2)
     links = spanned_links(c, place(c, [g, g]))
     assert links["tp"] == ["intra_node"] * 2 and links["dp_cp"] == ["intra_node"] * 2 and links["pp"] == ["inter_node"]
     # an order with dp fastest puts the tensor-parallel peers 8 ranks apart: on two nodes
-    c = Candidate(tp=2, dp=8, order="dp-tp-cp-pp")
+    c = Candidate.of(tp=2, dp=8, order="dp-tp-cp-pp")
     links = spanned_links(c, place(c, [g]))
     assert links["tp"] == ["inter_node"] and links["dp_cp"] == ["intra_node"]
     # hybrid sharding: shards inside a node, replicas across
-    c = Candidate(tp=1, dp=16, sharding="optim", dp_shard=8)
+    c = Candidate.of(tp=1, dp=16, sharding="optim", dp_shard=8)
     links = spanned_links(c, place(c, [g]))
     assert links["dp_shard"] == ["intra_node"] and links["dp_replica"] == ["inter_node"]
 
@@ -101,7 +101,7 @@ def test_tensor_parallel_collectives_use_the_link_they_span():
     shape = Shape.from_config(dict(arch="llama", num_layers=2, hidden_size=4096, ffn_hidden_size=14336,
                                    num_attention_heads=32, num_query_groups=8, seq_length=4096, vocab_size=32000))
     prof = DEVICES["h100"]["profile"]
-    c = Candidate(tp=8, sequence_parallel=True)
+    c = Candidate.of(tp=8, sequence_parallel=True)
     inside, across = layer_times(shape, c, prof, "intra_node", "intra_node"), layer_times(shape, c, prof, "inter_node", "intra_node")
     act = 4096 * 4096 * 2  # one micro-batch's bf16 activations
     for link, lt in (("intra_node", inside), ("inter_node", across)):  # two all-gathers and reduce-scatters
@@ -117,7 +117,7 @@ def test_uneven_split_and_slower_device_show_in_the_step():
                                    {"name": "b", "nodes": 1, "devices_per_node": 8, "device": "h100",
                                     "peak_tflops": 300}]})
     fast, slow = cl.groups
-    even = Candidate(tp=8, pp=2, micro_batch_size=1)
+    even = Candidate.of(tp=8, pp=2, micro_batch_size=1)
     t_even = predict(model, even, 32, [fast, slow]).step_time_s
     t_uneven = predict(model, even.with_(pipeline_layout=(6, 2)), 32, [fast, slow]).step_time_s
     t_wrong = predict(model, even.with_(pipeline_layout=(2, 6)), 32, [fast, slow]).step_time_s

@@ -20,17 +20,17 @@ MODEL = {"num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 5632, "num_at
 
 
 def test_fp8_layers_per_stage_keep_the_first_and_last_in_bf16():
-    c = Candidate(fp8="tensorwise", fp8_bf16_layers=1)
+    c = Candidate.of(fp8="tensorwise", fp8_bf16_layers=1)
     assert fp8_layers_in(16, c, 0, 16) == 14
     assert [fp8_layers_in(16, c, 4 * s, 4) for s in range(4)] == [3, 4, 4, 3]
-    assert fp8_layers_in(16, Candidate(), 0, 16) == 0
-    assert fp8_layers_in(16, Candidate(fp8="mxfp8", fp8_bf16_layers=0), 0, 16) == 16
+    assert fp8_layers_in(16, Candidate.of(), 0, 16) == 0
+    assert fp8_layers_in(16, Candidate.of(fp8="mxfp8", fp8_bf16_layers=0), 0, 16) == 16
 
 
 def test_fp8_gemms_run_at_the_fp8_peak():
     profile = DEVICES["h100"]["profile"]
     assert profile.peak_fp8_tflops == pytest.approx(2 * profile.peak_tflops, rel=0.01)
-    shape, c = Shape.from_config(MODEL), Candidate(micro_batch_size=2)
+    shape, c = Shape.from_config(MODEL), Candidate.of(micro_batch_size=2)
     bf16 = layer_times(shape, c, profile, "intra_node", "intra_node")
     fp8 = layer_times(shape, c, profile, "intra_node", "intra_node", fp8=True)
     assert fp8.gemm_fwd == pytest.approx(bf16.gemm_fwd * profile.peak_tflops / profile.peak_fp8_tflops)
@@ -39,7 +39,7 @@ def test_fp8_gemms_run_at_the_fp8_peak():
 
 def test_fp8_step_is_faster_and_its_mfu_counts_the_mixed_peak():
     group = parse_cluster(H100).groups[0]
-    c = Candidate(dp=8, micro_batch_size=1, sharding="optim_grads_params")
+    c = Candidate.of(dp=8, micro_batch_size=1, sharding="optim_grads_params")
     bf16 = predict(MODEL, c, 64, [group])
     fp8 = predict(MODEL, c.with_(fp8="tensorwise"), 64, [group])
     assert fp8.step_time_s < 0.9 * bf16.step_time_s

@@ -5,14 +5,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megand.core.parallel_state import all_decompositions, rank_coords
+from megand.core.parallel_state import all_decompositions
 from megand.core.tensor_parallel.random import TP_OFFSET, TensorParallelRNG, default_seed
 
 SEED = 1234
 
 
 def topo(sizes, rank):
-    c = rank_coords(rank, sizes)
+    c = sizes.coords(rank)
     return SimpleNamespace(**{f"{d}_rank": c[d] for d in c}, **{f"{d}_size": getattr(sizes, d) for d in c})
 
 

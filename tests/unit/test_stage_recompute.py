@@ -51,7 +51,7 @@ def _saved_bytes(recompute_layers):
     cfg = compose(TINY + ["train.recompute=full", f"train.recompute_layers={recompute_layers}"])
     validate(cfg, 1)
     topo = single_process_topology()
-    (model,) = build_model(core_configs(cfg, topo.device), topo)
+    (model,) = build_model(core_configs(cfg, topo.device, topo.world_size), topo)
     modes = [model.layers[str(i)].cfg.recompute for i in range(4)]
     storages = {}
 
@@ -83,7 +83,7 @@ def test_estimator_counts_each_layer_with_its_own_recompute():
     base = dict(pp=2, pipeline_layout=(3, 1), recompute="full", precision="fp32", micro_batch_size=2, num_microbatches=4)
 
     def stages(recompute_layers, **kw):
-        est = estimate_memory(model, Layout(**{**base, **kw}, recompute_layers=recompute_layers), stages=(0, 1))
+        est = estimate_memory(model, Layout.of(**{**base, **kw}, recompute_layers=recompute_layers), stages=(0, 1))
         return est.stages
 
     everything, none_first, nothing = stages(None), stages((0, 1)), stages((0, 0))

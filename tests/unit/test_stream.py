@@ -272,3 +272,15 @@ def test_a_changed_corpus_is_refused_on_resume_naming_the_file(tmp_path):
     assert len(a.read_bytes()) == len(original)
     with pytest.raises(DataError, match=rf"^{a}: changed since the checkpoint: modified, and the rows read from it differ"):
         readers(paths, 1, state)
+
+
+def test_two_in_process_streams_tokenize_each_with_its_own_tokenizer(tmp_path):
+    """Without worker processes (data.workers=0) each stream tokenizes with its own tokenizer: a second stream
+    of another vocabulary (here the null tokenizer's EOD, its last id) does not reuse the first's."""
+    write_corpus(tmp_path / "c")
+    paths = [[1.0, str(tmp_path / "c")]]
+    first = StreamSource({"paths": paths, "workers": 0}, SEQ, VOCAB, seed=7).open(LANES, 0, LANES)
+    assert (first.next_samples() == EOD).any()
+    second = StreamSource({"paths": paths, "workers": 0}, SEQ, 2 * VOCAB, seed=7).open(LANES, 0, LANES)
+    samples = second.next_samples()
+    assert (samples == 2 * VOCAB - 1).any() and not (samples == EOD).any()

@@ -2,18 +2,22 @@
 
 Save (every rank, collectively):
   1. wait for the previous asynchronous save;
-  2. rank 0 makes ``iter_N.tmp/``; each rank writes its RNG file, rank 0 ``common.pt`` and ``config.yaml``;
-  3. the pieces of model and optimizer state are staged on the host (device tensors into page-locked
-     buffers with one wait; host tensors copied when asynchronous: staging.py) and written
-     with torch.distributed.checkpoint (in a background thread when asynchronous: training goes on);
+  2. the pieces of model and optimizer state are staged on the host (device tensors into page-locked
+     buffers with one wait; host tensors copied when asynchronous: staging.py), with the RNG states and
+     the scalars; then, in the save's thread (training goes on when asynchronous):
+  3. rank 0 makes ``iter_N.tmp/``; each rank writes its RNG file, rank 0 ``common.pt`` and ``config.yaml``;
+     the pieces are written with torch.distributed.checkpoint;
   4. each rank checksums the files it wrote (every file is in the manifest); rank 0 writes it, renames ``iter_N.tmp`` to
      ``iter_N`` and then atomically replaces ``latest`` - only after every rank has finished writing.
 A crash anywhere before step 4 leaves ``latest`` and the previous checkpoint untouched. A write that fails
 (disk full, file-size limit, quota, read-only directory) is agreed on by every rank after each step:
 the partial ``iter_N.tmp`` is removed and every rank raises :class:`CheckpointWriteError` naming the
-path and the OS error. After a successful publish, ``keep_last`` removes the oldest ``iter_*``
-directories beyond that number (never the one ``latest`` names); this runs inside the save that
-published, so never while another save is being written.
+path and the OS error. Steps 2-4 run in a thread of the save's own (a synchronous save waits for it), so a
+save that runs over its time budget (``budget_s``: a write blocked on a stalled filesystem) is a failed
+save too: every rank abandons it (it can no longer publish) and the run's next save uses a fresh group.
+After a successful publish, ``keep_last`` removes the oldest ``iter_*`` directories beyond that number
+(never the one ``latest`` names); this runs inside the save that published, so never while another save
+is being written.
 
 Load: resolve the directory, check metadata, files and every tensor's full shape against this run's
 model (so a bad checkpoint fails before training with a message naming the file or tensor), then read
@@ -27,8 +31,10 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -72,6 +78,26 @@ def write_torch(obj, path: str) -> None:
         f.write(buffer.getbuffer())
 
 
+class _Save:
+    """One save being written by a thread of its own (daemon: a save that ran over its budget is abandoned,
+    never joined; a stuck write cannot then keep the process from exiting)."""
+
+    def __init__(self, iteration: int, tmp: str, group, work):
+        self.iteration, self.tmp = iteration, tmp
+        self.group = group  # its collectives' group: an abandoned save never touches the next saves' one
+        self.started = time.monotonic()
+        self.cancelled = threading.Event()  # set when abandoned: it must not publish any more
+        self.future: Future = Future()
+        self.thread = threading.Thread(target=self._run, args=(work,), name="megand-ckpt", daemon=True)
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self.future.set_result(work(self))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread whatever it is
+            self.future.set_exception(e)
+
+
 class Checkpointer:
     def __init__(self, config: CheckpointConfig, topo, named_params, optimizer, chunks, config_yaml: str,
                  model_cfg: dict):
@@ -80,27 +106,58 @@ class Checkpointer:
         self.named_buffers = sharded.state_buffers(chunks)
         self.rngs = rng.tp_rngs(chunks)
         self.config_yaml, self.model_cfg = config_yaml, model_cfg
-        # A group of its own (gloo, CPU) so a background save never interleaves with training collectives.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))
+        # A group of its own (gloo, CPU) so a background save never interleaves with training collectives;
+        # replaced after a save abandoned mid-collective. Each save's outcome is agreed on in another,
+        # which no abandoned save ever uses.
+        self.group = self._new_group()
+        self.outcome_group = self._new_group()
         self.rank = dist.get_rank()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megand-ckpt") if config.async_save else None
-        self.pending: Future | None = None
+        self.pending: _Save | None = None
+        self.abandoned: list[_Save] = []  # saves over their budget whose threads may still be in a collective
         self.staging = HostStaging()
         self.last_saved = None
         self.last_stall_s = 0.0
         if hasattr(signal, "SIGXFSZ"):  # over a file-size limit a write must fail (EFBIG), not kill the rank
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
+    def _new_group(self):
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.timeout_s))
+
     # ----------------------------------------------------------------------------------------- save
+    @property
+    def pending_iteration(self) -> int | None:
+        """The iteration of the save still being written (asynchronous), whose outcome :meth:`wait` gives."""
+        return self.pending.iteration if self.pending is not None else None
+
     def save(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None,
              extra_state: dict | None = None) -> None:
         """Collective. ``extra_state``: rank 0's plain Python values (dicts, lists, numbers, strings), kept
-        as they are and returned by :meth:`load` (e.g. the data sources' and the guards' state). Raises CheckpointWriteError (on every rank) when a write fails anywhere; an
-        asynchronous save's failure is raised by the next ``save``/``wait``/``close``."""
+        as they are and returned by :meth:`load` (e.g. the data sources' and the guards' state).
+
+        The state is captured here (staged on the host) and written by a thread of its own; a synchronous
+        save waits for it. Raises CheckpointWriteError (on every rank alike) when a write fails anywhere
+        or the save runs over ``budget_s``; an asynchronous save's failure is raised by :meth:`wait` (call
+        it first to know the previous save's outcome: ``save`` waits for it and raises it too)."""
         start = time.perf_counter()
         self.wait()
-        root = self.cfg.save
-        tmp = os.path.join(root, files.iter_dir_name(iteration) + ".tmp")
+        tmp = os.path.join(self.cfg.save, files.iter_dir_name(iteration) + ".tmp")
+        rng_state = rng.capture(self.rngs, self.topo.device)
+        common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                  "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
+                  "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
+                  "extra": extra_state} if self.rank == 0 else None
+        self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
+        state = self.staging.stage(sharded.save_pieces(self.named_params, self.optimizer, self.named_buffers),
+                                   copy=self.cfg.async_save)
+        self.pending = _Save(iteration, tmp, self.group, lambda save: self._write(save, state, rng_state, common))
+        if not self.cfg.async_save:
+            self.wait()
+        self.last_saved = iteration
+        self.last_stall_s = time.perf_counter() - start
+
+    def _write(self, save: _Save, state, rng_state, common) -> None:
+        """The save's steps, each agreed on by every rank (in the save's thread)."""
+        tmp = save.tmp
 
         def make_dir():
             if self.rank == 0:
@@ -108,34 +165,18 @@ class Checkpointer:
                     shutil.rmtree(tmp)
                 os.makedirs(os.path.join(tmp, "rng"))
 
-        self._agree(make_dir, tmp)
+        self._agree(save, make_dir)
 
         def write_small_files():
-            write_torch(rng.capture(self.rngs, self.topo.device), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
+            write_torch(rng_state, os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
             if self.rank == 0:
-                common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-                          "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
-                          "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
-                          "extra": extra_state}
                 write_torch(common, os.path.join(tmp, files.COMMON))
                 with open(os.path.join(tmp, files.CONFIG), "w") as f:
                     f.write(self.config_yaml)
 
-        self._agree(write_small_files, tmp)
-        asynchronous = self.executor is not None
-        self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
-        state = self.staging.stage(sharded.save_pieces(self.named_params, self.optimizer, self.named_buffers),
-                                   copy=asynchronous)
-        if asynchronous:
-            self.pending = self.executor.submit(self._write, state, tmp, iteration)
-        else:
-            self._write(state, tmp, iteration)
-        self.last_saved = iteration
-        self.last_stall_s = time.perf_counter() - start
-
-    def _write(self, state, tmp: str, iteration: int) -> None:
-        self._agree(lambda: dcp.save({}, storage_writer=FileSystemWriter(tmp), planner=PieceSavePlanner(state),
-                                     process_group=self.group), tmp)
+        self._agree(save, write_small_files)
+        self._agree(save, lambda: dcp.save({}, storage_writer=FileSystemWriter(tmp), planner=PieceSavePlanner(state),
+                                           process_group=save.group))
         crcs = {}
 
         def checksum():
@@ -146,25 +187,38 @@ class Checkpointer:
                 mine += [files.COMMON, files.CONFIG, files.METADATA]
             crcs.update({n: files.file_crc(os.path.join(tmp, n)) for n in mine})
 
-        self._agree(checksum, tmp)
-        gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-        dist.gather_object(crcs, gathered, dst=0, group=self.group)  # every rank has finished writing
+        self._agree(save, checksum)
+        gathered = [None] * dist.get_world_size(save.group) if self.rank == 0 else None
+        dist.gather_object(crcs, gathered, dst=0, group=save.group)  # every rank has finished writing
 
         def publish():
             if self.rank == 0:
+                if save.cancelled.is_set():  # abandoned (over its budget): its directory is being removed
+                    raise CheckpointWriteError("abandoned after its time budget")
                 merged = {k: v for d in gathered for k, v in d.items()}
                 with open(os.path.join(tmp, files.MANIFEST), "w") as f:
                     json.dump({"crc32": merged}, f)
-                self._publish(tmp, iteration)
+                self._publish(tmp, save.iteration)
 
-        self._agree(publish, tmp)
+        self._agree(save, publish)
         if self.rank == 0 and self.cfg.keep_last:
-            self._remove_old(self.cfg.keep_last, iteration)
-        dist.barrier(group=self.group)
+            self._remove_old(self.cfg.keep_last, save.iteration)
+        dist.barrier(group=save.group)
 
-    def _agree(self, local_step, path: str) -> None:
+    def _failure(self, path: str, problems: list[str]) -> CheckpointWriteError:
+        latest = os.path.join(self.cfg.save, files.LATEST)
+        kept = f"{latest} still names the previous checkpoint" if os.path.isfile(latest) else "no checkpoint was published"
+        return CheckpointWriteError(f"saving {path} failed: {problems[0]}"
+                                    + (f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else "")
+                                    + f"; {kept}")
+
+    def _agree(self, save: _Save, local_step) -> None:
         """Run this rank's part of a save step, then agree with every rank on whether all succeeded. On
-        a failure anywhere the partial directory is removed and every rank raises the same error."""
+        a failure anywhere the partial directory is removed and every rank raises the same error. An
+        abandoned save stops at its next step."""
+        if save.cancelled.is_set():
+            raise CheckpointWriteError("abandoned after its time budget")
+        path = save.tmp
         try:
             local_step()
             problem = None
@@ -172,17 +226,13 @@ class Checkpointer:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             problem = f"rank {self.rank}: {describe_write_error(e, self.cfg.save)}"
-        problems = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [None] * dist.get_world_size(save.group)
+        dist.all_gather_object(problems, problem, group=save.group)
         problems = [p for p in problems if p]
         if problems:
             if self.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-            latest = os.path.join(self.cfg.save, files.LATEST)
-            kept = f"{latest} still names the previous checkpoint" if os.path.isfile(latest) else "no checkpoint was published"
-            raise CheckpointWriteError(f"saving {path} failed: {problems[0]}"
-                                       + (f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else "")
-                                       + f"; {kept}")
+            raise self._failure(path, problems)
 
     def _remove_old(self, keep: int, newest: int) -> None:
         """Delete the oldest complete ``iter_*`` directories beyond ``keep`` (never ``newest``, the one
@@ -207,15 +257,59 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until the previous asynchronous save has finished (and re-raise its error, if any)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+        """Collective when a save is pending (every rank has the same one): wait for it, at most until
+        ``budget_s`` after it started, and agree on its outcome with every rank. Raises CheckpointWriteError
+        on every rank alike when it failed anywhere or ran over its budget; such a save is abandoned: its
+        thread may still be blocked in a write, but it publishes nothing, and its partial directory is
+        removed."""
+        if self.pending is None:
+            return
+        save, self.pending = self.pending, None
+        budget = self.cfg.budget_s
+        problem, late = None, False
+        try:
+            save.future.result(timeout=None if budget is None else max(0.0, save.started + budget - time.monotonic()))
+        except FutureTimeout:
+            problem, late = f"rank {self.rank}: not finished within its budget of {budget:g} s", True
+        except CheckpointWriteError as e:  # already agreed on by every rank: its message is complete
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. a collective of the save that failed (a peer's timeout)
+            problem = f"rank {self.rank}: {describe_write_error(e, self.cfg.save)}"
+        outcomes = [None] * dist.get_world_size(self.outcome_group)
+        dist.all_gather_object(outcomes, (problem, late), group=self.outcome_group)
+        if any(late for _, late in outcomes):
+            save.cancelled.set()
+            self.abandoned.append(save)
+            if self.rank == 0:
+                self._remove_abandoned(save.tmp)
+            # the abandoned threads may be inside a collective of the save group: the next saves use another
+            self.group = self._new_group()
+        problems = [p for p, _ in outcomes if p]
+        if problems:
+            agreed = next((p for p in problems if p.startswith("saving ")), None)
+            raise CheckpointWriteError(agreed) if agreed else self._failure(save.tmp, problems)
+
+    @staticmethod
+    def _remove_abandoned(tmp: str) -> None:
+        """Remove an abandoned save's directory. Renaming it away first decides the race with its own
+        thread's publish, which renames it too: whichever rename comes first wins. Lost (the thread was
+        publishing already), the directory is complete, whether or not ``latest`` gets to name it."""
+        gone = f"{tmp}.abandoned"
+        try:
+            os.rename(tmp, gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     def close(self) -> None:
+        """Wait for the pending save; then for the abandoned saves' threads to leave their collectives
+        (each began before ``budget_s`` ran out and ends by the group's timeout ``timeout_s``: destroying a
+        gloo group while one of its operations runs aborts the process). A thread blocked in a write stays, harmless at exit."""
         self.wait()
-        if self.executor is not None:
-            self.executor.shutdown()
+        for save in self.abandoned:
+            ends = save.started + (self.cfg.budget_s or 0.0) + self.cfg.timeout_s  # its last collective's timeout
+            save.thread.join(max(0.0, ends + 5.0 - time.monotonic()))
+        self.abandoned = []
 
     # ----------------------------------------------------------------------------------------- load
     def _check_files_together(self, iter_dir, metadata) -> None:

@@ -40,6 +40,11 @@ def tensor_shapes(path: str, prefix: str = "model.") -> dict[str, tuple[tuple[in
     iter_dir = files.resolve(path)
     metadata = files.read_metadata(iter_dir)
     files.check_files(iter_dir, metadata)
+    return tensor_shapes_of(metadata, prefix)
+
+
+def tensor_shapes_of(metadata, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """:func:`tensor_shapes` from a checkpoint's metadata already read."""
     return {k[len(prefix):]: (tuple(md.size), md.properties.dtype) for k, md in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
 
@@ -132,8 +137,9 @@ def save_full_model(save_dir: str, tensors: dict[str, torch.Tensor], config_yaml
 
 def single_process_topology(device=None):
     """A world of one (gloo), for building a full model in a tool or test process."""
-    from megand.core.parallel_state import ParallelSizes, Topology
+    from megand.core.parallel_layout import ParallelLayout
+    from megand.core.parallel_state import Topology
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return Topology(ParallelSizes(), device=device or torch.device("cpu"))
+    return Topology(ParallelLayout(), device=device or torch.device("cpu"))

@@ -87,7 +87,8 @@ from megand.core.distributed.forward_order import forward_order
 from megand.core.distributed.fp8_gather import BucketFp8Gather, Fp8Weight
 from megand.core.distributed.grads import all_reduce_layout_grads
 from megand.core.distributed.param_gather import ParamGatherer
-from megand.core.tensor_parallel.fp8 import MX_BLOCK, Fp8Policy
+from megand.core.tensor_parallel.fp8 import Fp8Policy
+from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
 from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, WeightGradSink
 
@@ -111,14 +112,15 @@ def is_expert(p) -> bool:
 
 def fp8_weights(chunks) -> dict:
     """``{weight: (policy, parts)}`` of the layers whose GEMMs run in FP8 (a dense 2-D weight; ``parts``:
-    the forward runs one GEMM per part of interleaved rows, ``gemm_row_parts`` of the layer). MX weights
-    whose rows are not whole 32-element blocks are left out (gathered in high precision)."""
+    the forward runs one GEMM per part of interleaved rows, ``gemm_row_parts`` of the layer). Weights of a
+    block-scaled recipe whose rows are not whole blocks (MX: 32 elements) are left out (gathered in high
+    precision)."""
     found = {}
     for chunk in chunks:
         for module in chunk.modules():
             policy, weight = getattr(module, "gemm", None), module._parameters.get("weight")
             if (not isinstance(policy, Fp8Policy) or weight is None or weight.dim() != 2 or is_expert(weight)
-                    or (policy.name == "mxfp8" and weight.shape[1] % MX_BLOCK)):
+                    or weight.shape[1] % policy.recipe.block):
                 continue
             found[weight] = (policy, getattr(module, "gemm_row_parts", 1))
     return found
@@ -174,7 +176,7 @@ class DataParallel:
             starts = {i for i in range(1, len(ps)) if chunk_of[ps[i]] != chunk_of[ps[i - 1]]} if self.shard_params else ()
             buf = ParamAndGradBuffer(ps, dtype, config.bucket_size, *shards, topo.device,
                                      self.shard_grads, self.shard_params, starts,
-                                     align=MX_BLOCK if recipe == "mxfp8" else 1)  # MX blocks never straddle slices
+                                     align=fp8_recipe(recipe).block if recipe else 1)  # blocks never straddle slices
             buf.reduce, buf.experts, buf.fp8 = reduce, experts, recipe
             self.buffers.append(buf)
         replaced = {k: v for buf in self.buffers for k, v in buf.replaced.items()}

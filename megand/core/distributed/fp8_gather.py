@@ -31,7 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megand.core.tensor_parallel.fp8 import _TINY, E4M3, MX_BLOCK, Quantized, fmax, mx_scale
+from megand.core.tensor_parallel.fp8 import Quantized
+from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
+from megand.core.tensor_parallel.fp8_recipes.mxfp8 import mx_scale
+from megand.core.tensor_parallel.fp8_recipes.scaling import _TINY, E4M3, fmax
 from megand.core.tensor_parallel.mappings import all_gather_flat
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -87,42 +90,41 @@ class BucketFp8Gather:
 
     def __init__(self, bucket, weights: list[Fp8Weight], recipe: str):
         self.bucket, self.weights, self.recipe = bucket, weights, recipe
+        self.record = rec = fp8_recipe(recipe)
         self.formats = set()  # phases whose operands are gathered now
         self.nbytes = 0  # bytes held by the gathered operands
         # one phase's bytes serve the other when every weight's one forward GEMM reads all of it
-        self._forward_serves_backward = recipe == "tensorwise" and all(w.parts == 1 for w in weights)
-        if recipe == "mxfp8":
-            misaligned = [w for w in weights if w.start % MX_BLOCK or w.k % MX_BLOCK]
-            if misaligned or (bucket.shard_end - bucket.shard_start) % MX_BLOCK:
-                raise ValueError("mxfp8 gathers need 32-aligned weights and slices")
+        self._forward_serves_backward = rec.one_scale and all(w.parts == 1 for w in weights)
+        if rec.blocked:
+            misaligned = [w for w in weights if w.start % rec.block or w.k % rec.block]
+            if misaligned or (bucket.shard_end - bucket.shard_start) % rec.block:
+                raise ValueError(f"{recipe} gathers need {rec.block}-aligned weights and slices")
         self._groups = {phase: self._group_layout(phase) for phase in (FORWARD, BACKWARD)}
 
     # -- which phase needs what -------------------------------------------------------------------
     def gathers(self, phase: str) -> bool:
         """Whether ``phase`` gathers FP8 (else the high-precision weights)."""
-        return phase == FORWARD or self.recipe == "tensorwise"
+        return phase == FORWARD or self.record.one_scale
 
     def serves(self, phase: str) -> bool:
         """Whether the operands gathered now include ``phase``'s."""
         return phase in self.formats or (bool(self.formats) and self._forward_serves_backward)
 
-    # -- scale groups (tensorwise, rowwise) --------------------------------------------------------
+    # -- scale groups (one scale, per row: agreed amaxes) ------------------------------------------
     def _groups_of(self, w: Fp8Weight, phase: str) -> int:
         if phase == BACKWARD:
-            return 1  # tensorwise over the whole weight
-        return w.parts if self.recipe == "tensorwise" else w.n
+            return 1  # one scale over the whole weight
+        return w.n if self.record.per_row else w.parts
 
     def _agrees_over_tp(self, w: Fp8Weight, phase: str) -> bool:
-        """The recipe's own rule (Fp8Policy._q): a tensorwise scale of a split weight, a rowwise one when
-        the contraction axis (``k`` here) is split."""
-        if self.recipe == "tensorwise":
-            return bool(w.policy.sharded)
-        return "k" in w.policy.sharded
+        """The recipe's own rule (Fp8Policy._q, the record's ``agrees``): a scale of the whole weight when
+        it is split, a row's when the contraction axis (``k`` here) is split."""
+        return self.record.agrees(w.policy.sharded, "nk", "k")
 
     def _group_layout(self, phase):
         """``{weight index: first group}`` in one amax vector, the groups agreed over tp first, their count,
         and the total."""
-        if self.recipe == "mxfp8" or not self.gathers(phase):
+        if self.record.blocked or not self.gathers(phase):
             return None
         base, cursor = {}, 0
         order = sorted(range(len(self.weights)), key=lambda j: not self._agrees_over_tp(self.weights[j], phase))
@@ -154,7 +156,7 @@ class BucketFp8Gather:
         w, base = self.weights[j], self._groups[phase][0][j]
         if phase == BACKWARD:
             return scales[base].expand(rows)
-        if self.recipe == "rowwise":
+        if self.record.per_row:
             return scales[base + r0: base + r0 + rows]
         return scales[base + (torch.arange(r0, r0 + rows, device=scales.device) % w.parts)]
 
@@ -164,8 +166,8 @@ class BucketFp8Gather:
         reduce = b.buffer.reduce
         out = torch.zeros(b.shard_end - b.shard_start, dtype=torch.uint8, device=b.data_shard.device)
         limit = fmax(E4M3)
-        if self.recipe == "mxfp8":
-            blocks = b.data_shard.float().view(-1, MX_BLOCK)
+        if self.record.blocked:  # each block's scale its own, travelling with the bytes
+            blocks = b.data_shard.float().view(-1, self.record.block)
             scale = mx_scale(blocks.abs().amax(dim=1), E4M3)
             out.copy_((blocks / scale[:, None]).clamp(-limit, limit).to(E4M3).view(-1).view(torch.uint8))
             exponent = (torch.frexp(scale)[1] - 1 + 127).to(torch.uint8)  # e8m0: the biased exponent
@@ -181,7 +183,7 @@ class BucketFp8Gather:
                 amax[base[j]] = rows.abs().amax()
                 continue
             row_amax = rows.abs().amax(dim=1)
-            if self.recipe == "rowwise":
+            if self.record.per_row:
                 amax[base[j] + r0: base[j] + r0 + len(row_amax)] = row_amax
             else:
                 for part in range(w.parts):
@@ -218,7 +220,8 @@ class BucketFp8Gather:
             return
         self.nbytes += full.numel()
         b = self.bucket
-        if self.recipe == "mxfp8":
+        rec = self.record
+        if rec.blocked:
             per_rank = full.view(b.buffer.reduce.size, -1)
             slice_len = b.shard_end - b.shard_start
             data = per_rank[:, :slice_len].reshape(-1)
@@ -230,19 +233,19 @@ class BucketFp8Gather:
         for j, w in enumerate(self.weights):
             weight = data[w.start: w.start + w.param.numel()].view(E4M3).view(w.n, w.k)
             policy = w.policy
-            if phase == BACKWARD or (self.recipe == "tensorwise" and w.parts == 1):
+            if phase == BACKWARD or (rec.one_scale and w.parts == 1):
                 whole = Quantized(weight, scales[base[j]], 0, self.recipe)  # one scale over the whole weight
                 policy.gathered[view_key(w.start, (w.k, 1), (w.n, w.k), 0)] = whole
             if phase == BACKWARD and w.parts > 1:
                 continue
-            if self.recipe == "mxfp8":
-                start = w.start // MX_BLOCK
-                all_scales = block_scales[start: start + w.param.numel() // MX_BLOCK].view(w.n, w.k // MX_BLOCK)
+            if rec.blocked:
+                start = w.start // rec.block
+                all_scales = block_scales[start: start + w.param.numel() // rec.block].view(w.n, w.k // rec.block)
             for part in range(w.parts):
                 rows = weight[part:: w.parts]
-                if self.recipe == "tensorwise":
+                if rec.one_scale:
                     scale = scales[base[j] + part]
-                elif self.recipe == "rowwise":
+                elif rec.per_row:
                     scale = scales[base[j]: base[j] + w.n][part:: w.parts].view(-1, 1)
                 else:
                     scale = all_scales[part:: w.parts]

@@ -30,3 +30,9 @@ class OptimizerRecord:
     # Newton-Schulz), read by the estimator and the planner; None: elementwise only
     matrix_flops: Optional[Callable[[int, int], float]] = None
     matrix_step: str = ""  # what that work is called in the estimator's report ("Muon Newton-Schulz")
+    # (optim config) -> None, raising ValueError naming the key and value of this optimizer's own values
+    # (betas, eps, momentum...); the values every optimizer reads are checks.check_common's
+    check: Optional[Callable] = None
+    # the state that after step 1 is a fixed multiple of the gradient (AdamW's exp_avg = (1 - beta1) g): what
+    # tools/compare_checkpoints.py --grads compares between layouts; None: no such state
+    first_moment: Optional[str] = None

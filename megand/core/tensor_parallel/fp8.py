@@ -1,4 +1,5 @@
-"""FP8 training recipes on the GEMM seam: tensorwise, rowwise and MXFP8-style block scaling.
+"""FP8 training on the GEMM seam, under one of the registered recipes (:mod:`.fp8_recipes`, each a record:
+tensorwise, rowwise and MXFP8-style block scaling); nothing here compares a recipe's name.
 
 Every product of a layer quantises its two operands now, from the current tensors (dynamic scaling: the
 amax of the tensor itself, no history), multiplies them with fp32 accumulation and returns the
@@ -38,29 +39,26 @@ import torch
 import torch.distributed as dist
 
 from megand.core.tensor_parallel import mappings
+from megand.core.tensor_parallel.fp8_recipes import RECIPES, Fp8Recipe, fp8_recipe
+from megand.core.tensor_parallel.fp8_recipes.mxfp8 import MX_BLOCK, mx_blocked_scales, mx_scale  # noqa: F401
+from megand.core.tensor_parallel.fp8_recipes.scaling import _TINY, E4M3, E5M2, _agreed_max, fmax  # noqa: F401
 from megand.core.tensor_parallel.gemm import GemmPolicy, weight_grad_target
-
-RECIPES = ("tensorwise", "rowwise", "mxfp8")
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-MX_BLOCK = 32
-EMAX = {E4M3: 8, E5M2: 15}  # the largest normal exponent of each element format (448 = 1.75 * 2^8)
-_TINY = 1e-12  # an all-zero tensor's amax: any positive scale quantises it to zeros
-
-
-def fmax(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max
 
 
 @dataclasses.dataclass
 class Quantized:
     """A 2-D tensor in FP8: ``data`` (float8, the source's shape) and fp32 ``scale``, running along ``dim``
-    (the contraction axis): ``[]`` tensorwise; rowwise the source's shape with ``dim`` of size 1; MX the
-    source's shape with ``dim`` cut into blocks of 32 (the last one possibly shorter)."""
+    (the contraction axis): ``[]`` one scale; per row the source's shape with ``dim`` of size 1; per block the
+    source's shape with ``dim`` cut into blocks (the last one possibly shorter). ``recipe``: its name."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dim: int
     recipe: str
+
+    @property
+    def record(self) -> Fp8Recipe:
+        return RECIPES[self.recipe]
 
     def t(self) -> "Quantized":
         scale = self.scale if self.scale.dim() == 0 else self.scale.t()
@@ -69,9 +67,10 @@ class Quantized:
     def dequantize(self) -> torch.Tensor:
         """The fp32 values the FP8 bytes stand for."""
         data = self.data.float()
-        if self.recipe != "mxfp8":
+        block = self.record.block
+        if block == 1:
             return data * self.scale
-        scale = self.scale.repeat_interleave(MX_BLOCK, dim=self.dim)
+        scale = self.scale.repeat_interleave(block, dim=self.dim)
         return data * scale.narrow(self.dim, 0, data.shape[self.dim])
 
     @property
@@ -79,73 +78,11 @@ class Quantized:
         return self.data.nbytes + self.scale.nbytes
 
 
-def _agreed_max(amax: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        amax = amax.contiguous()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
-
-
-def mx_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power-of-two block scale ``2^(floor(log2(amax)) - emax)``, its exponent clamped to e8m0's range
-    [-127, 127] (an all-zero block: 2^-127)."""
-    _, exponent = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1
-    exponent = torch.where(amax > 0, exponent - 1 - EMAX[dtype], -127).clamp(-127, 127)
-    return torch.ldexp(torch.ones_like(amax), exponent)
-
-
-def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """``|t|``'s maximum, in fp32: of the whole tensor (``dim`` None) or along ``dim`` (kept)."""
-    magnitude = t.abs()
-    return (magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)).float()
-
-
-def _cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-    """``(data, scale)``: ``t`` divided by the scale ``amax / fmax``, saturated and rounded to ``dtype``."""
-    scale = amax.clamp(min=_TINY) / fmax(dtype)
-    return (t.float() / scale).clamp(-fmax(dtype), fmax(dtype)).to(dtype), scale
-
-
-# the quantiser's two passes compiled (on a GPU; made at first use): shapes dynamic, so what recompiles
-# them is only the axis (3 of _amax), the format and the scale's rank (6 of _cast), within dynamo's limit
-_FUSED = {}
-
-
-def _fused(fn):
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _FUSED[fn]
-
-
-def _on_gpu(t: torch.Tensor) -> bool:
-    """Whether ``t``'s quantisation runs compiled: a real CUDA tensor outside a compiled region (fake CUDA
-    tensors of a rehearsal, and the CPU, run the same functions eagerly)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t)
-
-
 def quantize(t: torch.Tensor, recipe: str, dtype: torch.dtype, dim: int, group=None) -> Quantized:
-    """``t`` (2-D) in ``dtype`` with scales along ``dim`` (see the module docstring); ``group``: the
-    ranks whose shards of ``t`` must agree on the tensorwise/rowwise scales. Tensorwise and rowwise read
-    ``t`` twice: its amax (then agreed over ``group``), then the scaled cast, each pass compiled on a GPU
-    (its elementwise steps fused) and eager elsewhere, with the same arithmetic."""
-    if recipe in ("tensorwise", "rowwise"):
-        amax_of, cast = (_fused(_amax), _fused(_cast)) if _on_gpu(t) else (_amax, _cast)
-        amax = _agreed_max(amax_of(t, None if recipe == "tensorwise" else dim), group)
-        data, scale = cast(t, amax, dtype)
-        return Quantized(data, scale, dim, recipe)
-    if recipe != "mxfp8":
-        raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
-    src = t.float()
-    length = src.shape[dim]
-    blocks = -(-length // MX_BLOCK)
-    padded = torch.nn.functional.pad(src.abs(), (0, blocks * MX_BLOCK - length) if dim == 1
-                                     else (0, 0, 0, blocks * MX_BLOCK - length))
-    shape = (padded.shape[0], blocks, MX_BLOCK) if dim == 1 else (blocks, MX_BLOCK, padded.shape[1])
-    scale = mx_scale(padded.view(shape).amax(dim=dim + 1), dtype)
-    expanded = scale.repeat_interleave(MX_BLOCK, dim=dim).narrow(dim, 0, length)
-    data = (src / expanded).clamp(-fmax(dtype), fmax(dtype)).to(dtype)
+    """``t`` (2-D) in ``dtype`` with scales along ``dim`` under ``recipe`` (its record's quantiser);
+    ``group``: the ranks whose shards of ``t`` must agree on the scales (a recipe whose scales are computed
+    from one block alone ignores it)."""
+    data, scale = fp8_recipe(recipe).quantize(t, dtype, dim, group)
     return Quantized(data, scale, dim, recipe)
 
 
@@ -178,39 +115,23 @@ def scaled_mm_takes(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels:
     too, but as a slow reference kernel: the emulation is exact and much faster)."""
     if not a.data.is_cuda or a.data.shape[1] % 16 or b.data.shape[1] % 16:
         return False
-    if a.recipe == "mxfp8":  # whole blocks of 32 along k, both operands e4m3, a bf16 result
-        return (kernels.mx and a.data.shape[1] % MX_BLOCK == 0 and out_dtype == torch.bfloat16
-                and a.data.dtype == b.data.dtype == E4M3)
-    if a.recipe == "tensorwise":
-        return kernels.tensorwise
-    return kernels.rowwise and out_dtype == torch.bfloat16
-
-
-def mx_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
-    """MX block scales ``[rows, k / 32]`` (fp32 powers of two) as cuBLAS reads them: e8m0 bytes in tiles
-    of 128 rows x 4 blocks (zero-padded to whole tiles), the tiles in row-major order, 512 bytes each;
-    inside a tile, row ``r`` and block ``c`` at byte ``(r % 32) * 16 + (r // 32) * 4 + c``."""
-    rows, cols = scale.shape
-    tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
-    padded = torch.zeros(tiles_r * 128, tiles_c * 4, dtype=torch.float8_e8m0fnu, device=scale.device)
-    padded[:rows, :cols] = scale.to(torch.float8_e8m0fnu)  # exact: powers of two in [2^-127, 2^127]
-    # [tile row, r // 32, r % 32, tile column, c] -> [tile row, tile column, r % 32, r // 32, c]
-    return padded.view(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4).reshape(-1)
+    rec = a.record
+    return (getattr(kernels, rec.kernel) and a.data.shape[1] % rec.block == 0
+            and (out_dtype == torch.bfloat16 or not rec.kernel_bf16_only)
+            and (a.data.dtype == b.data.dtype == E4M3 or not rec.kernel_e4m3_only))
 
 
 def scaled_mm_kernel(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` of the operands: ``b`` column-major; rowwise scales ``[m, 1]`` and ``[1, n]``
-    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout.
+    with unit strides (as the kernels check them); MX scales e8m0 in cuBLAS's blocked layout (each recipe's
+    ``kernel_scales``).
     ``fast_accum``: Hopper's faster fp32 accumulation (partial sums kept at a lower precision between
-    promotions), for tensorwise and rowwise forward products only (torchao's recipe; never gradients)."""
+    promotions), for the forward products of a recipe that allows it (torchao's recipe; never gradients)."""
     column_major = b.data.t().contiguous().t()
-    scale_a, scale_b = a.scale, b.scale
-    if a.recipe == "rowwise":
-        scale_a, scale_b = scale_a.reshape(-1).view(-1, 1), scale_b.reshape(-1).view(1, -1)
-    elif a.recipe == "mxfp8":  # a's blocks run along its rows, b's along its columns ([n, k / 32] once turned)
-        scale_a, scale_b = mx_blocked_scales(scale_a), mx_blocked_scales(scale_b.t())
+    rec = a.record
+    scale_a, scale_b = rec.kernel_scales(a.scale, b.scale)
     return torch._scaled_mm(a.data.contiguous(), column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum and a.recipe != "mxfp8")
+                            use_fast_accum=fast_accum and rec.fast_accum)
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Kernels = NO_KERNELS,
@@ -229,23 +150,22 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kernels: Fp8Ke
 
 
 class Fp8Policy(GemmPolicy):
-    """A layer's products in FP8 under one of :data:`RECIPES` (see the module docstring)."""
+    """A layer's products in FP8 under one of the registered recipes (see the module docstring)."""
 
     def __init__(self, group=None, split=None, recipe: str = "tensorwise", kernels: Fp8Kernels = NO_KERNELS):
-        if recipe not in RECIPES:
-            raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+        self.recipe = fp8_recipe(recipe)
         super().__init__(group, split)
         self.name, self.kernels = recipe, kernels
-        self.grad_dtype = E4M3 if recipe == "mxfp8" else E5M2
+        self.grad_dtype = self.recipe.grad_dtype
         # the logical dims tp splits: a column layer's output features n, a row layer's input features k
         self.sharded = {"column": {"n"}, "row": {"k"}}.get(split, set()) if self._split_over_tp() else set()
         # the weight's operands as gathered in FP8 by ZeRO-3 (keyed by the view a GEMM reads, see
         # megand.core.distributed.fp8_gather): used in place of quantising the weight while it is gathered
         self.gathered = {}
         # the weight's operands quantised this step (keyed as ``gathered``, and by axis but under
-        # tensorwise), while :func:`weights_cached` holds the weights fixed; None: quantised at each use
+        # a one-scale recipe), while :func:`weights_cached` holds the weights fixed; None: quantised at each use
         self.cache = None
-        self._grad = None  # tensorwise: (the output gradient, its FP8) of the input gradient, for the weight's
+        self._grad = None  # one scale: (the output gradient, its FP8) of the input gradient, for the weight's
 
     def _split_over_tp(self) -> bool:
         return self.group is not None and dist.get_world_size(self.group) > 1
@@ -259,10 +179,7 @@ class Fp8Policy(GemmPolicy):
     def _q(self, t, dtype, dim, dims: str, contraction: str) -> Quantized:
         """Quantise operand ``t`` whose logical dims are ``dims`` (e.g. "mk"), along ``contraction``,
         agreeing the scale over tp where the split makes the shard's scale differ from the whole's."""
-        if self.name == "tensorwise":
-            agree = bool(self.sharded & set(dims))
-        else:
-            agree = self.name == "rowwise" and contraction in self.sharded
+        agree = self.recipe.agrees(self.sharded, dims, contraction)
         return quantize(t, self.name, dtype, dim, self.group if agree else None)
 
     def _weight_q(self, weight, dim, contraction, part=0, parts=1) -> Quantized:
@@ -277,8 +194,8 @@ class Fp8Policy(GemmPolicy):
             q = self.gathered.get(key)
             if q is not None:
                 return q
-        if self.cache is not None and not compiling:  # tensorwise: the same bytes serve either axis
-            cached = (*key[:3], None if self.name == "tensorwise" else dim)  # a policy serves one weight
+        if self.cache is not None and not compiling:  # one scale: the same bytes serve either axis
+            cached = (*key[:3], None if self.recipe.one_scale else dim)  # a policy serves one weight
             q = self.cache.get(cached)
             if q is not None:
                 return q if q.dim == dim else Quantized(q.data, q.scale, dim, q.recipe)
@@ -291,20 +208,20 @@ class Fp8Policy(GemmPolicy):
 
     # -- communication ----------------------------------------------------------------------------
     def gather_input(self, x, group):
-        """The sequence-parallel all-gather in FP8: the shard is quantised (a tensorwise scale agreed over
-        the tp group first: the shards are split along tokens), then its bytes and scales gathered."""
+        """The sequence-parallel all-gather in FP8: the shard is quantised (a scale of the whole operand agreed
+        over the tp group first: the shards are split along tokens), then its bytes and scales gathered."""
         flat = x.reshape(-1, x.shape[-1])
-        q = quantize(flat, self.name, E4M3, 1, group if self.name == "tensorwise" else None)
+        q = quantize(flat, self.name, E4M3, 1, group if self.recipe.agrees({"m"}, "mk", "k") else None)
         data = mappings._gather_first(q.data.view(torch.uint8), group).view(E4M3)
         scale = q.scale if q.scale.dim() == 0 else mappings._gather_first(q.scale, group)
         return Quantized(data, scale, 1, self.name)
 
     def regather_input(self, x, group):
-        """Tensorwise: the weight gradient's x is the forward's FP8 operand (one scale whatever the
-        axis), so backward gathers FP8 bytes again; the other recipes scale x along the tokens for it,
+        """One scale (tensorwise): the weight gradient's x is the forward's FP8 operand (one scale whatever
+        the axis), so backward gathers FP8 bytes again; the other recipes scale x along the tokens for it,
         which are split over the ranks: high precision is gathered. Compiled: high precision (the
         compiled weight-gradient hand-over takes a tensor)."""
-        if self.name != "tensorwise" or torch.compiler.is_compiling():
+        if not self.recipe.one_scale or torch.compiler.is_compiling():
             return super().regather_input(x, group)
         return self.gather_input(x, group)
 
@@ -330,18 +247,18 @@ class Fp8Policy(GemmPolicy):
 
     def input_grad(self, grad, weight):
         a = self._q(grad, self.grad_dtype, 1, "mn", "n")
-        if self.name == "tensorwise" and not torch.compiler.is_compiling():  # the weight gradient's too
+        if self.recipe.one_scale and not torch.compiler.is_compiling():  # the weight gradient's too
             self._grad = (grad, grad._version, a)
         b = self._weight_q(weight, 0, "n")
         return scaled_mm(a, b, grad.dtype, self.kernels)
 
     def _weight_product(self, grad, x, out_dtype, widen=True):
         stashed, self._grad = self._grad, None
-        if stashed is not None and stashed[0] is grad and stashed[1] == grad._version:  # tensorwise: the same bytes
+        if stashed is not None and stashed[0] is grad and stashed[1] == grad._version:  # one scale: the same bytes
             a = Quantized(stashed[2].data, stashed[2].scale, 0, self.name).t()
         else:
             a = self._q(grad, self.grad_dtype, 0, "mn", "m").t()
-        if isinstance(x, Quantized):  # gathered in FP8 (tensorwise: the same bytes along either axis)
+        if isinstance(x, Quantized):  # gathered in FP8 (one scale: the same bytes along either axis)
             b = Quantized(x.data, x.scale, 0, x.recipe)
         else:
             b = self._q(x, E4M3, 0, "mk", "m")
@@ -363,13 +280,14 @@ class Fp8Policy(GemmPolicy):
 
 @contextlib.contextmanager
 def weights_cached(modules):
-    """Within the block, each tensorwise FP8 layer of ``modules`` quantises each of its weights once and
-    reuses the FP8 bytes (one byte per weight, serving either axis) for every micro-batch, recomputation
-    and input gradient: the weights must not change inside it (the training step wraps its forward and
-    backward; the optimizer steps outside). Leaving the block drops them: the next step quantises the
-    updated weights. (Rowwise scales differ per axis: two copies per weight; not cached.)"""
+    """Within the block, each FP8 layer of ``modules`` whose recipe keeps a weight cache (its record's
+    ``weight_cache_bytes``: tensorwise) quantises each of its weights once and reuses the FP8 bytes (one
+    byte per weight, serving either axis) for every micro-batch, recomputation and input gradient: the
+    weights must not change inside it (the training step wraps its forward and backward; the optimizer steps
+    outside). Leaving the block drops them: the next step quantises the updated weights. (Rowwise scales
+    differ per axis: two copies per weight; not cached.)"""
     policies = [m.gemm for module in modules for m in module.modules()
-                if isinstance(getattr(m, "gemm", None), Fp8Policy) and m.gemm.name == "tensorwise"]
+                if isinstance(getattr(m, "gemm", None), Fp8Policy) and m.gemm.recipe.weight_cache_bytes]
     for policy in policies:
         policy.cache = {}
     try:
@@ -381,7 +299,7 @@ def weights_cached(modules):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-    """FP8 GEMMs in the transformer layers: the scaling ``recipe`` (tensorwise | rowwise | mxfp8), all but
+    """FP8 GEMMs in the transformer layers: the scaling ``recipe`` (a registered recipe's name), all but
     the first and last ``bf16_layers`` layers."""
 
     recipe: str

@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 
 from megand.core.host_reads import even_offsets, host_list
-from megand.core.tensor_parallel import fp8 as recipes
-from megand.core.tensor_parallel.fp8 import E4M3, _TINY, fmax
+from megand.core.tensor_parallel.fp8_recipes.scaling import _TINY, E4M3, _agreed_max, fmax
 from megand.core.tensor_parallel.wgrad import hand_over
 
 
@@ -69,7 +68,7 @@ class GroupedOperands:
 
 
 def _scale(amax, group, agree: bool) -> torch.Tensor:
-    return recipes._agreed_max(amax, group if agree else None).clamp(min=_TINY) / fmax(E4M3)
+    return _agreed_max(amax, group if agree else None).clamp(min=_TINY) / fmax(E4M3)
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -80,20 +79,20 @@ class GroupedFp8:
     """One grouped layer's FP8 products under ``policy`` (its recipe, tp split and device kernels)."""
 
     def __init__(self, policy, offsets: torch.Tensor, rows: int, experts: int):
-        self.policy, self.recipe, self.kernels = policy, policy.name, policy.kernels
+        self.policy, self.kernels = policy, policy.kernels
+        self.per_row = policy.recipe.per_row  # else one scale per expert's operand
         self.groups = GroupedOperands(offsets, rows, experts)
 
     def _agree(self, dims: str, contraction: str | None) -> bool:
-        """The dense recipe's rule: tensorwise agrees over tp when a dim of the operand is split, rowwise
-        when the contraction axis is."""
-        sharded = self.policy.sharded
-        return bool(sharded & set(dims)) if self.recipe == "tensorwise" else contraction in sharded
+        """The dense recipe's rule (its record's ``agrees``): one scale agrees over tp when a dim of the
+        operand is split, a row's when the contraction axis is (None: along the tokens, never split)."""
+        return self.policy.recipe.agrees(self.policy.sharded, dims, contraction)
 
     # -- quantised operands -------------------------------------------------------------------------
     def tokens(self, t: torch.Tensor, dims: str, contraction: str):
         """Token rows ``t [M, c]`` scaled along ``c``: FP8 values and the scale of each row ``[M]``."""
         g = self.groups
-        if self.recipe == "rowwise":
+        if self.per_row:
             row_scale = _scale(t.float().abs().amax(dim=1), self.policy.group, self._agree(dims, contraction))
         else:
             row_scale = _scale(g.amax(t, per_column=False), self.policy.group, self._agree(dims, contraction))[g.group]
@@ -103,8 +102,8 @@ class GroupedFp8:
         """Token rows ``t [M, c]`` scaled along the tokens of each expert (the weight gradient's operands):
         FP8 values and the scales ``[E + 1, c]`` (rowwise) or ``[E + 1, 1]``."""
         g = self.groups
-        amax = g.amax(t, per_column=self.recipe == "rowwise")
-        scale = _scale(amax, self.policy.group, self.recipe == "tensorwise" and self._agree(dims, None))
+        amax = g.amax(t, per_column=self.per_row)
+        scale = _scale(amax, self.policy.group, self._agree(dims, None))
         scale = scale if scale.dim() == 2 else scale[:, None]
         return _cast(t, scale[g.group]), scale
 
@@ -112,7 +111,7 @@ class GroupedFp8:
         """``W [E, n, k]`` scaled along ``k`` (forward) or ``n`` (input gradient): FP8 values and scales
         ``[E, n, 1]`` / ``[E, 1, k]`` (rowwise) or ``[E, 1, 1]``."""
         w = weight.float().abs()
-        if self.recipe == "rowwise":
+        if self.per_row:
             amax = w.amax(dim=2 if along == "k" else 1, keepdim=True)
         else:
             amax = w.amax(dim=(1, 2), keepdim=True)
@@ -200,7 +199,7 @@ class ExpertLoop:
 
 
 def grouped_products(policy, offsets, rows, experts):
-    return (ExpertLoop if policy.name == "mxfp8" else GroupedFp8)(policy, offsets, rows, experts)
+    return (GroupedFp8 if policy.recipe.grouped_experts else ExpertLoop)(policy, offsets, rows, experts)
 
 
 class GroupedFp8Linear(torch.autograd.Function):

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 def candidate_of(cfg, world: int):
     """The planner's Candidate for a composed run config on ``world`` ranks."""
-    from megand.core.parallel_state import ParallelSizes
-    from megand.tools.planner.layout import Candidate
+    from megand.tools.planner.layout import PLANNED_KEYS, Candidate, planned_layout
 
     p, t, o = cfg.parallel, cfg.train, cfg.optim
-    sizes = ParallelSizes.infer(world, tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp)
-    return Candidate(tp=sizes.tp, pp=sizes.pp, vpp=p.vpp, cp=sizes.cp, dp=sizes.dp,
-                     sequence_parallel=bool(p.sequence_parallel), sharding=o.sharding, dp_shard=p.dp_shard,
+    keys = tuple(k for k in PLANNED_KEYS if k != "pp_schedule")  # the default schedule, as calibrated
+    return Candidate(parallel=planned_layout(p, world, keys),
+                     sequence_parallel=bool(p.sequence_parallel), sharding=o.sharding,
                      micro_batch_size=t.micro_batch_size, recompute=t.recompute, cp_comm=p.cp_comm,
                      recompute_layers=tuple(t.recompute_layers) if t.get("recompute_layers") is not None else None,
                      precision=t.precision,
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout is not None else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
-                     reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order)
+                     reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size))
 
 
 def predict_config(cfg, world: int, stage_groups):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, layer_params
 from megand.core.optimizer.registry import optimizer_for, record
+from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.tools.estimate_memory import Layout, estimate_memory, matrix_step_cost, stage_params, stage_params_by_role
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
@@ -64,13 +65,12 @@ class Prediction:
 
 def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
     """The estimator's layout for a candidate (16-bit runs use SDPA's flash kernel: no s x s stored)."""
-    return Layout(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, dp=c.dp, sequence_parallel=c.sequence_parallel,
-                  sharding=c.sharding, dp_shard=c.dp_shard, bucket_size=c.bucket_size,
+    return Layout(parallel=c.parallel, sequence_parallel=c.sequence_parallel,
+                  sharding=c.sharding, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   recompute_layers=c.recompute_layers,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
-                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer,
-                  pp_schedule=c.pp_schedule)
+                  fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -238,7 +238,7 @@ def rank_virtual_stages(c: Candidate) -> list:
 
 def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
     shape = Shape.from_config(model)
-    m = global_batch_size // (c.micro_batch_size * c.dp)
+    m = c.parallel.microbatches(global_batch_size, c.micro_batch_size)
     stages = c.pp * (c.vpp or 1)
     placement, links = _placement_and_links(c, tuple(stage_groups))
     where = c.parallel.placement.location  # virtual stage -> (rank, chunk)
@@ -358,15 +358,16 @@ def _wrap_link(links, c: Candidate) -> str:
 
 
 def _dp_size(c: Candidate) -> int:
-    return c.dp * c.cp
+    return c.parallel.dp_cp
 
 
 def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: float, f: float, b: float, elem,
                       in_fp8: float = 0.0):
     """ZeRO-2's per-micro-batch gradient reduce-scatter and ZeRO-3's parameter gathers, prefetched
     under the chunk's compute: only their excess (at least one bucket) adds to the chunk's time. The
-    ``in_fp8`` layers' weights are gathered in FP8 (one byte) for forward, and for backward too under
-    tensorwise scaling (rowwise and MX gather the high-precision weight for it)."""
+    ``in_fp8`` layers' weights are gathered in FP8 (one byte) for forward, and for backward too under a
+    one-scale recipe (its record's ``one_scale``, tensorwise; rowwise and MX gather the high-precision weight
+    for it)."""
     d = c.dp_shard or _dp_size(c)
     if d <= 1 or c.sharding not in ("optim_grads", "optim_grads_params"):
         return f, b
@@ -380,7 +381,7 @@ def _add_sharded_comm(shape: Shape, c: Candidate, prof, links, r: int, layers: f
         fp8_params = in_fp8 * layer_params(shape).per_tp_rank(c.tp)
         f_comm = collective_time(prof, "all_gather", elem * params - (elem - 1) * fp8_params, d, link)
         if c.reshard_after_forward:
-            fp8_bwd = fp8_params if c.fp8 == "tensorwise" else 0.0
+            fp8_bwd = fp8_params if c.fp8 and fp8_recipe(c.fp8).one_scale else 0.0
             b_comm += collective_time(prof, "all_gather", elem * params - (elem - 1) * fp8_bwd, d, link)
     f += max(f_comm * bucket, f_comm - f)
     b += max(b_comm * bucket, b_comm - b)

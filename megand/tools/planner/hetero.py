@@ -55,9 +55,9 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
                     for mbs in planner.microbatch_domain(dp):
                         for opts in planner.options(tp, cp, dp, pp, dpn):
                             for vpp, schedule in chunked:
-                                c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
-                                              pp_schedule=schedule, **opts, **planner._base())
-                                if planner._quick_valid(c):
+                                c = Candidate.or_none(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
+                                                      pp_schedule=schedule, **opts, **planner._base())
+                                if c is not None and planner._quick_valid(c):
                                     scored += _split(planner, c, stage_groups)
     return planner.best(scored, top)
 
@@ -165,7 +165,7 @@ def balanced_layout(planner, c: Candidate, stage_groups):
     L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
     if pp * least > L:
         return None
-    m = planner.gbs // (c.micro_batch_size * c.dp)
+    m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
     # per-rank time and memory as a + b * layers, from the model at two layer counts
     one = c.with_(pipeline_layout=chunk_layout(c, [1] * pp))
     two = c.with_(pipeline_layout=chunk_layout(c, [2] * pp))
@@ -210,7 +210,7 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
     if pp * least > L:
         return None
-    m = planner.gbs // (c.micro_batch_size * c.dp)
+    m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
     model, gbs = planner.model, planner.gbs
     stored = c.with_(recompute="none", recompute_layers=None)
     one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)

@@ -1,5 +1,6 @@
-"""A candidate layout (the keys the planner chooses) and where its ranks run (cluster groups, nodes,
-and which link each process group spans, from megand's own rank grid)."""
+"""A candidate layout (the keys the planner chooses: megand's parallel layout value and the run's other
+choices) and where its ranks run (cluster groups, nodes, and which link each process group spans, from
+megand's own rank grid)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,39 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
-from megand.core.parallel_layout import ParallelLayout
-from megand.core.parallel_state import DEFAULT_ORDER, ParallelSizes, rank_coords, rank_groups
-from megand.tools.estimate_memory import parallel_layout
-from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
+from megand.core.parallel_layout import LayoutError, ParallelLayout
+from megand.core.parallel_state import rank_groups
+from megand.tools.estimate_memory import PARALLEL_KEYS, parallel_layout
+
+
+# the parallel keys the planner weighs (its cost model has no expert parallelism: candidates keep ep=1)
+PLANNED_KEYS = ("tp", "pp", "vpp", "cp", "dp", "dp_shard", "order", "pp_schedule")
+
+
+def planned_layout(parallel, world_size: int, keys=PLANNED_KEYS) -> ParallelLayout:
+    """The layout of the ``parallel`` config keys ``keys`` on ``world_size`` ranks, as a candidate holds it."""
+    return ParallelLayout.from_keys({k: parallel.get(k) for k in keys}, world_size)
+
+
+@lru_cache(maxsize=4096)
+def layout_or_error(**sizes) -> ParallelLayout | LayoutError:
+    """:meth:`ParallelLayout.or_error`, once per distinct layout: the search tries the same few sizes for many
+    candidates, most of which break no rule."""
+    return ParallelLayout.or_error(**sizes)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    dp: int = 1
+    """One layout the planner weighs: megand's parallel layout value (checked when made: the search keeps
+    only the sizes that hold, :func:`layout_or_error`) and the other keys it chooses. :meth:`of` takes
+    them as flat keys."""
+
+    parallel: ParallelLayout = ParallelLayout()
     sequence_parallel: bool = False
     sharding: str = "none"
-    dp_shard: Optional[int] = None
     micro_batch_size: int = 1
     recompute: str = "none"
     recompute_layers: Optional[tuple] = None  # per virtual stage: how many of its first layers recompute; None: all
-    pp_schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule (1f1b: interleaved with vpp)
     cp_comm: str = "p2p"
     precision: str = "bf16"
     pipeline_layout: Optional[tuple] = None  # layers per virtual stage; None: even
@@ -34,7 +48,6 @@ class Candidate:
     overlap_param_gather: bool = True
     reshard_after_forward: bool = True
     bucket_size: int = 40_000_000
-    order: str = DEFAULT_ORDER
     # not a config key: whether attention runs as one fused (flash) kernel that never stores the s x s
     # probabilities. None: megand's SDPA in 16-bit on GPUs (fused); fp32 (CPU runs) counted unfused
     fused_attention: Optional[bool] = None
@@ -42,26 +55,42 @@ class Candidate:
     fp8: Optional[str] = None  # train.fp8 (not searched): those layers' GEMMs at the FP8 peak
     fp8_bf16_layers: int = 1  # train.fp8_bf16_layers: first and last layers kept in bf16
 
+    @classmethod
+    def of(cls, **keys) -> "Candidate":
+        """A candidate from flat keys: the parallel ones (``estimate_memory.PARALLEL_KEYS``: a LayoutError
+        names values that break a rule) and this class's fields."""
+        sizes = {k: keys.pop(k) for k in PARALLEL_KEYS if k in keys}
+        return cls(parallel=parallel_layout(**sizes), **keys)
+
+    @classmethod
+    def or_none(cls, **keys) -> "Candidate | None":
+        """:meth:`of`, or None where the parallel sizes break a rule of the layout (not raised: the search
+        tries every combination and keeps those that hold)."""
+        sizes = {k: keys.pop(k) for k in PARALLEL_KEYS if k in keys}
+        layout = layout_or_error(**sizes)
+        return None if isinstance(layout, LayoutError) else cls(parallel=layout, **keys)
+
     @property
     def fused(self) -> bool:
         return self.precision != "fp32" if self.fused_attention is None else self.fused_attention
 
-    @property
-    def parallel(self) -> ParallelLayout:
-        """The candidate's parallel sizes as megand's one layout value (a LayoutError if they break its rules)."""
-        return parallel_layout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, vpp=self.vpp, order=self.order,
-                               dp_shard=self.dp_shard, pp_schedule=self.pp_schedule)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def stage_size(self) -> int:
-        """Ranks of one pipeline stage."""
-        return self.tp * self.cp * self.dp
+    # the parallel layout's sizes and options
+    tp = property(lambda self: self.parallel.tp)
+    pp = property(lambda self: self.parallel.pp)
+    vpp = property(lambda self: self.parallel.vpp)
+    cp = property(lambda self: self.parallel.cp)
+    dp = property(lambda self: self.parallel.dp)
+    dp_shard = property(lambda self: self.parallel.dp_shard)
+    order = property(lambda self: self.parallel.order)
+    pp_schedule = property(lambda self: self.parallel.pp_schedule)
+    world_size = property(lambda self: self.parallel.world_size)
+    stage_size = property(lambda self: self.parallel.stage_size)
 
     def with_(self, **changes) -> "Candidate":
+        """This candidate with ``changes`` (flat keys, as :meth:`of` takes them)."""
+        sizes = {k: changes.pop(k) for k in PARALLEL_KEYS if k in changes}
+        if sizes:
+            changes["parallel"] = self.parallel.with_(**sizes)
         return replace(self, **changes)
 
     def settings(self) -> dict:
@@ -109,9 +138,9 @@ def _groups(tp: int, cp: int, dp: int, pp: int, order: str, dp_shard):
                   for kind, lists in one.items() if kind not in ("pp", "embedding", "mp")}
         groups["pp"] = [[j + r * size for r in range(pp)] for j in range(size)]
         return groups, [rank // size for rank in range(size * pp)]
-    sizes = ParallelSizes(tp=tp, cp=cp, dp=dp, pp=pp)
-    groups = rank_groups(sizes, order, dp_shard)
-    stage_of = [rank_coords(r, sizes, order)["pp"] for r in range(sizes.world_size)]
+    layout = ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, order=order, dp_shard=dp_shard)  # the groups' sizes alone
+    groups = rank_groups(layout)
+    stage_of = [layout.coords(r)["pp"] for r in range(layout.world_size)]
     return groups, stage_of
 
 

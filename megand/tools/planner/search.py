@@ -30,7 +30,7 @@ from megand.models.flops import Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
 from megand.tools.planner.cost import (GIB, Prediction, memory_layout, predict, rank_virtual_stages,
                                        stage_memory_gib, stage_times)
-from megand.tools.planner.layout import Candidate, override_value, place
+from megand.tools.planner.layout import Candidate, override_value, place, planned_layout
 
 SHARDING = ("none", "optim", "optim_grads", "optim_grads_params")
 RECOMPUTE = ("none", "selective", "full")
@@ -226,7 +226,7 @@ class Planner:
     def memory(self, c: Candidate, stages=None) -> list:
         """Peak GiB of ``stages`` (default all), memoised: many candidates differ only in what memory
         does not see."""
-        m = self.gbs // (c.micro_batch_size * c.dp)
+        m = c.parallel.microbatches(self.gbs, c.micro_batch_size)
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
         key = (memory_layout(c, m), stages)
         if key not in self._memory:
@@ -273,7 +273,7 @@ class Planner:
         """``c`` (which fits with every layer recomputing) with each rank recomputing the fewest of its
         layers that fit its device: a bisection per rank (its memory falls with each layer that
         recomputes; the others' counts do not change it), the count spread over its model chunks."""
-        m = self.gbs // (c.micro_batch_size * c.dp)
+        m = c.parallel.microbatches(self.gbs, c.micro_batch_size)
         sizes = [int(n) for n in virtual_stage_sizes(self.shape.layers, memory_layout(c, m))]
         counts = list(sizes)
         for r, slots in enumerate(rank_virtual_stages(c)):  # this rank's virtual stages
@@ -326,19 +326,16 @@ class Planner:
                             for mbs in self.microbatch_domain(dp):
                                 for opts in self.options(tp, cp, dp, pp, group.devices_per_node):
                                     for schedule in schedules:
-                                        c = Candidate(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
-                                                      pipeline_layout=layout, pp_schedule=schedule, **opts,
-                                                      **self._base())
-                                        if self._quick_valid(c):
+                                        c = Candidate.or_none(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp,
+                                                              micro_batch_size=mbs, pipeline_layout=layout,
+                                                              pp_schedule=schedule, **opts, **self._base())
+                                        if c is not None and self._quick_valid(c):
                                             yield from self._fitting(c, [group] * pp)
 
     def _quick_valid(self, c: Candidate) -> bool:
-        """The rules of validate(): the parallel layout's own (megand's layout value), the model's and the
-        batch's in arithmetic (validate() itself runs on the plans kept)."""
-        try:
-            layout = c.parallel
-        except LayoutError:
-            return False
+        """The rules of validate() beyond the parallel layout's own (checked when the candidate was made):
+        the model's and the batch's, in arithmetic (validate() itself runs on the plans kept)."""
+        layout = c.parallel
         s = self.shape
         if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
             return False
@@ -348,7 +345,7 @@ class Planner:
             return False
         if self.gbs % (c.micro_batch_size * c.dp):
             return False
-        m = self.gbs // (c.micro_batch_size * c.dp)
+        m = layout.microbatches(self.gbs, c.micro_batch_size)
         return layout.schedule.microbatch_rule(c.pp, c.vpp).error(m) is None
 
     def best(self, scored, top: int) -> list:
@@ -414,12 +411,15 @@ class Planner:
             return f"every layout that fits was refused by the config's validate(), e.g.: {message}"
         if self.validate_fn is not None and self.pinned:  # the pins alone may break a rule of validate()
             p = self.pinned
-            pinned = Candidate(**{**self._base(), **{
-                field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
-                                                 ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
-                                                 ("parallel.sequence_parallel", "sequence_parallel"),
-                                                 ("parallel.cp_comm", "cp_comm")) if key in p}})
-            message = self.validate_fn(pinned.with_(dp=1))
+            try:
+                pinned = Candidate.of(**{**self._base(), "dp": 1, **{
+                    field: p[key] for key, field in (("parallel.tp", "tp"), ("parallel.pp", "pp"), ("parallel.cp", "cp"),
+                                                     ("parallel.vpp", "vpp"), ("train.micro_batch_size", "micro_batch_size"),
+                                                     ("parallel.sequence_parallel", "sequence_parallel"),
+                                                     ("parallel.cp_comm", "cp_comm")) if key in p}})
+                message = self.validate_fn(pinned)
+            except LayoutError as e:  # the parallel layout's own rules (validate() reports the same line)
+                message = str(e)
             if message and "global_batch_size" not in message:
                 return f"the pinned keys break a rule of the config: {message}"
         needed = self.smallest_fit()
@@ -444,7 +444,7 @@ class Planner:
                     layouts = self.layouts(pp, None)
                     if not layouts:
                         continue
-                    c = Candidate(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, micro_batch_size=1,
+                    c = Candidate.of(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, micro_batch_size=1,
                                   sharding="optim_grads_params" if dp > 1 else "none", recompute="full",
                                   pipeline_layout=layouts[0], **self._base())
                     mem = stage_memory_gib(self.model, c, max(pp, 1))
@@ -458,16 +458,14 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
     """The layout a composed training config describes, for ``world_size`` ranks (``parallel.dp: null``
     takes what is left), to predict a given run (``predict_config``)."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
-    dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp * p.cp)
-    return Candidate(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp, sequence_parallel=bool(p.sequence_parallel),
-                     sharding=o.sharding, dp_shard=p.dp_shard, micro_batch_size=t.micro_batch_size,
+    return Candidate(parallel=planned_layout(p, world_size), sequence_parallel=bool(p.sequence_parallel),
+                     sharding=o.sharding, micro_batch_size=t.micro_batch_size,
                      recompute=t.recompute, cp_comm=p.cp_comm, precision=t.precision,
                      recompute_layers=tuple(t.recompute_layers) if t.get("recompute_layers") is not None else None,
                      pipeline_layout=tuple(p.pipeline_layout) if p.pipeline_layout else None,
                      overlap_grad_reduce=bool(o.overlap_grad_reduce), overlap_param_gather=bool(o.overlap_param_gather),
                      reshard_after_forward=bool(o.reshard_after_forward), bucket_size=int(o.bucket_size),
-                     order=p.order, fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)),
-                     pp_schedule=p.get("pp_schedule") or DEFAULT_SCHEDULE)
+                     fp8=t.get("fp8"), fp8_bf16_layers=int(t.get("fp8_bf16_layers", 1)))
 
 
 def predict_config(cfg, cluster, world_size: int):
