@@ -130,6 +130,15 @@ def rank_groups(sizes: ParallelSizes, order: str = DEFAULT_ORDER, dp_shard: int 
     return groups
 
 
+def tp_run_groups(tp_groups: list[list[int]]) -> dict[str, list[list[int]]]:
+    """For each proper divisor ``n > 1`` of tp, kind ``tp_run<n>``: each tp group cut into runs of ``n``
+    consecutive tp ranks (the ranks whose query heads share one key/value head; see ``ParamMeta.tp_replicas``).
+    Pure; none for tp <= 3."""
+    tp = len(tp_groups[0])
+    return {f"tp_run{n}": [g[i: i + n] for g in tp_groups for i in range(0, tp, n)]
+            for n in range(2, tp) if tp % n == 0}
+
+
 def shard_groups(dp_cp_groups: list[list[int]], shard: int):
     """``(shard groups, replica groups)`` cut from the dp x cp groups into runs of ``shard`` ranks (a
     divisor of their size: :func:`~megand.core.parallel_layout.check_dp_shard`; see :func:`rank_groups`)."""
@@ -321,6 +330,7 @@ class Topology:
         self.coords = rank_coords(self.rank, self.sizes, self.order)
         self.etp = self.layout.expert_tp
         lists = rank_groups(self.sizes, self.order, self.dp_shard, self.ep, self.etp)
+        lists.update(tp_run_groups(lists["tp"]))
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
@@ -377,6 +387,13 @@ class Topology:
     expert_dp_group = property(lambda self: self.groups["expert_dp"])
     expert_tp_ep_group = property(lambda self: self.groups["expert_tp_ep"])
     embedding_group = property(lambda self: self.groups.get("embedding"))
+
+    def tp_run_group(self, run: int):
+        """The group of the ``run`` consecutive tp ranks this rank is one of (``run`` divides tp): the ranks
+        sharing a key/value head when tp exceeds the key/value heads."""
+        if self.tp_size % run:
+            raise LayoutError(f"no run of {run} tensor-parallel ranks: parallel.tp={self.tp_size} is not divisible by {run}")
+        return self.groups["tp"] if run == self.tp_size else self.groups[f"tp_run{run}"]
 
     # pipeline neighbours (global ranks) and stage roles
     @property

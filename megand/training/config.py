@@ -299,7 +299,13 @@ def validate(cfg, world_size: int) -> None:
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"),
         (m.num_attention_heads % p.tp == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"),
-        (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
+        # fewer key/value heads than ranks: each is replicated over the tp / groups ranks whose queries use it
+        (groups % p.tp == 0 or p.tp % groups == 0,
+         f"model.num_query_groups={groups} and parallel.tp={p.tp}: one must divide the other"),
+        (groups >= p.tp or OPTIMIZERS[cfg.optim.name].matrix_flops is None,
+         f"optim.name={cfg.optim.name} with model.num_query_groups={groups} < parallel.tp={p.tp}: it transforms "
+         f"each whole matrix of the fused QKV, which the replicated key/value heads cut; use an elementwise "
+         f"optimizer or parallel.tp <= {groups}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,

@@ -19,7 +19,9 @@ Under ZeRO-3 the parameters themselves are flat ranges too (the engine's packed 
 read like an optimizer shard.
 The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
 else from the model weights at the precision they were stored in (a model-only or fp32 checkpoint).
-A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys.
+A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys. A part of a fused tensor
+(``meta.part_of``) is saved and loaded under that tensor's keys; a slice replicated over a run of tp ranks
+(``meta.tp_replicas``: a shared key/value head) is written by the first of them only and read by all.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from megand.core.checkpointing.pieces import Piece, flat_range_boxes
 from megand.core.host_reads import holds_values
-from megand.core.sharding import ParamMeta
+from megand.core.sharding import ParamMeta, full_name
 
 
 def unpadded(local: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -53,7 +55,12 @@ def tp_offset(meta: ParamMeta) -> tuple[int, ...]:
 
 
 def saved_name(name: str, meta: ParamMeta) -> str:
-    return meta.copy_of or name
+    return full_name(name, meta)
+
+
+def written(meta: ParamMeta) -> bool:
+    """Whether this rank writes the parameter: not a tied copy, and the first copy of a replicated head."""
+    return meta.copy_of is None and (meta.tp_replicas == 1 or meta.first_replica)
 
 
 def model_key(name: str) -> str:
@@ -135,11 +142,13 @@ def save_pieces(named_params, optimizer, named_buffers=()) -> list[Piece]:
     writes_shards = ddp.replica_rank == 0
     pieces = []
     if writes_shards or not ddp.shard_params:
-        pieces += weight_pieces(named_params, ddp, lambda n, p: None if p.meta.copy_of else model_key(n))
+        pieces += weight_pieces(named_params, ddp,
+                                lambda n, p: model_key(saved_name(n, p.meta)) if written(p.meta) else None)
     for shard in optimizer.sharded_state_dict() if writes_shards else ():
-        if shard.param.meta.copy_of is None:
+        if written(shard.param.meta):
             for kind, flat in shard.tensors.items():
-                pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
+                pieces += flat_pieces(optim_key(saved_name(shard.name, shard.param.meta), kind), shard.param,
+                                      shard.lo, shard.hi, flat)
     return pieces + buffer_pieces(named_buffers)
 
 
