@@ -102,7 +102,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
     if not holds_values(t):  # e.g. the fake tensors of a rehearsal: no numpy view
         return t
-    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes or not t.numel():
         return t
     return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
 
@@ -112,8 +112,9 @@ def weight_pieces(named_params, ddp, key_of) -> list[Piece]:
     shard whole, or under ZeRO-3 (``ddp.shard_params``) this rank's flat slices of it, views of the
     engine's packed buffer: outside a forward those are the only values a ZeRO-3 rank holds, and reading
     them gathers nothing."""
-    if not ddp.shard_params:
-        return [param_piece(key, p) for name, p in named_params if (key := key_of(name, p)) is not None]
+    if not ddp.shard_params:  # a rank whose vocab rows are all padding holds no piece of that tensor
+        pieces = [param_piece(key, p) for name, p in named_params if (key := key_of(name, p)) is not None]
+        return [piece for piece in pieces if piece.tensor.numel()]
     name_of = {p: n for n, p in named_params}
     return [piece for p, lo, hi, data in ddp.param_shards() if (key := key_of(name_of[p], p)) is not None
             for piece in flat_pieces(key, p, lo, hi, data)]
