@@ -28,7 +28,8 @@ $(VENV)/.installed: pyproject.toml
 
 # A small tp=2 x dp=2 pretraining on real text, on CPU when there is no GPU.
 quickstart: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_gpt.py +experiment=quickstart
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_gpt.py +experiment=quickstart \
+		run_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)  # a new run directory per launch: runs never share logs
 
 # The default suite (every parallel dimension covered; slow matrices excluded).
 test: install

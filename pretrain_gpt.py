@@ -6,6 +6,7 @@ import sys
 import hydra
 
 from megand.training.config import ConfigError, register_schema
+from megand.training.peers import EXIT_PEER_LOST, peer_lost
 
 register_schema()
 
@@ -59,6 +60,12 @@ def main(cfg) -> None:
     except NonFiniteStop as e:  # raised by every rank alike
         report(e, "training stopped")
         sys.exit(EXIT_NON_FINITE)
+    except RuntimeError as e:  # a peer rank died: one line on each survivor, and the launcher restarts the job
+        lost = peer_lost(e)
+        if lost is None:
+            raise
+        print(f"megand: rank {os.environ.get('RANK', '0')} stopped: {lost}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PEER_LOST)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ MATRIX = "matrix"                # a weight matrix of a layer: attention, MLP, s
 EXPERT_MATRIX = "expert_matrix"  # the routed experts' stacked matrices [E, out, in]
 EMBEDDING = "embedding"          # the word and position embeddings; a later stage's copy of the word embedding
 OUTPUT = "output"                # the output layer (untied from the word embedding)
+CONV = "conv"                    # a depthwise convolution's taps [channels, K] (Gated DeltaNet): no matrix
 ROUTER = "router"                # gating weights: the MoE router, the shared experts' gate
 NORM = "norm"                    # norm weights and biases
 BIAS = "bias"                    # the biases of linear layers and experts
-ROLES = (MATRIX, EXPERT_MATRIX, EMBEDDING, OUTPUT, ROUTER, NORM, BIAS)
+ROLES = (MATRIX, EXPERT_MATRIX, EMBEDDING, OUTPUT, ROUTER, NORM, BIAS, CONV)
 UNDECAYED_ROLES = frozenset({NORM, BIAS})
 
 

@@ -19,13 +19,14 @@ import sys
 from queue import Empty
 import threading
 import time
+import zlib
 
 import numpy as np
 from tqdm import tqdm
 
 from megand.data.errors import DataError
 from megand.data.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path, merge_datasets, token_dtype
-from megand.data.jsonl import parse_json_line
+from megand.data.jsonl import file_kind, parse_json_line
 from megand.data.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_BYTES = 1 << 20
@@ -76,7 +77,11 @@ def expand_inputs(spec: str) -> list[str]:
     else:
         if not os.path.isfile(spec):
             raise DataError(f"{spec}: input file not found")
-        return [spec]  # one named file: JSON lines unless it ends with .parquet (.gz: compressed)
+        # one named file: JSON lines unless it ends with .parquet (.gz: compressed); binary input or Parquet
+        # under another name is refused, naming the file
+        if file_kind(spec) == "parquet" and not spec.endswith(".parquet"):
+            raise DataError(f"{spec}: a Parquet file not named .parquet: rename it to end with .parquet")
+        return [spec]
     paths = sorted(p for p in paths if os.path.isfile(p) and p.endswith(INPUT_SUFFIXES))
     if not paths:
         raise DataError(f"{spec}: no {', '.join(INPUT_SUFFIXES)} files there")
@@ -171,7 +176,11 @@ def _read_json_chunks(path, start, end, first_lineno, throttle):
                 return
             lines, size = [], 0
             while size < CHUNK_BYTES and (end is None or pos + size < end):
-                line = f.readline()
+                try:
+                    line = f.readline()
+                except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz: name the file
+                    raise DataError(f"{path}: cannot decompress after line {lineno + len(lines) - 1} "
+                                    f"({type(e).__name__}: {' '.join(str(e).split()) or 'truncated'})") from None
                 if not line:
                     break
                 lines.append(line)
@@ -353,6 +362,9 @@ def preprocess_jsonl(input_path: str, output_prefix: str, tokenizer_model: str, 
     try:
         summary = _preprocess(inputs, staging, tokenizer_spec, keys, append_eod, workers, partitions, on_error,
                               progress)
+        if summary.documents == 0:  # an empty dataset would only fail later, at training time
+            raise DataError(f"{input_path}: no documents to write ({summary.empty} empty, {summary.bad_lines} "
+                            f"malformed skipped): the input holds no text under {', '.join(map(repr, keys))}")
         for key in keys:  # publish: every dataset is complete
             for path_of in (bin_path, idx_path):
                 os.replace(path_of(output_prefix_for(staging, key)), path_of(output_prefix_for(output_prefix, key)))

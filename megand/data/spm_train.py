@@ -21,13 +21,15 @@ def _sentences(documents: Iterable[str]):
 
 def train_sentencepiece(documents: Iterable[str], model_prefix: str, vocab_size: int,
                         model_type: str = "bpe", character_coverage: float = 0.9995,
-                        byte_fallback: bool = False, input_sentence_size: int = 0,
-                        num_threads: int = 1, normalization: str = "nmt_nfkc") -> str:
+                        byte_fallback: bool = True, input_sentence_size: int = 0,
+                        num_threads: int = 1, normalization: str = "identity") -> str:
     """Train and write ``{model_prefix}.model`` (and ``.vocab``); return the model path.
 
     Ids: unk 0, bos 1, eos 2 (the EOD), no pad. ``input_sentence_size`` > 0 samples that many lines.
-    ``normalization="identity"`` keeps text as is (runs of spaces too, which matters for code);
-    sentencepiece's default ``nmt_nfkc`` applies NFKC and collapses whitespace.
+    The defaults keep the text: ``normalization="identity"`` keeps it as is (newlines, indentation and
+    runs of spaces, which matter for code) and ``byte_fallback`` spells any character outside the
+    vocabulary (a newline, a rare letter) as its UTF-8 bytes, so decoding gives back exactly the text
+    encoded. Sentencepiece's own default ``nmt_nfkc`` applies NFKC and folds whitespace runs into one space.
     """
     import sentencepiece as spm
 

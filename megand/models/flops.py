@@ -17,7 +17,20 @@ Conventions (shared by every function here):
                                              FlopCounterMode. A layer with a sliding window w
                                              counts 4·min(s, w)·q: the band a windowed kernel
                                              computes (its blocks outside the window are skipped).
-    - output proj     2·q·h
+    - output proj     2·q·h ; with the output gate (attention_output_gate) the QKV projection also makes the
+                      gates: 2·h·(2q + 2·kv)
+    - Gated DeltaNet  (the layers model.layer_types marks linear_attention; Hk key heads of width dk, Hv value
+                      heads of width dv, K taps) instead of QKV, core and output projection: the in-projections
+                      2·h·(2·Hk·dk + 2·Hv·dv + 2·Hv), the depthwise convolution 2·K·(2·Hk·dk + Hv·dv), the
+                      output projection 2·Hv·dv·h, and the chunked delta rule per value head (chunks of C = 64
+                      tokens, the sequence padded to a multiple of C as the kernel computes it):
+                      4·C·dk + 2·C·dv (the chunk's two C×C products and its C×C by values) + 6·dk·dv (the
+                      state read twice and written once) per token. Its two unit-triangular solves are no
+                      matmul, but their backward forms the C×C matrix's gradient by products: the backward
+                      adds 2·C·(dk + dv) per token and value head to the 3× rule (``backward_extra``), less
+                      what it skips per sequence and value head: the state's gradient products of the first
+                      chunk (its state is zero, a constant) and the last chunk's state update (its final state
+                      is unused), 8·C·dk·dv.
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
     - MoE layer       instead of the MLP: router 2·h·E, the k routed experts a token is sent to (each an
                       MLP of width f_e = moe_ffn_hidden_size), the shared experts (one MLP of width
@@ -45,6 +58,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping
 
 from megand.core.transformer.config import TransformerConfig
+from megand.core.transformer.gated_deltanet import CHUNK as LINEAR_CHUNK
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
 
@@ -98,6 +112,36 @@ class Shape:
     head_dim: int = 0          # width of one head (derived by the core config: hidden // heads unless set)
     windows: tuple = ()        # each layer's sliding window (None: full attention); () : none anywhere
     mtp_layers: int = 0        # multi-token prediction depths (each: a 2h->h projection, one layer, the logits)
+    gate: bool = False         # attention_output_gate: the QKV projection also makes a gate per query
+    linear: tuple = ()         # the Gated DeltaNet layers' ids
+    lin_k_heads: int = 0       # Gated DeltaNet: key heads, value heads, their widths, the convolution's taps
+    lin_v_heads: int = 0
+    lin_dk: int = 0
+    lin_dv: int = 0
+    lin_kernel: int = 0
+
+    @property
+    def linear_padded_seq(self) -> int:
+        """The sequence as the chunked delta rule computes it: padded to a multiple of its chunk."""
+        return -(-self.seq // LINEAR_CHUNK) * LINEAR_CHUNK
+
+    @property
+    def linear_backward_extra(self) -> int:
+        """Per token: the backward's products beyond twice the forward's, over every Gated DeltaNet layer
+        (the triangular solves' matrix gradients, less the first and last chunks' state products it skips)."""
+        C, dk, dv = LINEAR_CHUNK, self.lin_dk, self.lin_dv
+        per_sequence = 2 * C * (dk + dv) * self.linear_padded_seq - 8 * C * dk * dv
+        return len(self.linear) * self.lin_v_heads * per_sequence / self.seq
+
+    def core_flops(self, layer: int) -> int:
+        """Forward FLOPs per token of layer ``layer``'s token mixing core: softmax attention over the keys it
+        sees, or the chunked delta rule."""
+        if layer in self.linear:
+            C, dk, dv = LINEAR_CHUNK, self.lin_dk, self.lin_dv
+            per_head = (4 * C * dk + 2 * C * dv + 6 * dk * dv) * self.linear_padded_seq // self.seq
+            conv = 2 * self.lin_kernel * (2 * self.lin_k_heads * dk + self.lin_v_heads * dv)
+            return conv + self.lin_v_heads * per_head
+        return 2 * (self.q_dim + self.value_dim) * self.keys_seen(layer)
 
     @property
     def q_dim(self) -> int:
@@ -183,6 +227,8 @@ class Shape:
             **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),
             mtp_layers=int(_get(model, "mtp_layers", 0)),
+            gate=bool(_get(model, "attention_output_gate", False)),
+            **_linear_fields(model),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
 
@@ -203,6 +249,15 @@ def _windows(model: Mapping[str, Any], layers: int) -> tuple:
     if window is None:
         return ()
     return tuple(window) if isinstance(window, (list, tuple)) or hasattr(window, "__len__") else (window,) * layers
+
+
+def _linear_fields(model: Mapping[str, Any]) -> dict:
+    linear = tuple(i for i, t in enumerate(model.get("layer_types") or ()) if t == "linear_attention")
+    if not linear:
+        return {}
+    return dict(linear=linear, lin_k_heads=int(model["linear_num_key_heads"]),
+                lin_v_heads=int(model["linear_num_value_heads"]), lin_dk=int(model["linear_key_head_dim"]),
+                lin_dv=int(model["linear_value_head_dim"]), lin_kernel=int(model["linear_conv_kernel"]))
 
 
 def _latent_fields(model: Mapping[str, Any]) -> dict:
@@ -288,12 +343,13 @@ def _mlp_params(shape: Shape, width: int) -> dict:
                 mlp_out_weight=width * h, mlp_out_bias=h if bias and width else 0)
 
 
-def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
-    """One layer's parameters: a dense layer, or (``moe``) a MoE layer of ``shape``."""
+def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> LayerParams:
+    """One layer's parameters: a dense layer, or (``moe``) a MoE layer of ``shape``; ``layer``: its id (a
+    Gated DeltaNet layer has its own token mixer; None: an attention layer)."""
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
     bias = shape.linear_bias
     attention = dict(
-        qkv_weight=h * (q + 2 * kv),
+        qkv_weight=h * (q * (2 if shape.gate else 1) + 2 * kv),
         qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
         proj_bias=h if bias else 0,
@@ -302,6 +358,8 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
     )
     if shape.kv_lora:
         attention.update(_latent_params(shape))
+    if layer in shape.linear:
+        attention = _linear_params(shape)
     if not moe:
         return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
     E, fe = shape.experts, shape.moe_ffn
@@ -314,6 +372,16 @@ def layer_params(shape: Shape, moe: bool = False) -> LayerParams:
         experts_replicated=E * h if bias else 0,
         top_k=shape.top_k, experts=E,
     )
+
+
+def _linear_params(shape: Shape) -> dict:
+    """A Gated DeltaNet token mixer's tensors: the in-projections (``qkv_weight``), the convolution's taps,
+    ``A_log`` and ``dt_bias`` (split over tp with the heads: ``qkv_bias``), the output projection and the gated
+    norm (replicated)."""
+    h, Hk, Hv, dk, dv = shape.hidden, shape.lin_k_heads, shape.lin_v_heads, shape.lin_dk, shape.lin_dv
+    channels = 2 * Hk * dk + Hv * dv
+    return dict(qkv_weight=h * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv), qkv_bias=channels * shape.lin_kernel + 2 * Hv,
+                proj_weight=Hv * dv * h, proj_bias=0, norms=2 * norm_params(shape) + dv)
 
 
 def _latent_params(shape: Shape) -> dict:
@@ -355,10 +423,11 @@ def param_counts(model: Mapping[str, Any]) -> ParamCounts:
     pos = shape.seq * shape.hidden if shape.learned_positions else 0
     out = 0 if shape.tied else shape.vocab * shape.hidden
     final_norm = norm_params(shape)
-    n_dense, n_moe = shape.dense_layers, shape.moe_layers
+    n_moe = shape.moe_layers
     mtp, mtp_active = mtp_params(shape)
-    non_embedding = n_dense * dense.total + n_moe * moe.total + final_norm + mtp
-    active_non_embedding = n_dense * dense.total + n_moe * moe.active + final_norm + mtp_active
+    layers = [layer_params(shape, moe=shape.is_moe(i), layer=i) for i in range(shape.layers)]
+    non_embedding = sum(p.total for p in layers) + final_norm + mtp
+    active_non_embedding = sum(p.active for p in layers) + final_norm + mtp_active
     return ParamCounts(total=non_embedding + word + pos + out, non_embedding=non_embedding,
                        per_layer=dense.total, word_embedding=word, position_embedding=pos,
                        output_layer=out, final_norm=final_norm,
@@ -390,7 +459,10 @@ class ForwardFlopsPerToken:
     layers: int
     moe_layers: int = 0   # of ``layers``, those with a MoE block instead of the MLP
     layer_moe: int = 0    # QKV, output projection, router, k routed and the shared experts of one MoE layer
-    windowed_attention: int | None = None  # the attention cores of all layers when some have a sliding window
+    windowed_attention: int | None = None  # the token-mixing cores of all layers when they differ per layer
+    # (sliding windows, Gated DeltaNet layers)
+    linear_layers_delta: int = 0  # Gated DeltaNet layers: their projections' FLOPs minus attention's, all of them
+    backward_extra: float = 0  # what the backward computes beyond twice the forward (Gated DeltaNet's solves)
     # multi-token prediction depths (all of them): their transformer layers' matmuls, the 2h->h projections,
     # the layers' attention cores and their logits
     mtp_layers_matmul: int = 0
@@ -406,7 +478,8 @@ class ForwardFlopsPerToken:
     @property
     def layers_matmul(self) -> int:
         """Every layer's matmuls except the attention core."""
-        return (self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
+        return ((self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
+                + self.linear_layers_delta)
 
     @property
     def mtp(self) -> int:
@@ -423,7 +496,7 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
     s = Shape.from_config(model)
     h, q = s.hidden, s.q_dim
     mlp = 6 if s.swiglu else 4  # per h·width of one MLP
-    attention = 2 * h * (q + 2 * s.kv_dim) + 2 * q * h
+    attention = 2 * h * (q * (2 if s.gate else 1) + 2 * s.kv_dim) + 2 * q * h
     if s.kv_lora:  # every matmul weight of latent attention is used once per token
         latent = _latent_params(s)
         attention = 2 * (latent["qkv_weight"] + latent["proj_weight"] + latent["attention_replicated"]
@@ -434,19 +507,26 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     core = 2 * (q + s.value_dim)  # per key seen: scores and context
-    windowed = sum(core * s.keys_seen(i) for i in range(s.layers)) if s.windows else None
+    windowed = sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear else None
+    linear = 0
+    if s.linear:
+        lp = _linear_params(s)
+        linear = len(s.linear) * (2 * (lp["qkv_weight"] + lp["proj_weight"]) - attention)
     logits = 2 * h * s.padded_vocab(tp)
     return ForwardFlopsPerToken(
         layer_dense=dense, layer_attention=core * s.seq, windowed_attention=windowed, logits=logits,
-        layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe,
+        layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe, linear_layers_delta=linear,
+        backward_extra=s.linear_backward_extra if s.linear else 0,
         mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
         mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
         mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
-    """Forward + backward FLOPs per token (3 × forward), independent of recomputation."""
-    return 3 * forward_flops_per_token(model, tp).total
+    """Forward + backward FLOPs per token (3 × forward, and what a backward computes beyond twice its forward),
+    independent of recomputation."""
+    fwd = forward_flops_per_token(model, tp)
+    return 3 * fwd.total + fwd.backward_extra
 
 
 def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None,
@@ -457,7 +537,7 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")
     if recompute == "none":
-        return 3 * fwd.total
+        return 3 * fwd.total + fwd.backward_extra
     if recomputed_layers is None:  # the multi-token prediction layers recompute as the others do
         extra = fwd.attention + fwd.mtp_attention
         if recompute == "full":
@@ -466,10 +546,12 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
         s = Shape.from_config(model)
         extra = 0
         for i in recomputed_layers:
-            extra += 2 * (s.q_dim + s.value_dim) * s.keys_seen(i)  # the attention core (scores and context)
+            extra += s.core_flops(i)  # the token-mixing core (attention's scores and context)
             if recompute == "full":
                 extra += fwd.layer_moe if s.is_moe(i) else fwd.layer_dense
-    return 3 * fwd.total + extra
+                if i in s.linear:
+                    extra += fwd.linear_layers_delta // len(s.linear)
+    return 3 * fwd.total + fwd.backward_extra + extra
 
 
 def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,

@@ -89,7 +89,8 @@ class GPTModel(torch.nn.Module):
         if post_process:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps,
                                    input_split=split_by_tokens(cfg.sequence_parallel),
-                                   tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
+                                   tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device,
+                                   unit_offset=cfg.norm_unit_offset)
             if not (cfg.tie_embeddings and pre_process):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, tp_group=topo.tp_group, bias=False,

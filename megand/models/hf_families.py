@@ -14,12 +14,13 @@ from typing import Any, Mapping
 
 from megand.core.transformer.config import ARCHITECTURE_FIELDS, TransformerConfig, resolve_head_dim
 from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
-                           hf_qwen3, hf_qwen3_moe)
+                           hf_qwen3, hf_qwen3_moe, hf_qwen3_5_text, hf_qwen3_next)
 from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
-    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY)}
+    hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY,
+    hf_qwen3_5_text.FAMILY)}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ LEFT_OUT = (LeftOut("mtp_layers", "mtp.", "multi-token prediction depth(s)"),)
 
 _DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
 _MOE = frozenset(k for k in ARCHITECTURE_FIELDS if k.startswith("moe_"))
+_LINEAR = frozenset({"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel"})
 _LATENT = frozenset({"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
 
 
@@ -63,6 +66,8 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
         inert.add("rope_theta")
     if m.get("kv_lora_rank") is None:
         inert |= _LATENT
+    if "linear_attention" not in (m.get("layer_types") or ()):
+        inert |= _LINEAR
     return {k: v for k, v in out.items() if k not in inert}
 
 

@@ -29,7 +29,7 @@ class MTPDepth(torch.nn.Module):
         super().__init__()
         self.cfg, self.tp_group = cfg, topo.tp_group
         norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
-                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
+                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device, unit_offset=cfg.norm_unit_offset)
         self.enorm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.hnorm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.proj = ColumnParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, tp_group=topo.tp_group, bias=False,

@@ -25,9 +25,15 @@ from megand.models.flops import flops_per_iteration
 from megand.training.peak import device_peak_flops
 
 
+_ROUND_LOGS: set = set()  # the metrics.jsonl files the rounds of this process wrote
+
+
 def default_run_dir() -> str:
-    """Identical on the ranks of one torchrun job (its run id), private to this launch otherwise."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+    """Identical on the ranks of one torchrun job (its run id; without one, the agent's pid), private to this
+    launch otherwise: a run_dir is never shared by two runs (a second one would be refused)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":  # torchrun without --rdzv-id (or no torchrun): the local agent (or this process)
+        job = f"pid{os.getppid() if 'LOCAL_RANK' in os.environ else os.getpid()}"
     return os.path.join(tempfile.gettempdir(), f"megand-benchmark-{job}")
 
 
@@ -64,6 +70,15 @@ def run_megand(cfg, steps: int, warmup: int, peak_cache_dir: Optional[str] = Non
     if steps < 1:
         raise ValueError("steps must be >= 1")
     os.makedirs(cfg.run_dir, exist_ok=True)
+    metrics = os.path.join(cfg.run_dir, "metrics.jsonl")
+    if os.path.abspath(metrics) in _ROUND_LOGS and os.path.exists(metrics):
+        # a later round of this benchmark: its logs replace the previous round's (a run_dir holding another
+        # run's logs is otherwise refused); logs this process did not write are never removed
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            os.remove(metrics)
+        if dist.is_initialized():  # every rank checks the run_dir after rank 0 removed the file
+            dist.barrier()
+    _ROUND_LOGS.add(os.path.abspath(metrics))
     trainer = Trainer(cfg)
     topo, device = trainer.topo, trainer.topo.device
     losses = []

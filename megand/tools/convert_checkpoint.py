@@ -33,6 +33,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from megand.tools.progress import heartbeat
+
 from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.config import DTYPES
 from megand.models import full
@@ -271,12 +273,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None  # None: keep each tensor's dtype
     try:
-        if args.command == "export":
-            export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)
-        elif args.command == "upgrade-rng":
-            upgrade_rng(args.load)
-        else:
-            import_(args.hf, args.save, dtype, args.force)
+        with heartbeat(f"convert_checkpoint {args.command}"):  # a line every few seconds in logs (no tty bar)
+            if args.command == "export":
+                export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)
+            elif args.command == "upgrade-rng":
+                upgrade_rng(args.load)
+            else:
+                import_(args.hf, args.save, dtype, args.force)
     except (CheckpointError, ValueError) as err:
         print(f"convert_checkpoint: {err}", file=sys.stderr)
         return 2

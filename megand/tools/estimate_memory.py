@@ -31,6 +31,9 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
 ``e`` is the activation element size (2 for bf16/fp16, 4 for fp32). With ``fused_attention``
 (flash / memory-efficient kernels) the s×s probabilities are never stored: the core keeps one fp32
 log-sum-exp per query and head (4·a bytes per token), which makes ``selective`` nearly free.
+A Gated DeltaNet layer (``model.layer_types``) stores its token mixer's terms instead of attention's (see
+:func:`linear_attention_bytes`: its projections, its fp32 chunked core with the C×C chunk matrices, and the
+recurrent state at each chunk boundary); ``selective`` drops its core.
 
 Recompute: ``selective`` drops the attention-core term (Megatron recomputes core attention);
 ``full`` stores only each layer's input (e·h per token, /tp with sequence parallelism) and adds one
@@ -257,7 +260,7 @@ def stage_fp8_gathered_params(model: Mapping[str, Any], layout: Layout, stage: i
     total = 0.0
     for i in stage_layers(shape.layers, layout, stage):
         if layout.fp8_bf16_layers <= i < shape.layers - layout.fp8_bf16_layers:
-            lp = layer_params(shape, moe=shape.is_moe(i))
+            lp = layer_params(shape, moe=shape.is_moe(i), layer=i)
             total += (lp.qkv_weight + lp.proj_weight + lp.mlp_in_weight + lp.mlp_out_weight) / layout.tp
     return total
 
@@ -292,10 +295,30 @@ def moe_block_activation_bytes(model: Mapping[str, Any], layout: Layout) -> floa
     return tokens * 8 * shape.experts / seq_split + routed + shared
 
 
+def linear_attention_bytes(shape: Shape, e: int, recompute: str) -> float:
+    """Per token, split over tp: what a Gated DeltaNet token mixer stores for backward (the C channels of its
+    convolution: 2·Hk·dk + Hv·dv). Kept under any recomputation but full: its in-projections' outputs
+    e·(2·Hk·dk + 2·Hv·dv + 2·Hv), the fp32 core input and gates 4·(C + 4·Hv), the gated norm's input and the
+    output projection's input 2·e·Hv·dv and its fp32 products 12·Hv·dv. The core (dropped by selective
+    recomputation) runs in fp32: the convolution's input, sum and activation 12·C, per value head five C×C
+    chunk matrices (decays, masks, the triangular system, the intra-chunk scores), the normalised, decayed and
+    solved queries, keys and values 4·(5·C + 8·dk + 5·dv), and the state at each chunk boundary 4·dk·dv/C (the
+    recurrent state's memory)."""
+    from megand.core.transformer.gated_deltanet import CHUNK
+
+    Hk, Hv, dk, dv = shape.lin_k_heads, shape.lin_v_heads, shape.lin_dk, shape.lin_dv
+    channels = 2 * Hk * dk + Hv * dv
+    kept = e * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) + 4 * (channels + 4 * Hv) + 2 * e * Hv * dv + 12 * Hv * dv
+    if recompute == "selective":
+        return kept
+    core = 12 * channels + 4 * Hv * (5 * CHUNK + 8 * dk + 5 * dv + dk * dv / CHUNK)
+    return kept + core * shape.linear_padded_seq / shape.seq
+
+
 def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None,
-                           moe: bool = False) -> float:
-    """Bytes one layer (``moe``: a MoE layer) stores for backward for one micro-batch on one rank (see the
-    module docstring)."""
+                           moe: bool = False, linear: bool = False) -> float:
+    """Bytes one layer (``moe``: a MoE layer; ``linear``: a Gated DeltaNet layer) stores for backward for one
+    micro-batch on one rank (see the module docstring)."""
     shape = Shape.from_config(model)
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
@@ -311,6 +334,9 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
     if recompute == "selective":
+        core = 0
+    if linear:  # the token mixer is Gated DeltaNet's instead of attention's
+        split = linear_attention_bytes(shape, e, recompute) + (0 if moe else (3 if shape.swiglu else 2) * e * f)
         core = 0
     block = moe_block_activation_bytes(model, layout) if moe else 0.0
     return tokens * (replicated / seq_split + (split + core) / layout.tp) + block
@@ -419,6 +445,9 @@ def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> 
     n_moe = stage_moe_layers(model, layout, stage)
     layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
               else math.ceil(shape.layers / layout.pp))
+    if shape.linear:  # the token mixers differ per layer: the stage's own layers
+        return sum(layer_params(shape, moe=shape.is_moe(i), layer=i).per_tp_rank(layout.tp, layout.ep, layout.expert_tp)
+                   for i in stage_layers(shape.layers, layout, stage))
     return ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
             + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
 
@@ -602,8 +631,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
-        kinds = [(mode(i), shape.is_moe(i)) for i in ids]
-        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1]) for k in set(kinds)}
+        kinds = [(mode(i), shape.is_moe(i), i in shape.linear) for i in ids]
+        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1], linear=k[2]) for k in set(kinds)}
         per_layer = sum(stored[k] for k in kinds) / len(ids)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
         working = 0.0
@@ -698,5 +727,6 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         lines.append(label.ljust(width) + "".join(fmt(st).rjust(colw) for st in estimate.stages))
     lines.append("")
     lines.append(f"peak: stage {estimate.peak.stage}, {_gib(estimate.peak.total_bytes)} per rank "
-                 "(excludes temporary/communication buffers, fragmentation and the CUDA context)")
+                 "(excludes temporary/communication buffers, fragmentation and the CUDA context; to size a device, "
+                 "plan on tools/rehearse.py's measured peak, which includes them (not the CUDA context))")
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.
             logits = model(input_ids=torch.tensor([ids[-1:]], device=device), kv_cache=cache)
         else:  # first step, no cache, or past the window: the whole (last) window
             context = torch.tensor([ids[-window:]], device=device)
-            cache = KVCache(model.cfg, 1, window, dtype, device, model.layer_ids) if kv_cache else None
+            cache = KVCache(model.cfg, 1, window, dtype, device, model.layer_ids, model.layers) if kv_cache else None
             logits = model(input_ids=context, kv_cache=cache)
         token = _next_token(logits[0, -1, :vocab_limit], temperature, top_k, generator)
         ids.append(token)

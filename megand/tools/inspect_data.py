@@ -1,7 +1,7 @@
 """Show what a run will train on: datasets, blend, epochs, and decoded samples as a rank receives them.
 
     python tools/inspect_data.py data=indexed 'data.paths=[[1.0, data/corpus_text_document]]' \\
-        data.tokenizer=tok.model [--samples 2] [--rank 0] [--world-size N] [--iteration 0] [any key=value]
+        data.tokenizer=tok.model [--samples 2] [--rank 0] [--world-size N] [--iteration 1] [any key=value]
 
 Takes the run's own overrides (the same as pretrain_gpt.py). Prints each dataset's documents and tokens,
 the blend weights, how many epochs of each train split the run's ``train.iters`` read, then the first
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--rank", type=int, default=0, help="global rank of the layout whose samples to show")
     p.add_argument("--world-size", type=int, default=None, help="default: tp*pp*cp (x parallel.dp when set)")
-    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--iteration", type=int, default=1,
+                   help="the iteration whose global batch to show, counted from 1 as the console line counts")
     args, overrides = p.parse_known_args(argv)
     from megand.data.builder import build_datasets, data_tokenizer
     from megand.data.errors import DataError
@@ -129,6 +130,9 @@ def main(argv=None) -> int:
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is outside the world of {world} ranks")
         m, t = cfg.model, cfg.train
+        if not 1 <= args.iteration <= t.iters:
+            raise ConfigError(f"--iteration {args.iteration} is outside the run's iterations 1..{t.iters} "
+                              f"(train.iters={t.iters}; counted from 1 as the console line counts)")
         train, _, _ = build_datasets(cfg.data, m.seq_length, m.vocab_size, t.seed,
                                      (t.iters * t.global_batch_size, 0, 0))
         tok = data_tokenizer(cfg.data, m.vocab_size)
@@ -143,13 +147,13 @@ def main(argv=None) -> int:
     topo = _layout_rank(cfg, world, args.rank)
     if data_kind(cfg.data.kind).access == STREAM:
         try:
-            microbatches, sources = _stream_microbatches(train, args.iteration, t, topo, flags, m.seq_length)
+            microbatches, sources = _stream_microbatches(train, args.iteration - 1, t, topo, flags, m.seq_length)
         except DataError as e:
             print(f"inspect_data: {e}", file=sys.stderr)
             return 2
     else:
         sources = None
-        microbatches = rank_microbatches(train, args.iteration, t.global_batch_size, t.micro_batch_size, topo,
+        microbatches = rank_microbatches(train, args.iteration - 1, t.global_batch_size, t.micro_batch_size, topo,
                                          documents=flags)
     print(f"rank {args.rank} (dp {topo.dp_rank}/{topo.dp_size}, cp {topo.cp_rank}/{topo.cp_size}, "
           f"pp {topo.pp_rank}/{topo.pp_size}), iteration {args.iteration}:")

@@ -13,6 +13,12 @@ not stop) or a signal before the workers exist falls back to the agent's own beh
 (SIGHUP, SIGQUIT, ...) are left to the agent.
 
     python tools/launch.py --nproc-per-node=8 pretrain_gpt.py +experiment=llama8b_8gpu   # torchrun's arguments
+
+Configuration errors are found before any worker starts: for ``pretrain_gpt.py`` the launcher composes the
+run's config from the same overrides and validates it at the launch's world size, so a bad value is one
+line (``megand: invalid configuration: ...``) and exit code 2, and ``--max-restarts`` never retries it.
+A worker failure is one line naming the rank and its exit code (the worker's own line is above it), and
+the launcher exits with that code.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ from __future__ import annotations
 import os
 import signal
 
+import sys
+
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
+
+TRAINING_SCRIPT = "pretrain_gpt.py"
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT")
 
@@ -69,9 +79,61 @@ def without_stop_signals(signals: str) -> str:
     return ",".join(kept) or "SIGQUIT"  # the agent needs at least one name
 
 
-@record
+def launch_world_size(args) -> int | None:
+    """Workers of the whole launch, when the arguments fix it (an elastic range of nodes does not)."""
+    nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
+    if ":" in nnodes and len(set(nnodes.split(":"))) > 1 or not nproc.isdigit():
+        return None
+    return int(nnodes.split(":")[0]) * int(nproc)
+
+
+def config_error(args) -> str | None:
+    """The one-line configuration error of a ``pretrain_gpt.py`` launch, found before spawning, or None.
+    A run that takes its model from a checkpoint (``checkpoint.load`` and no model given) is left to the
+    workers, which read the checkpoint."""
+    if os.path.basename(args.training_script) != TRAINING_SCRIPT:
+        return None
+    world = launch_world_size(args)
+    overrides = [a for a in args.training_script_args if not a.startswith("-")]
+    if world is None or len(overrides) != len(args.training_script_args):
+        return None  # Hydra flags (--cfg, --multirun, ...) and elastic sizes: the workers check
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megand.training.config import ConfigError, compose, validate
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        return "megand: invalid configuration: " + " ".join(str(e).split())
+    takes_model = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "model" for o in overrides)
+    if cfg.checkpoint.load and not takes_model:
+        return None
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        return f"megand: invalid configuration: {e}"
+    return None
+
+
+def first_failure(e: ChildFailedError) -> tuple[int, int]:
+    """``(global rank, exit code)`` of the first worker that failed."""
+    rank, failure = e.get_first_failure()
+    return rank, failure.exitcode
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    message = config_error(args)
+    if message:  # before any worker: not retried by --max-restarts, and one line
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(2)
     args.signals_to_handle = without_stop_signals(args.signals_to_handle)
     ForwardStopSignals()
-    run(args)
+    try:
+        run(args)
+    except ChildFailedError as e:  # the worker printed its own line; torchrun's 30-line report is not repeated
+        rank, code = first_failure(e)
+        print(f"launch: {os.path.basename(args.training_script)} failed: rank {rank} exited with code {code}"
+              f"{' (killed by a signal)' if code < 0 else ''}", file=sys.stderr, flush=True)
+        sys.exit(code if 0 < code < 256 else 1)

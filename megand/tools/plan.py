@@ -45,6 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megand.core.pipeline_parallel.registry import schedule_names
 from megand.tools.planner.cluster import ClusterError, load_cluster
+from megand.tools.progress import heartbeat
 from megand.tools.planner.profile import Profile, ProfileError
 from megand.tools.planner.search import PlanError, Planner, config_validator
 from megand.training.config import ConfigError, check_counts, compose
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     try:
         planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg),
                           schedules=schedules)
-        plans = planner.plan(args.top)
+        with heartbeat("plan: searching layouts"):
+            plans = planner.plan(args.top)
     except PlanError as e:
         return fail(e)
     if cfg.train.rampup_batch_size is not None:

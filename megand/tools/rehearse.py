@@ -502,6 +502,11 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
     lines.append(f"steady peak (forward_backward) {_gib(steady)}; phases above it by more than 10%: "
                  f"{', '.join(over) if over else 'none'}; estimator with "
                  f"{'fused' if result['estimator_fused_attention'] else 'unfused'} attention")
+    highest = max(PHASES, key=lambda n: result["phases"][n]["peak_bytes"])
+    lines.append(f"plan on: {_gib(result['phases'][highest]['peak_bytes'])} ({highest}), the highest rehearsed peak: it "
+                 f"counts every tensor this rank really allocates (weights, gradients, optimizer state, activations, "
+                 f"communication buffers and temporaries); tools/estimate.py's figure is a formula of the main terms, "
+                 f"for comparing layouts before rehearsing, and leaves out allocator rounding and short-lived buffers")
     if "syncs" in result:
         s = result["syncs"]
         lines.append(f"host syncs in the step: {s['step']} (allowed {s['allowed']})")
@@ -562,11 +567,13 @@ def main(argv=None) -> None:
     from megand.core.parallel_state import ParallelSizes, rank_coords
     from megand.tools.device_rules import RehearsalError
 
+    from megand.tools.progress import heartbeat
     from megand.tools.rehearsal_devices import DEVICES, fit_verdict
 
     memory = int(args.device_memory_gib * 2**30)
     try:
-        result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
+        with heartbeat(f"rehearse: building and stepping rank {args.rank} on {args.device}"):
+            result = rehearse(cfg, world, args.rank, args.device, args.device_profile)
     except RehearsalError as e:
         raise SystemExit(f"rehearse: rank {args.rank} fails on {args.device}: {e}")
     p = cfg.parallel

@@ -1,10 +1,16 @@
-"""Train a sentencepiece tokenizer (BPE or unigram) from jsonl or plain-text files.
+"""Train a sentencepiece tokenizer (BPE or unigram) from JSON lines, Parquet or plain-text files.
 
 Example:
     python tools/train_tokenizer.py --input corpus.jsonl --json-keys text --model-prefix tok \
-        --vocab-size 32000 --model-type bpe --byte-fallback
-writes tok.model and tok.vocab. Files ending in .jsonl/.json are read as JSON lines (field --json-keys),
-anything else as text with one training line per line.
+        --vocab-size 32000 --model-type bpe
+writes tok.model and tok.vocab. Files ending in .jsonl/.json/.jsonl.gz are read as JSON lines (field
+--json-keys), Parquet files (recognised by their content) by column --json-keys, anything else as UTF-8
+text with one training line per line; a binary file or a corpus with no text is refused.
+
+The defaults keep the text exactly (decode(encode(text)) == text, code included): no normalisation
+(--normalization identity: newlines, indentation and runs of spaces are kept) and byte fallback
+(characters outside the vocabulary become their UTF-8 bytes, never an unknown piece).
+--normalization nmt_nfkc --no-byte-fallback gives sentencepiece's own lossy defaults.
 """
 
 import argparse
@@ -15,22 +21,26 @@ from tqdm import tqdm
 
 
 from megand.data.errors import DataError
-from megand.data.jsonl import iter_texts
+from megand.data.jsonl import file_kind, iter_texts
 from megand.data.spm_train import train_sentencepiece
 from megand.data.tokenizer import SentencePieceTokenizer
+from megand.tools.progress import heartbeat
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="jsonl or text files")
-    p.add_argument("--json-keys", default="text", help="field holding the text in jsonl input")
+    p.add_argument("--json-keys", "--text-key", dest="json_keys", default="text",
+                   help="field (JSON lines) or column (Parquet) holding the text")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--character-coverage", type=float, default=0.9995)
-    p.add_argument("--byte-fallback", action="store_true", help="unknown characters become byte pieces")
-    p.add_argument("--normalization", default="nmt_nfkc",
-                   help="sentencepiece normalization rule; 'identity' keeps whitespace as is (code)")
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="characters outside the vocabulary become byte pieces (default: on; off: they become <unk>)")
+    p.add_argument("--normalization", default="identity",
+                   help="sentencepiece normalization rule (default identity: the text as it is, whitespace "
+                        "included; nmt_nfkc folds whitespace runs into one space)")
     p.add_argument("--input-sentence-size", type=int, default=0,
                    help="train on a random sample of this many lines (0: all)")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
@@ -41,6 +51,12 @@ def main(argv=None) -> int:
     if missing:
         print(f"train_tokenizer: --input {', '.join(missing)}: no such file", file=sys.stderr)
         return 2
+    try:
+        for path in args.input:  # refuse binary input before reading anything
+            file_kind(path)
+    except DataError as e:
+        print(f"train_tokenizer: {e}", file=sys.stderr)
+        return 2
     counted = [0]
 
     def count(documents):
@@ -48,11 +64,12 @@ def main(argv=None) -> int:
             yield document
 
     texts = tqdm(count(iter_texts(args.input, args.json_keys, args.on_error)), desc="documents read", unit=" docs",
-                 disable=None)  # a bar on a terminal only: logs keep one line per message
+                 disable=None)  # a bar on a terminal only; the heartbeat gives logs a line every few seconds
     try:
-        path = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
-                                   args.character_coverage, args.byte_fallback, args.input_sentence_size,
-                                   args.num_threads, args.normalization)
+        with heartbeat("train_tokenizer: reading and training", lambda: f"{counted[0]} documents read"):
+            path = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
+                                       args.character_coverage, args.byte_fallback, args.input_sentence_size,
+                                       args.num_threads, args.normalization)
     except DataError as e:
         print(f"train_tokenizer: --input {inputs}: {e}", file=sys.stderr)
         return 2

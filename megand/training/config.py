@@ -306,6 +306,9 @@ def validate(cfg, world_size: int) -> None:
          f"optim.name={cfg.optim.name} with model.num_query_groups={groups} < parallel.tp={p.tp}: it transforms "
          f"each whole matrix of the fused QKV, which the replicated key/value heads cut; use an elementwise "
          f"optimizer or parallel.tp <= {groups}"),
+        (groups >= p.tp or not m.get("attention_output_gate", False),
+         f"model.attention_output_gate with model.num_query_groups={groups} < parallel.tp={p.tp}: not supported; "
+         f"use parallel.tp <= {groups}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (t.micro_batch_size >= 1 and t.global_batch_size % (t.micro_batch_size * sizes.dp) == 0,
@@ -341,6 +344,13 @@ def validate(cfg, world_size: int) -> None:
                           f"divisible by parallel.cp={p.cp} (model.num_query_groups={groups})")
     if p.cp > 1 and m.attention_dropout > 0:
         raise ConfigError(f"model.attention_dropout={m.attention_dropout} is not supported with parallel.cp={p.cp}")
+    linear = "linear_attention" in (m.get("layer_types") or ())
+    if linear and m.linear_num_key_heads % p.tp:
+        raise ConfigError(f"model.linear_num_key_heads={m.linear_num_key_heads} is not divisible by parallel.tp={p.tp}")
+    if linear and p.cp > 1 and m.seq_length // (2 * p.cp) < m.linear_conv_kernel - 1:
+        raise ConfigError(f"model.seq_length={m.seq_length} gives {m.seq_length // (2 * p.cp)} tokens per context-parallel "
+                          f"chunk (2 x parallel.cp={p.cp} chunks): Gated DeltaNet's convolution needs "
+                          f"model.linear_conv_kernel - 1 = {m.linear_conv_kernel - 1}")
     _validate_data_kind(cfg)
     _validate_tokenizer(cfg.data, m.vocab_size)
     if cfg.data.reset_attention_mask and m.attention_dropout > 0:
@@ -489,7 +499,7 @@ def check_counts(cfg) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= {low}")
     if cfg.optim.decay_iters is not None and cfg.optim.decay_iters < 1:
         raise ConfigError(f"optim.decay_iters={cfg.optim.decay_iters} must be >= 1 (or null: train.iters)")
-    check_wsd(cfg.optim, cfg.optim.decay_iters or cfg.train.iters)
+    check_optim(cfg.optim, cfg.optim.decay_iters or cfg.train.iters, cfg.train.iters)
     try:
         train_fraction = parse_split(cfg.data.split)[0]
     except DataError as e:
@@ -498,17 +508,14 @@ def check_counts(cfg) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the train split no documents")
 
 
-def check_wsd(o, decay_iters: int) -> None:
-    """``optim.decay_fraction`` / ``decay_start`` within the schedule (checked whatever the schedule)."""
-    if not 0.0 <= o.decay_fraction <= 1.0:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be between 0 and 1")
-    if o.decay_start is not None and not o.warmup_iters <= o.decay_start <= decay_iters:
-        raise ConfigError(f"optim.decay_start={o.decay_start} must lie between optim.warmup_iters={o.warmup_iters} and "
-                          f"the end of the decay {decay_iters} (optim.decay_iters, null: train.iters)")
-    start = o.decay_start if o.decay_start is not None else decay_iters - round(o.decay_fraction * decay_iters)
-    if o.schedule == "wsd" and start < o.warmup_iters:
-        raise ConfigError(f"optim.schedule=wsd decays from step {start} (optim.decay_fraction={o.decay_fraction} of "
-                          f"{decay_iters} steps), inside the warm-up (optim.warmup_iters={o.warmup_iters})")
+def check_optim(o, decay_iters: int, iters: int) -> None:
+    """Every optimizer and schedule value (signs, orders, ranges; the optimizer's own in its record)."""
+    from megand.core.optimizer.registry import check_values
+
+    try:
+        check_values(o, decay_iters, iters)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def compose(overrides=(), config_dir: str | None = None):

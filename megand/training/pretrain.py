@@ -46,7 +46,8 @@ from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
 from megand.training.metrics import MetricsWriter, console_line
-from megand.training.output_dirs import check_output_dirs
+from megand.training.schedule_continuity import check_no_rewarm
+from megand.training.output_dirs import check_output_dirs, check_run_dir_reuse
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import ConstantBatch, batch_ramp
 from megand.training.wandb_logger import WandbLogger
@@ -144,6 +145,7 @@ class Trainer:
         # before any work: the values, then the directories the run must be able to write
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         on_every_rank(lambda: check_output_dirs(cfg))
+        on_every_rank(lambda: check_run_dir_reuse(cfg))
         # the one reading of the Hydra config for core: every builder below takes its typed piece of it
         self.configs = core_configs(cfg, device)
         self.model_cfg = self.configs.model
@@ -183,6 +185,9 @@ class Trainer:
         # a smaller global batch size resumes further into the data than the run was built for
         self.train_feed.reserve(self.consumed_samples + (cfg.train.iters - self.iteration) * cfg.train.global_batch_size
                                 + self.rollback_sample_budget())
+        # this process's steps and samples, for the summary; the loaded checkpoint's iteration (0: fresh)
+        self.run_steps = self.run_samples = 0
+        self.resumed_from = self.iteration
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
@@ -274,6 +279,8 @@ class Trainer:
         notice = self.train_feed.load_state_dict((loaded.extra_state or {}).get("data"))
         if notice and self.topo.is_logging_rank:
             print(f" {loaded.path} {notice}", flush=True)
+        if self.loaded_iteration is None:  # the run's first load (a rollback reloads under the same schedule)
+            check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps)
         self.loaded_iteration = loaded.iteration
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
@@ -681,6 +688,8 @@ class Trainer:
         step_start = time.perf_counter()
         loss, result = self.step()
         self.log(loss, result, time.perf_counter() - step_start)
+        self.run_steps += 1  # this process's steps and samples, for the summary (a resume counts its own)
+        self.run_samples += self.batch_size
         if self.skips.exhausted:  # every rank alike; nothing is saved from this state
             raise NonFiniteStop(self.skips.message())
         if self.last_spike and self.can_roll_back():
@@ -724,15 +733,19 @@ class Trainer:
 
 
 def final_summary(trainer, seconds: float, best_val: float) -> str:
-    """The run's last two lines: one for people, one JSON line for scripts."""
-    tokens = trainer.consumed_samples * trainer.cfg.model.seq_length
+    """The run's last two lines: one for people, one JSON line for scripts. Steps, tokens and time are this
+    run's own (after a resume: the steps since the checkpoint, not the iterations the checkpoint had done)."""
+    tokens = trainer.run_samples * trainer.cfg.model.seq_length
     save = trainer.cfg.checkpoint.save
     best = f"{best_val:.4f}" if best_val != float("inf") else "n/a (no evaluation)"
-    human = (f" training done: {trainer.iteration} iterations, {tokens:,} tokens in {seconds:,.1f} s "
+    resumed = (f" (resumed at iteration {trainer.resumed_from}, now at {trainer.iteration})"
+               if trainer.resumed_from else "")
+    human = (f" training done: {trainer.run_steps} iterations{resumed}, {tokens:,} tokens in {seconds:,.1f} s "
              f"({tokens / max(seconds, 1e-9):,.0f} tokens/s) | best val loss {best} | "
              f"checkpoints: {os.path.abspath(save) if save else 'none (checkpoint.save is null)'} | "
              f"logs: {os.path.abspath(trainer.cfg.run_dir)}")
-    machine = json.dumps({"summary": {"iterations": trainer.iteration, "tokens": tokens, "seconds": round(seconds, 2),
+    machine = json.dumps({"summary": {"iterations": trainer.run_steps, "final_iteration": trainer.iteration,
+                                      "tokens": tokens, "seconds": round(seconds, 2),
                                       "best_val_loss": best_val if best_val != float("inf") else None,
                                       "checkpoint_dir": save, "run_dir": trainer.cfg.run_dir,
                                       "wandb_run_id": trainer.wandb_run_id}})

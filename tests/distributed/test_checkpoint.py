@@ -52,7 +52,7 @@ def continue_from_step5(saved, tmp_path, overrides, nproc=4):
     return proc, ref[5:], run
 
 
-@pytest.mark.parametrize("saved", ["tp2_dp2_distopt", "tp2_pp2"])
+@pytest.mark.parametrize("saved", [pytest.param("tp2_dp2_distopt", marks=pytest.mark.slow), "tp2_pp2"])
 def test_exact_resume_same_layout(saved_runs, tmp_path, saved):
     proc, ref, run = continue_from_step5(saved_runs(saved), tmp_path, SAVED_LAYOUTS[saved])
     assert "RNG state: yes" in proc.stdout
@@ -61,7 +61,7 @@ def test_exact_resume_same_layout(saved_runs, tmp_path, saved):
 
 
 @pytest.mark.parametrize("saved, layout, nproc", [
-    ("tp2_pp2", ["parallel.tp=1", "parallel.pp=1"], 4),  # -> tp 1, pp 1, dp 4
+    pytest.param("tp2_pp2", ["parallel.tp=1", "parallel.pp=1"], 4, marks=pytest.mark.slow),  # -> tp 1, pp 1, dp 4
     pytest.param("tp2_pp2", ["parallel.tp=4"], 4, marks=pytest.mark.slow),  # -> tp 4 (uneven vocab shards), pp 1
     ("tp2_pp2", ["parallel.tp=2", "parallel.cp=2"], 4),  # pp 2 -> cp 2
     ("tp2_dp2_distopt", ["parallel.pp=2", "parallel.vpp=2", "optim.sharding=none"], 2),  # -> interleaved pp

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.harness import ranks_env, read_metrics, run_pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,6 +59,7 @@ def children(pid):
         return [int(p) for p in f.read().split()]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_other_shape_fails_before_training(tmp_path):
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
     proc = launch(run_dir, ["+experiment=tiny_gpt", "parallel.tp=2", "train.iters=500", f"checkpoint.save={save}"], 4)

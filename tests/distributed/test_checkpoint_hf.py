@@ -44,7 +44,7 @@ def megand_logits(model, ids):
         return model(input_ids=ids)
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gpt"])
+@pytest.mark.parametrize("name", ["tiny_llama", pytest.param("tiny_gpt", marks=pytest.mark.slow)])
 def test_export_import_generate(name, trained, topo, tmp_path, capsys):
     root = trained(name)
     model, _ = full.load_model(f"{root}/ckpt", topo)
@@ -130,7 +130,7 @@ MOE_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "mixtral" else f for f in MOE_FAMILIES])
 def test_trained_moe_exports_and_generates_like_transformers(family, topo, tmp_path):
     """A MoE trained 3 steps at tp=2 with sequence parallelism (experts split over tp) exports in fp32 to
     its transformers family: same logits, same greedy tokens (with and without the KV cache); imported back,

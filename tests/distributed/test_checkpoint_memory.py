@@ -95,6 +95,7 @@ def saved_at_dp4(tmp_path_factory):
     return save_dir, run_distributed(_worker, 4, save_dir)
 
 
+@pytest.mark.slow
 def test_save_and_load_peaks_stay_near_the_training_peak_at_dp4(saved_at_dp4):
     _, results = saved_at_dp4
     check_peaks(results, 6 + 12 / 4)  # bf16 weights 2 + fp32 grads 4 whole, fp32 main and Adam 12 / dp
@@ -134,7 +135,7 @@ def local_flat(full, name, shape, meta):
 
 
 @pytest.mark.parametrize("saved, overrides, nproc", [
-    ("zero1", ["parallel.tp=2"], 4), ("zero1", ["optim.sharding=none"], 1),
+    pytest.param("zero1", ["parallel.tp=2"], 4, marks=pytest.mark.slow), ("zero1", ["optim.sharding=none"], 1),
     ("zero1", ["parallel.tp=2", ZERO3], 4), ("zero3", ["optim.sharding=none"], 1)],
     ids=["zero1_to_tp2_dp2", "zero1_to_one_plain_process", "zero1_to_zero3_tp2_dp2", "zero3_to_one_plain_process"])
 def test_shards_saved_at_dp4_load_into_another_layout(request, saved, overrides, nproc):

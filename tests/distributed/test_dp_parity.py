@@ -18,6 +18,7 @@ def _run(tmp_path, name, overrides, nproc, experiment="tiny_llama"):
     return read_metrics(run_dir)
 
 
+@pytest.mark.slow
 def test_dp2_distributed_optimizer_overlap_on_and_off(tmp_path, llama_reference):
     base = ["optim.sharding=optim", SMALL_BUCKETS]
     off = _run(tmp_path, "off", base, 2)

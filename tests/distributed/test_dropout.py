@@ -223,6 +223,7 @@ def test_recompute_replays_the_masks(results, sp):
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.iters=4", "train.eval_iters=0"]
 
 
+@pytest.mark.slow
 def test_same_seed_runs_are_bit_identical_with_or_without_the_peak_cache(tmp_path):
     """The first run measures the CPU peak FLOP/s on its logging rank, the second finds it cached; with
     tp=2 and no sequence parallelism the hidden-state masks must still agree across tp ranks and runs."""

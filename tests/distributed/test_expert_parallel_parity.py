@@ -39,6 +39,7 @@ def test_ep2_dp4(tmp_path, reference):
     _check(tmp_path, reference, ["train.micro_batch_size=1", "parallel.ep=2"], 4)
 
 
+@pytest.mark.slow
 def test_ep2_tp2_sequence_parallel(tmp_path, reference):
     _check(tmp_path, reference, ["train.micro_batch_size=2", "parallel.ep=2", "parallel.tp=2",
                                  "parallel.sequence_parallel=true"], 4)

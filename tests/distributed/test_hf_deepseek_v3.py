@@ -83,7 +83,7 @@ def test_import_refuses_what_megand_cannot_express_in_one_line(changes, needle, 
 LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}
 
 
-@pytest.mark.parametrize("layout", ["one", "tp2_pp2"])
+@pytest.mark.parametrize("layout", ["one", pytest.param("tp2_pp2", marks=pytest.mark.slow)])  # tp2 x pp2 import: qwen3's
 def test_first_step_loss_equals_transformers(layout, imported, tmp_path):
     _first_step_loss_equals_transformers(layout, imported, tmp_path)
 

@@ -60,7 +60,7 @@ def _count_reads(run_dir, overrides):
 
 # dp, pp and tp+sp also keep their one read per step in the CUDA rehearsal's default run
 # (tests/unit/test_rehearse_cuda.py): here the MoE and document layouts, the rest slow
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n.startswith(("moe", "cp2")) else pytest.mark.slow)
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n.startswith(("moe", "cp2-ring")) else pytest.mark.slow)
                                     for n in LAYOUTS])
 def test_one_host_read_per_step_on_every_rank(tmp_path, layout):
     from tests.unit.test_host_syncs import SPLIT_SIZE_READ

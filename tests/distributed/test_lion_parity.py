@@ -32,7 +32,7 @@ CASES = {  # name: (processes, reference overrides, run overrides)
     "moe_ep2_dp2": (2, (*MOE, "train.micro_batch_size=4"), (*MOE, "train.micro_batch_size=2", "parallel.ep=2")),
     "moe_tp2_sp_etp1": (2, MOE, (*MOE, *TP2_SP, "parallel.etp=1")),
 }
-DEFAULT = {"tp2_sp_dp2_zero3"}
+DEFAULT = set()  # the per-tensor moment test keeps Lion over a layout in the default run; this matrix is slow
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in CASES])

@@ -59,6 +59,7 @@ def test_moe_layout_matches_one_process(reference, tmp_path, name):
             assert abs(r[key] - x[key]) <= 1e-4 * abs(r[key]), (key, r["iter"], x[key], r[key])
 
 
+@pytest.mark.slow
 def test_capacity_drops_match_one_process_when_experts_split_over_tp(reference, tmp_path):
     """With a capacity factor, experts split over tp (etp = tp, sequence parallel) see the tp group's whole
     micro-batch, as the one process does: the same assignments are dropped (each counted once, not once

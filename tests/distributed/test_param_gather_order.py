@@ -70,7 +70,7 @@ def _next_need(events, gathers_until):
     return out
 
 
-@pytest.mark.parametrize("experiment, layout", [("tiny_gpt", []), ("tiny_llama", []),
+@pytest.mark.parametrize("experiment, layout", [pytest.param("tiny_gpt", [], marks=pytest.mark.slow), ("tiny_llama", []),
                                                 pytest.param("tiny_gpt", ["parallel.pp=2", "parallel.vpp=2"],
                                                              marks=pytest.mark.slow)],
                          ids=["gpt-dp2", "llama-dp2", "gpt-pp2-vpp2-dp2"])

@@ -41,6 +41,7 @@ def continue_from_step5(saved, tmp_path, overrides, nproc=4):
     return proc, ref[5:], run
 
 
+@pytest.mark.slow
 def test_zero3_exact_resume_same_layout(saved_runs, tmp_path):
     proc, ref, run = continue_from_step5(saved_runs("zero3_dp4"), tmp_path, SAVED_LAYOUTS["zero3_dp4"])
     assert "optimizer state: yes" in proc.stdout

@@ -2,6 +2,8 @@
 (bf16, shard size d: none 18, optim 6 + 12/d, optim_grads 2 + 16/d, optim_grads_params 18/d),
 measured on the engine's and optimizer's own tensors (what ``state_bytes`` in metrics.jsonl reports)."""
 
+import pytest
+
 from megand.tools.spawn import run_distributed
 from tests.distributed.dp_helpers import build_trainer, step
 
@@ -48,6 +50,7 @@ def test_state_bytes_per_param_at_each_level_dp4():
         assert 0 < gathered * biggest < n / 2, (rank, gathered, biggest, n)
 
 
+@pytest.mark.slow
 def test_zero3_traffic_per_step_against_theory_dp4():
     """ZeRO-3 all-gathers the bf16 parameters in forward and again in backward (once when kept after
     forward) and reduce-scatters the fp32 gradients once: ring volume (d-1)/d of each (bucket padding aside).

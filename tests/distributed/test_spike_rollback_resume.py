@@ -5,6 +5,7 @@ resumes. The spike is a batch of random tokens inside learnable text (the data, 
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from megand.data.gpt_dataset import GPTDataset
@@ -35,6 +36,7 @@ def common(tmp_path, prefix):
             f"train.spike_window={WINDOW}", "train.spike_factor=1.8"]
 
 
+@pytest.mark.slow
 def test_rollback_of_a_resumed_run_goes_back_to_where_it_came_from(tmp_path):
     prefix = spiky_corpus(tmp_path)
     first = str(tmp_path / "first")  # iter_5..iter_20 (trained through the spike: no rollback)

@@ -27,6 +27,7 @@ def common(corpus, *extra):
             "train.eval_iters=0", "train.batch_checksum=true", f"train.iters={ITERS}", *extra]
 
 
+@pytest.mark.slow
 def test_killed_stream_run_resumes_exactly_and_reshards_to_dp4(tmp_path):
     corpus = tmp_path / "corpus"
     write_corpus(pathlib.Path(corpus), 400)
@@ -73,6 +74,7 @@ def test_tensor_parallel_peers_share_one_reader(tmp_path):
         assert "kind: stream" in f.read()
 
 
+@pytest.mark.slow
 def test_malformed_rows_stop_every_rank_with_one_line_or_are_skipped(tmp_path):
     corpus = tmp_path / "corpus"
     write_corpus(pathlib.Path(corpus), 200)
@@ -151,6 +153,7 @@ def test_spike_rollback_of_a_stream_skips_exactly_the_spike_batch(tmp_path):
 RAMP_BATCHES = [2, 2, 4, 6, 8, 8]  # train.rampup_batch_size=[2,2,12]: one increment of 2 every 4 samples
 
 
+@pytest.mark.slow
 def test_stream_ramp_up_and_validation_stream_resume_at_another_dp(tmp_path):
     """Under a batch ramp-up, slot s of every batch is lane s: a dp=2 run (lanes change readers as the batch
     grows) stopped mid-ramp and resumed at dp=1 trains on the batches of the uninterrupted dp=1 run, and

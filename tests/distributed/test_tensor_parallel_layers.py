@@ -278,7 +278,7 @@ def all_checks(tp: int):
     return done
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_layers_and_mappings_match_dense(tp):
     results = run_distributed(all_checks, tp, tp)
     assert all(done == results[0] for done in results) and len(results[0]) == 9 + len(MAPPINGS), results

@@ -14,7 +14,7 @@ LAYOUTS = {
 
 # the default run: every layout once, on one of the two models (both models run tp in it); the rest slow
 # (plain dp2 runs in the default suite in test_dp_parity)
-DEFAULT = {("tp2", "tiny_gpt"), ("tp2_sp", "tiny_llama"), ("tp2_dp2_sp", "tiny_llama")}
+DEFAULT = {("tp2", "tiny_gpt"), ("tp2_dp2_sp", "tiny_llama")}
 
 
 @pytest.mark.parametrize("layout, experiment", [
@@ -25,6 +25,7 @@ def test_layout_matches_one_process(reference, launch, experiment, layout):
     assert_parity(reference(experiment), launch(experiment, nproc, *overrides))
 
 
+@pytest.mark.slow
 def test_qkv_bias_matches_one_process(reference, launch):
     """``model.qkv_bias`` (Qwen2's biases on q/k/v only): the bias follows the fused QKV rows over tp."""
     bias = "model.qkv_bias=true"

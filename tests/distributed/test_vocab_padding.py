@@ -17,11 +17,12 @@ from tests.harness import assert_parity, read_metrics, run_pretrain
 PADDED = ["model.vocab_size=250", "model.make_vocab_size_divisible_by=12"]
 
 
-@pytest.mark.parametrize("experiment", ["tiny_gpt", "tiny_llama"])  # tied / untied output layer
+@pytest.mark.parametrize("experiment", [pytest.param("tiny_gpt", marks=pytest.mark.slow), "tiny_llama"])  # tied / untied output layer
 def test_padded_vocab_tp2_matches_one_process(reference, launch, experiment):
     assert_parity(reference(experiment, *PADDED), launch(experiment, 2, "parallel.tp=2", *PADDED))
 
 
+@pytest.mark.slow
 def test_ranks_holding_only_padding_match_one_process(reference, launch):
     """Vocab 250 with the default multiple (128) at tp=4: 512 rows, ranks 2 and 3 hold padding only."""
     assert_parity(reference("tiny_gpt", "model.vocab_size=250"), launch("tiny_gpt", 4, "parallel.tp=4", "model.vocab_size=250"))

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Job:
     """A torchrun job (one agent by default) whose output is collected line by line with arrival times."""
 
-    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1):
+    def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, launcher=("-m", "torch.distributed.run")):
+        """``launcher``: the agent's command after the interpreter (torchrun's module, or tools/launch.py)."""
         self.lines: list[tuple[float, str]] = []
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc * nnodes)}
@@ -27,7 +28,7 @@ class Job:
             rendezvous = (["--standalone"] if nnodes == 1 else
                           [f"--nnodes={nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1",
                            f"--master-port={port}"])
-            cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
+            cmd = [sys.executable, *launcher, *rendezvous, f"--nproc-per-node={nproc}",
                    *launcher_args, *script]
             agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)

@@ -10,7 +10,9 @@ from megand.data.spm_train import train_sentencepiece
 
 
 def train_small_tokenizer(directory, vocab_size=400) -> str:
-    return train_sentencepiece(quickstart_documents()[:600], str(directory / "tok"), vocab_size)
+    # the old lossy settings: a small vocabulary of real pieces (no 256 byte pieces) for the data tests
+    return train_sentencepiece(quickstart_documents()[:600], str(directory / "tok"), vocab_size,
+                               byte_fallback=False, normalization="nmt_nfkc")
 
 
 def write_jsonl(path, docs, key="text") -> str:

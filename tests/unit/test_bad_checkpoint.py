@@ -42,8 +42,8 @@ def digests(directory):
 
 
 @pytest.mark.parametrize("name, damage", [("common.pt", flip_consumed_samples),
-                                          ("rng/rank_00000.pt", flip_last_byte),
-                                          ("config.yaml", flip_last_byte),
+                                          pytest.param("rng/rank_00000.pt", flip_last_byte, marks=pytest.mark.slow),
+                                          pytest.param("config.yaml", flip_last_byte, marks=pytest.mark.slow),
                                           (".metadata", flip_last_byte)])
 def test_damaged_checkpoint_file_stops_resume_in_one_line(saved, tmp_path, name, damage):
     ckpt = tmp_path / "ckpt"

@@ -7,6 +7,9 @@ from megand.training.config import ConfigError, compose, validate
 from tests.harness import run_pretrain
 
 
+HYBRID = ["model=llama_tiny", "model.layer_types=[linear_attention,linear_attention,linear_attention,attention]"]
+
+
 def check(overrides, world_size=1):
     validate(compose(overrides), world_size)
 
@@ -43,6 +46,11 @@ def check(overrides, world_size=1):
     (["parallel.dp_shard=2"], 4, r"parallel.dp_shard=2 shards nothing with optim.sharding=none"),
     (["model.make_vocab_size_divisible_by=0"], 1, r"model.make_vocab_size_divisible_by=0 must be positive"),
     (["model.norm_eps=0"], 1, r"model.norm_eps=0.0 must be > 0"),
+    ([*HYBRID, "model.seq_length=16", "parallel.cp=4"], 4,
+     r"model.seq_length=16 gives 2 tokens per context-parallel chunk .*model.linear_conv_kernel - 1 = 3"),
+    ([*HYBRID, "model.linear_num_key_heads=3", "model.linear_num_value_heads=6", "parallel.tp=2"], 2,
+     r"model.linear_num_key_heads=3 is not divisible by parallel.tp=2"),
+    ([*HYBRID[:1], "model.layer_types=[linear_attention,attention]"], 1, r"model.layer_types=.*model.num_layers=4"),
 ])
 def test_invalid_values_are_named(overrides, world_size, message):
     with pytest.raises(ConfigError, match=message):

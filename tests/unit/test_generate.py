@@ -37,7 +37,7 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(model_cfg, topo, t
     ids = torch.randint(0, 251, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         whole = model(input_ids=ids)
-        cache = KVCache(model.cfg, 2, 32, torch.float32, topo.device, model.layer_ids)
+        cache = KVCache(model.cfg, 2, 32, torch.float32, topo.device, model.layer_ids, model.layers)
         steps = [model(input_ids=ids[:, :5], kv_cache=cache)]  # prefill
         steps.append(model(input_ids=ids[:, 5:8], kv_cache=cache))  # several tokens after a cached prefix
         steps += [model(input_ids=ids[:, i:i + 1], kv_cache=cache) for i in range(8, 12)]

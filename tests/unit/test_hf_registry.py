@@ -17,6 +17,10 @@ BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_head
 LLAMA = dict(BASE, arch="llama", norm="rmsnorm", activation="swiglu", position_embedding="rope", num_query_groups=2)
 LATENT = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
 MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
+# Qwen3-Next's hybrid: a Gated DeltaNet layer, then gated attention; (1 + w) RMSNorms, partial rotary
+NEXT = dict(layer_types=["linear_attention", "attention"], attention_output_gate=True, norm_unit_offset=True,
+            partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8)
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -30,6 +34,8 @@ FAMILY_MODELS = {
     "qwen3_moe": dict(LLAMA, **MOE, qk_norm=True, head_dim=24, moe_layer_freq=2),
     "deepseek_v3": dict(LLAMA, num_query_groups=None, **LATENT, **MOE, moe_router="sigmoid", moe_shared_experts=1,
                         moe_n_group=2, moe_topk_group=1, moe_first_k_dense_replace=1, mtp_layers=1),
+    "qwen3_5_text": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32),
+    "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
 }
 
 
@@ -42,7 +48,7 @@ def grid():
     axes = [[BASE, LLAMA], [{}, {"num_query_groups": 4}, {"head_dim": 24}], [{}, {"qkv_bias": True}],
             [{}, {"qk_norm": True}], [{}, {"sliding_window": 8}, {"sliding_window": [None, 8]},
                                       {"sliding_window": [4, 8]}],
-            moe, [{}, LATENT]]
+            moe, [{}, LATENT], [{}, NEXT]]
     for parts in itertools.product(*axes):
         m = {}
         for part in parts:

@@ -36,6 +36,7 @@ def test_every_plan_passes_validate_and_fits():
         assert all(m <= cap for m, cap in zip(p.prediction.mem_peak_gib, p.prediction.memory_gib))
 
 
+@pytest.mark.slow
 def test_gpu_plans_pass_validate_and_fit():
     overrides = ["model=llama_8b", "model.seq_length=4096", "train.global_batch_size=64"]
     cluster = {"groups": [{"name": "h100", "nodes": 2, "devices_per_node": 8, "device": "h100"}]}

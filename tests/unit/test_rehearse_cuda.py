@@ -18,7 +18,7 @@ PRESETS = {f"{exp}_rank{r}": [f"+experiment={exp}", "--world-size", str(ws), "--
                            ("deepseek_v3_small_16gpu", 16)) for r in (0, ws - 1)}
 # the default suite plays every preset's first and last rank but these two (the most expensive, ~10 s each on
 # a loaded machine; their first ranks stay in the default run): the whole matrix measured 106 s there
-SLOW_PRESETS = ("llama70b_64gpu_rank63", "deepseek_v3_small_16gpu_rank15")
+SLOW_PRESETS = ("llama70b_64gpu_rank63", "deepseek_v3_small_16gpu_rank15", "llama8b_8gpu_rank7", "mixtral_8x7b_64gpu_rank63")
 
 
 def _param(name):

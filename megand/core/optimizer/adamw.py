@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
+from megand.core.optimizer.checks import in_unit_interval, require
 from megand.core.optimizer.grad_norm import clip_coefficient, clip_grads
 from megand.core.optimizer.record import OptimizerRecord
 from megand.core.sharding import ROLES
@@ -80,5 +81,11 @@ class AdamWUpdate:
 
 
 # 36 bytes per element: read the fp32 grad, param, m, v; write param, m, v; the model copy; the grad norm's read
+def check_adamw(o) -> None:
+    in_unit_interval(o, "beta1")
+    in_unit_interval(o, "beta2")
+    require(o.eps > 0, f"optim.eps={o.eps} must be > 0")
+
+
 ADAMW = OptimizerRecord(name="adamw", state=("exp_avg", "exp_avg_sq"), roles=frozenset(ROLES), update=AdamWUpdate,
-                        update_bytes=36)
+                        update_bytes=36, check=check_adamw)

@@ -13,6 +13,7 @@ weight decay as many times higher.
 
 from __future__ import annotations
 
+from megand.core.optimizer.checks import in_unit_interval
 from megand.core.optimizer.grad_norm import clip_grads
 from megand.core.optimizer.record import OptimizerRecord
 from megand.core.sharding import ROLES
@@ -38,5 +39,10 @@ class LionUpdate:
 
 
 # 28 bytes per element: read the fp32 grad, param, m; write param, m; the model copy; the grad norm's read
+def check_lion(o) -> None:
+    in_unit_interval(o, "beta1", closed_high=True)  # 1: the sign of the momentum alone
+    in_unit_interval(o, "beta2")
+
+
 LION = OptimizerRecord(name="lion", state=("lion_momentum",), roles=frozenset(ROLES), update=LionUpdate,
-                       update_bytes=28)
+                       update_bytes=28, check=check_lion)

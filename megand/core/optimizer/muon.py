@@ -36,6 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megand.core.optimizer.checks import in_unit_interval, require
 from megand.core.optimizer.grad_norm import clip_grads
 from megand.core.optimizer.record import OptimizerRecord
 from megand.core.sharding import EXPERT_MATRIX, MATRIX
@@ -174,6 +175,11 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
 
 # 36 bytes per element: read grad and momentum, write momentum, the Nesterov update written and read back,
 # read and write the param; the model copy and the grad norm's read
+def check_muon(o) -> None:
+    in_unit_interval(o, "muon_momentum")
+    require(o.muon_ns_steps >= 1, f"optim.muon_ns_steps={o.muon_ns_steps} must be >= 1")
+
+
 MUON = OptimizerRecord(name="muon", state=("momentum",), roles=frozenset({MATRIX, EXPERT_MATRIX}), update=MuonUpdate,
                        update_bytes=36, fallback="adamw", matrix_flops=newton_schulz_flops,
-                       matrix_step="Muon Newton-Schulz")
+                       matrix_step="Muon Newton-Schulz", check=check_muon)

@@ -30,3 +30,6 @@ class OptimizerRecord:
     # Newton-Schulz), read by the estimator and the planner; None: elementwise only
     matrix_flops: Optional[Callable[[int, int], float]] = None
     matrix_step: str = ""  # what that work is called in the estimator's report ("Muon Newton-Schulz")
+    # (optim config) -> None, raising ValueError naming the key and value of this optimizer's own values
+    # (betas, eps, momentum...); the values every optimizer reads are checks.check_common's
+    check: Optional[Callable] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megand.core.optimizer.adamw import ADAMW
+from megand.core.optimizer.checks import check_common, check_schedule
 from megand.core.optimizer.lion import LION
 from megand.core.optimizer.muon import MUON
 from megand.core.optimizer.record import OptimizerRecord
@@ -33,6 +34,17 @@ def chain(name: str) -> list[OptimizerRecord]:
     while recs[-1].fallback is not None:
         recs.append(record(recs[-1].fallback))
     return recs
+
+
+def check_values(o, decay_iters: int, iters: int) -> None:
+    """Every optimizer and schedule value of ``optim.*`` (``o``) in range; ValueError naming the first that
+    is not. ``decay_iters``: the end of the decay (``optim.decay_iters``, null: ``train.iters``); ``iters``:
+    the run's steps."""
+    check_common(o)
+    check_schedule(o, decay_iters, iters)
+    for rec in chain(o.name):
+        if rec.check is not None:
+            rec.check(o)
 
 
 def state_names() -> frozenset[str]:

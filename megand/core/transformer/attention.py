@@ -137,36 +137,46 @@ class Attention(AttentionCore):
         super().__init__(cfg, topo, rng, layer_id)
         tp = topo.tp_size
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
-        qkv_size = cfg.query_width + 2 * cfg.kv_width
+        # with the output gate each query group also holds its heads' gates, after its queries
+        self.gated = cfg.attention_output_gate
+        self.q_rows = self.q_per_group * (2 if self.gated else 1)
+        qkv_size = cfg.query_width * (2 if self.gated else 1) + 2 * cfg.kv_width
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         if tp > cfg.query_groups:  # fewer key/value heads than ranks: each rank's one, shared with its neighbours
             divide(tp, cfg.query_groups, "parallel.tp over model.num_query_groups")
+            if self.gated:  # a rank's gate rows would be a third part of each group's rows
+                raise ValueError(f"model.attention_output_gate with model.num_query_groups={cfg.query_groups} < "
+                                 f"parallel.tp={tp}: not supported; use parallel.tp <= {cfg.query_groups}")
             self.qkv = SharedKVProjection(cfg, topo, self.q_per_group, bias=cfg.add_bias or cfg.qkv_bias,
                                           dtype=cfg.params_dtype, device=common["device"])
             self.local_groups, self.q_per_group = 1, divide(cfg.num_attention_heads, tp,
                                                             "model.num_attention_heads across tensor-parallel ranks")
+            self.q_rows = self.q_per_group
         else:
             self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
             self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
                                             **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
             # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
-            retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim, cfg.head_dim, cfg.head_dim))
+            retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim,) * (2 if self.gated else 1)
+                  + (cfg.head_dim, cfg.head_dim))
         self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
             norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
                         dtype=cfg.params_dtype, device=common["device"])
+            norm["unit_offset"] = cfg.norm_unit_offset
             self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
 
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
         qkv = self.qkv(x)
         s = qkv.shape[0]
-        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.cfg.head_dim)
+        qkv = qkv.view(s, b, self.local_groups, self.q_rows + 2, self.cfg.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.cfg.head_dim)
-        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, -1) if self.gated else None
+        k, v = qkv[:, :, :, self.q_rows], qkv[:, :, :, self.q_rows + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -177,4 +187,6 @@ class Attention(AttentionCore):
         else:
             out = self.attend(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.proj(out)

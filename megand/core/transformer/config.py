@@ -8,6 +8,7 @@ import torch
 from megand.core.transformer.rope import RopeScaling, yarn_mscale
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
+LAYER_TYPES = ("attention", "linear_attention")  # model.layer_types: the token mixers a layer may have
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -43,6 +44,15 @@ class TransformerConfig:
     rope_scaling: RopeScaling | None = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | tuple | None = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
+    attention_output_gate: bool = False  # scale each attention head's output by sigmoid of a gate projected with its query (Qwen3-Next, Qwen3.5)
+    partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each query/key head (its first dims; Qwen3-Next: 0.25)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + w): their weights are stored as the difference from 1, zero at init (Qwen3-Next, Qwen3.5)
+    layer_types: tuple | None = None  # the token mixer of each layer: a list of attention | linear_attention (Gated DeltaNet), one per layer; null: attention everywhere
+    linear_num_key_heads: int = 4  # Gated DeltaNet: query/key heads
+    linear_num_value_heads: int = 8  # Gated DeltaNet: value heads (a multiple of the key heads; each key head serves value/key of them)
+    linear_key_head_dim: int = 16  # Gated DeltaNet: width of a query/key head
+    linear_value_head_dim: int = 16  # Gated DeltaNet: width of a value head
+    linear_conv_kernel: int = 4  # Gated DeltaNet: taps of the short causal depthwise convolution over q, k and v
     qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2 / Qwen2-MoE); arch=gpt has biases on every linear anyway
     kv_lora_rank: int | None = None  # multi-head latent attention (DeepSeek-V2/V3) when set: keys and values of every head from one latent of this width per token; null: standard attention
     q_lora_rank: int | None = None  # latent attention: queries from a latent of this width (with its RMSNorm); null: a full-rank query projection
@@ -116,6 +126,8 @@ class TransformerConfig:
                              f"them (null entries: full attention) or null")
         if self.moe_n_group is not None or self.moe_topk_group is not None:
             self._check_groups()
+        if self.layer_types is not None:
+            self._check_layer_types()
         if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ValueError(f"model.mtp_layers={self.mtp_layers!r}: expected an int >= 0 (0: no multi-token prediction)")
         if isinstance(self.rope_scaling, Mapping):
@@ -125,6 +137,33 @@ class TransformerConfig:
         if self.rope_scaling is not None and self.position_embedding != "rope":
             raise ValueError(f"model.rope_scaling is set but model.position_embedding={self.position_embedding} "
                              f"has no rotary embedding to scale")
+
+    def _check_layer_types(self):
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown or len(types) != self.num_layers:
+            raise ValueError(f"model.layer_types={list(types)}: expected one of {', '.join(LAYER_TYPES)} per layer "
+                             f"(model.num_layers={self.num_layers})")
+        if "linear_attention" in types:
+            widths = dict(linear_num_key_heads=self.linear_num_key_heads, linear_num_value_heads=self.linear_num_value_heads,
+                          linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim)
+            if (any(not isinstance(v, int) or v < 1 for v in widths.values()) or self.linear_conv_kernel < 2
+                    or self.linear_num_value_heads % self.linear_num_key_heads):
+                raise ValueError(f"Gated DeltaNet layers need positive {', '.join(f'model.{k}={v}' for k, v in widths.items())} "
+                                 f"(value heads a multiple of key heads) and model.linear_conv_kernel="
+                                 f"{self.linear_conv_kernel} >= 2")
+
+    def is_linear_attention(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` mixes tokens with Gated DeltaNet (a multi-token prediction layer, beyond
+        the last, has attention)."""
+        return self.layer_types is not None and layer_id < self.num_layers and \
+            self.layer_types[layer_id] == "linear_attention"
+
+    @property
+    def linear_attention(self) -> bool:
+        """Whether any layer is a Gated DeltaNet layer."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
 
     def _check_groups(self):
         g, k, e = self.moe_n_group, self.moe_topk_group, self.num_experts
@@ -165,8 +204,9 @@ class TransformerConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The rotated width of a query/key head: the decoupled RoPE head under latent attention."""
-        return self.qk_rope_head_dim if self.multi_latent else self.head_dim
+        """The rotated width of a query/key head: the decoupled RoPE head under latent attention, the first
+        ``partial_rotary_factor`` of the head otherwise."""
+        return self.qk_rope_head_dim if self.multi_latent else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def value_head_dim(self) -> int:
@@ -246,8 +286,9 @@ def comparable(model: Mapping[str, Any]) -> dict:
     if "hidden_size" in out and "num_attention_heads" in out:
         out["head_dim"] = resolve_head_dim(out["hidden_size"], out["num_attention_heads"], out.get("head_dim"))
         out["num_query_groups"] = out.get("num_query_groups") or out["num_attention_heads"]
-    if isinstance(out.get("sliding_window"), (list, tuple)):
-        out["sliding_window"] = tuple(out["sliding_window"])
+    for key in ("sliding_window", "layer_types"):
+        if isinstance(out.get(key), (list, tuple)):
+            out[key] = tuple(out[key])
     if isinstance(out.get("rope_scaling"), Mapping):
         out["rope_scaling"] = RopeScaling.from_dict(out["rope_scaling"])
     return out

@@ -26,15 +26,29 @@ class LayerKVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class LayerRecurrentCache:
+    """One Gated DeltaNet layer's state: its convolution's last K-1 inputs and its recurrent state (fixed size,
+    whatever the number of tokens seen)."""
+
+    def __init__(self, layer, batch: int, device):
+        self.state = layer.zero_state(batch, torch.float32, device)
+        self.length = 0
+
+    def update(self, state, tokens: int) -> None:
+        self.state, self.length = state, self.length + tokens
+
+
 class KVCache:
     """Per-layer caches for incremental decoding (one process, no tensor/context parallelism). Under latent
     attention a layer caches its normalised latent ``[b, 1, len, kv_lora_rank]`` as "k" and its rotated shared
     key ``[b, 1, len, qk_rope_head_dim]`` as "v" (the layer expands them into every head's keys and values)."""
 
-    def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids):
+    def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids, layers=None):
+        """``layers``: the model's layers by id (a Gated DeltaNet layer sizes its own recurrent cache)."""
         groups, k_dim, v_dim = ((1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.multi_latent
                                 else (cfg.query_groups, cfg.head_dim, cfg.head_dim))
-        self.layers = {str(i): LayerKVCache(batch, groups, max_len, k_dim, dtype, device, v_dim)
+        self.layers = {str(i): LayerRecurrentCache(layers[str(i)].attention, batch, device)
+                       if cfg.is_linear_attention(i) else LayerKVCache(batch, groups, max_len, k_dim, dtype, device, v_dim)
                        for i in layer_ids}
 
     @property

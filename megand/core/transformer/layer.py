@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from megand.core.sharding import split_by_tokens
 from megand.core.tensor_parallel import checkpoint
 from megand.core.transformer.attention import Attention
+from megand.core.transformer.gated_deltanet import GatedDeltaNet
 from megand.core.transformer.mla import LatentAttention
 from megand.core.transformer.mlp import MLP
 from megand.core.transformer.moe import MoE
@@ -20,9 +21,11 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         self.cfg, self.rng = cfg, rng
         norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
-                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
+                    tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device, unit_offset=cfg.norm_unit_offset)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
-        attention = LatentAttention if cfg.multi_latent else Attention
+        # the token mixer: Gated DeltaNet where model.layer_types says so, else (latent) attention
+        attention = (GatedDeltaNet if cfg.is_linear_attention(layer_id) else
+                     LatentAttention if cfg.multi_latent else Attention)
         self.attention = attention(cfg, topo, rng, device, layer_id)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)

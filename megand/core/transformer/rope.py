@@ -105,7 +105,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[s, b, heads, head_dim]``."""
+    """Rotate ``x`` ``[s, b, heads, head_dim]``; partial rotary (cos/sin narrower than the head): its first dims."""
+    if cos.shape[-1] < x.shape[-1]:
+        d = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], dim=-1)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
