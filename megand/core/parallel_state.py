@@ -119,6 +119,15 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
     return groups
 
 
+def tp_run_groups(tp_groups: list[list[int]]) -> dict[str, list[list[int]]]:
+    """For each proper divisor ``n > 1`` of tp, kind ``tp_run<n>``: each tp group cut into runs of ``n``
+    consecutive tp ranks (the ranks whose query heads share one key/value head; see ``ParamMeta.tp_replicas``).
+    Pure; none for tp <= 3."""
+    tp = len(tp_groups[0])
+    return {f"tp_run{n}": [g[i: i + n] for g in tp_groups for i in range(0, tp, n)]
+            for n in range(2, tp) if tp % n == 0}
+
+
 def shard_groups(dp_cp_groups: list[list[int]], shard: int):
     """``(shard groups, replica groups)`` cut from the dp x cp groups into runs of ``shard`` ranks (a
     divisor of their size: :attr:`~megand.core.parallel_layout.ParallelLayout.shard_size`; see
@@ -284,6 +293,7 @@ class Topology:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.layout}")
         self.coords = self.layout.coords(self.rank)
         lists = rank_groups(self.layout)
+        lists.update(tp_run_groups(lists["tp"]))
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
@@ -344,6 +354,13 @@ class Topology:
     def replica_rows(self, global_batch_size: int) -> tuple[int, int]:
         """``(first, count)``: the samples of a global batch that this rank's data-parallel replica reads."""
         return replica_rows(self.layout.dp_microbatches, self.dp_size, self.dp_rank, global_batch_size)
+
+    def tp_run_group(self, run: int):
+        """The group of the ``run`` consecutive tp ranks this rank is one of (``run`` divides tp): the ranks
+        sharing a key/value head when tp exceeds the key/value heads."""
+        if self.tp_size % run:
+            raise LayoutError(f"no run of {run} tensor-parallel ranks: parallel.tp={self.tp_size} is not divisible by {run}")
+        return self.groups["tp"] if run == self.tp_size else self.groups[f"tp_run{run}"]
 
     # pipeline neighbours (global ranks) and stage roles
     @property

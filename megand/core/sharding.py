@@ -62,6 +62,16 @@ class ParamMeta:
     # along the out dim (dim -2), e.g. (q rows, k rows, v rows) per query group; None: one matrix
     fused_rows: tuple[int, ...] | None = None
     role: str | None = None  # one of ROLES; None only for a parameter no optimizer will take
+    # A part of a fused tensor held in pieces: the rows ``[start, stop)`` of the full tensor's dim 0 this rank
+    # holds (None: its shard along ``split_dim``), and the name of that full tensor within the parameter's
+    # module (``part_of``: e.g. "weight" for a module's ``kv_weight``). The multi-query projection holds its
+    # query rows and its key/value rows of the one fused QKV weight as two parameters.
+    rows: tuple[int, int] | None = None
+    part_of: str | None = None
+    # Consecutive tp ranks holding the same slice (a key/value head that the query heads of several tp ranks
+    # share): each holds a partial gradient, summed over exactly those ranks (``Topology.tp_run_group``); the
+    # first of them counts it in the grad norm and writes it to checkpoints. 1: no replication over a subgroup.
+    tp_replicas: int = 1
 
     def __post_init__(self):
         if self.role is not None and self.role not in ROLES:
@@ -77,7 +87,9 @@ class ParamMeta:
         the local parameter (none at all when its rows are all padding); the rest is padding. An expert
         tensor holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of dim 0 (never padded)."""
         region = [slice(None) for _ in self.full_shape]
-        if self.split_dim is not None:
+        if self.rows is not None:
+            region[0] = slice(*self.rows)
+        elif self.split_dim is not None:
             full = self.full_shape[self.split_dim]
             per_rank = (self.padded_size or full + (-full) % self.tp_size) // self.tp_size
             start = min(self.tp_rank * per_rank, full)
@@ -93,9 +105,26 @@ class ParamMeta:
         return self.split_dim is None and self.input_split is not None
 
     @property
+    def first_replica(self) -> bool:
+        """Whether this rank holds the first copy of its slice over tp (it counts and writes it)."""
+        if self.split_dim is None:
+            return self.tp_rank == 0
+        return self.tp_rank % self.tp_replicas == 0
+
+    @property
     def counted_in_norm(self) -> bool:
         """Whether this rank counts the parameter in the global norm: every element counts once over tp."""
-        return self.copy_of is None and (self.split_dim is not None or self.tp_rank == 0)
+        return self.copy_of is None and self.first_replica
+
+
+def full_name(name: str, meta: ParamMeta) -> str:
+    """The name of the full tensor the parameter ``name`` holds a slice of: the original of a tied copy, the
+    fused tensor a part belongs to (``meta.part_of``, in the same module), else its own."""
+    if meta.copy_of:
+        return meta.copy_of
+    if meta.part_of:
+        return f"{name.rpartition('.')[0]}.{meta.part_of}".lstrip(".")
+    return name
 
 
 TOKENS, HEADS = "tokens", "heads"  # ParamMeta.input_split
@@ -240,7 +269,7 @@ def init_parameters(module: torch.nn.Module, seed: int) -> None:
         local_shape = [len(range(*s.indices(n))) for s, n in zip(region, meta.full_shape)]
         if tuple(local_shape) != tuple(param.shape):
             param.zero_()  # vocab padding beyond the full tensor
-        draw_region(meta, seed, meta.copy_of or name, region, param[tuple(slice(0, n) for n in local_shape)])
+        draw_region(meta, seed, full_name(name, meta), region, param[tuple(slice(0, n) for n in local_shape)])
 
 
 @torch.no_grad()
@@ -259,6 +288,6 @@ def init_flat_range(param: torch.Tensor, name: str, seed: int, lo: int, hi: int,
         if inside != list(sizes):
             box.zero_()  # vocab padding beyond the full tensor
         if all(inside):
-            draw_region(meta, seed, meta.copy_of or name,
+            draw_region(meta, seed, full_name(name, meta),
                         tuple(slice(s + o, s + o + n) for s, o, n in zip(start, offsets, inside)),
                         box[tuple(slice(0, n) for n in inside)])

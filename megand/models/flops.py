@@ -300,6 +300,10 @@ class LayerParams:
     top_k: int = 0
     experts: int = 0
     attention_replicated: int = 0  # latent attention: the down projections and latent norms, replicated over tp
+    # the key/value rows of qkv_weight and qkv_bias, and the key/value heads they hold: split over at most
+    # that many tp ranks (a larger tp replicates each head over the ranks sharing it)
+    kv_part: int = 0
+    kv_heads: int = 0
 
     @property
     def total(self) -> int:
@@ -324,9 +328,10 @@ class LayerParams:
         row-parallel biases, norms, the router and the shared-expert gate are replicated. Routed experts
         are split over ep (whole experts) and etp (expert tensor parallelism; default tp)."""
         etp = tp if etp is None else etp
-        split = (self.qkv_weight + self.qkv_bias + self.proj_weight
+        split = (self.qkv_weight + self.qkv_bias - self.kv_part + self.proj_weight
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
-        return (split / tp + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
+        kv_split = min(tp, self.kv_heads) if self.kv_heads else tp
+        return (split / tp + self.kv_part / kv_split + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
                 + self.attention_replicated + self.experts_split / (ep * etp) + self.experts_replicated / ep)
 
 
@@ -349,6 +354,7 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
         proj_weight=q * h,
         proj_bias=h if bias else 0,
         norms=2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0),
+        kv_part=2 * kv * (h + (1 if bias or shape.qkv_bias else 0)), kv_heads=shape.groups,
     )
     if shape.kv_lora:
         attention.update(_latent_params(shape))
@@ -385,7 +391,8 @@ def _latent_params(shape: Shape) -> dict:
     nope = qk - shape.qk_rope
     up = (r_q * H * qk if r_q else h * H * qk) + r_kv * H * (nope + shape.v_head)
     down = (h * r_q + r_q if r_q else 0) + h * (r_kv + shape.qk_rope) + r_kv
-    return dict(qkv_weight=up, qkv_bias=0, proj_weight=shape.value_dim * h, proj_bias=0, attention_replicated=down)
+    return dict(qkv_weight=up, qkv_bias=0, proj_weight=shape.value_dim * h, proj_bias=0, attention_replicated=down,
+                kv_part=0, kv_heads=0)
 
 
 def norm_params(shape: Shape) -> int:

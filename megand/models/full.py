@@ -14,7 +14,7 @@ from megand.core.checkpointing.offline import (
     single_process_topology,
 )
 from megand.core.checkpointing.sharded import state_buffers, unpadded
-from megand.core.sharding import ParamMeta, init_parameters, tile_seed
+from megand.core.sharding import ParamMeta, full_name, init_parameters, tile_seed
 from megand.core.tensor_parallel import TensorParallelRNG
 from megand.core.transformer import TransformerConfig
 from megand.models.gpt import GPTModel
@@ -95,7 +95,7 @@ def build_full_model(model_cfg, tensors: dict[str, torch.Tensor] | None = None, 
     if tensors is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                key = param.meta.copy_of or name
+                key = full_name(name, param.meta)
                 if key not in tensors:
                     raise CheckpointError(f"tensor {key} is missing from the checkpoint")
                 if tuple(tensors[key].shape) != tuple(param.meta.full_shape):

@@ -300,7 +300,16 @@ def validate(cfg, world_size: int) -> None:
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_query_groups={groups}"),
         (m.num_attention_heads % p.tp == 0,
          f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"),
-        (groups % p.tp == 0, f"model.num_query_groups={groups} is not divisible by parallel.tp={p.tp}"),
+        # fewer key/value heads than ranks: each is replicated over the tp / groups ranks whose queries use it
+        (groups % p.tp == 0 or p.tp % groups == 0,
+         f"model.num_query_groups={groups} and parallel.tp={p.tp}: one must divide the other"),
+        (groups >= p.tp or OPTIMIZERS[cfg.optim.name].matrix_flops is None,
+         f"optim.name={cfg.optim.name} with model.num_query_groups={groups} < parallel.tp={p.tp}: it transforms "
+         f"each whole matrix of the fused QKV, which the replicated key/value heads cut; use an elementwise "
+         f"optimizer or parallel.tp <= {groups}"),
+        (groups >= p.tp or not m.get("attention_output_gate", False),
+         f"model.attention_output_gate with model.num_query_groups={groups} < parallel.tp={p.tp}: not supported; "
+         f"use parallel.tp <= {groups}"),
         (m.ffn_hidden_size % p.tp == 0, f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}"),
         (latent or m.position_embedding != "rope" or head_dim % 2 == 0, f"rope needs an even head dim, got {head_dim}"),
         (layout.dp_microbatches is not None or  # the shares' own check below

@@ -65,3 +65,22 @@ def test_shards_of_every_rank_reassemble_the_full_tensor(full_shape, split_dim, 
         mine = torch.zeros(full_shape)
         mine[param.meta.local_slice()] = 1
         assert torch.equal(cover, mine)  # this tp rank's slice, every element exactly once
+
+
+def test_a_shard_of_padding_rows_only_is_no_piece():
+    """tp=4 with a vocab of 251 padded to 512: tp ranks 2 and 3 hold only padding rows of the embedding. Their
+    empty shard was staged as a zero-size view, which failed ("self.stride(-1) must be 1 to view Byte as
+    Float") when a tp=4 run saved a checkpoint."""
+    from types import SimpleNamespace
+
+    from megand.core.checkpointing.sharded import exact_storage, weight_pieces
+    from megand.core.sharding import ParamMeta
+
+    empty = torch.zeros(128, 64).narrow(0, 0, 0)
+    assert exact_storage(empty).shape == (0, 64)
+    table = torch.nn.Parameter(torch.zeros(128, 64))
+    table.meta = ParamMeta((251, 64), 0, tp_rank=3, tp_size=4, padded_size=512)
+    kept = torch.nn.Parameter(torch.zeros(128, 64))
+    kept.meta = ParamMeta((251, 64), 0, tp_rank=1, tp_size=4, padded_size=512)
+    pieces = weight_pieces([("table", table), ("kept", kept)], SimpleNamespace(shard_params=False), lambda n, p: n)
+    assert [(p.key, p.offsets, tuple(p.tensor.shape)) for p in pieces] == [("kept", (128, 0), (123, 64))]

@@ -9,10 +9,18 @@ import torch.distributed as dist
 
 from megand.core import parallel_state
 from megand.core.parallel_layout import ParallelLayout
-from megand.core.parallel_state import PIPELINE_CHANNELS, Topology, rank_groups
+from megand.core.parallel_state import PIPELINE_CHANNELS, Topology, rank_groups, tp_run_groups
 
 LAYOUT = ParallelLayout(tp=8, cp=2, dp=8, pp=8, dp_shard=16, ep=4)  # 1024 ranks
-KINDS = len(rank_groups(LAYOUT))
+
+
+def all_lists():
+    """Every group kind a rank makes: the grid's, and the runs of tp ranks sharing a key/value head."""
+    lists = rank_groups(LAYOUT)
+    return {**lists, **tp_run_groups(lists["tp"])}
+
+
+KINDS = len(all_lists())
 
 
 class Calls:
@@ -56,7 +64,7 @@ def test_without_communicator_splits_each_distinct_group_is_made_once(monkeypatc
     calls = Calls(monkeypatch, 5, splits=False)
     calls.rank = 5
     topo = Topology(LAYOUT)
-    lists = rank_groups(LAYOUT)
+    lists = all_lists()
     distinct = {tuple(r) for rank_lists in lists.values() for r in rank_lists}
     # and the pipeline p2p's three more groups per pipeline (the same ranks as the pp group)
     assert len(calls.new_group) == len(distinct) + (PIPELINE_CHANNELS - 1) * len(lists["pp"])

@@ -19,7 +19,9 @@ Under ZeRO-3 the parameters themselves are flat ranges too (the engine's packed 
 read like an optimizer shard.
 The weights and their fp32 master copy load from ``optim.<name>.main`` when the checkpoint has one,
 else from the model weights at the precision they were stored in (a model-only or fp32 checkpoint).
-A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys.
+A tied copy (``meta.copy_of``) is never saved; it loads from its original's keys. A part of a fused tensor
+(``meta.part_of``) is saved and loaded under that tensor's keys; a slice replicated over a run of tp ranks
+(``meta.tp_replicas``: a shared key/value head) is written by the first of them only and read by all.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from megand.core.checkpointing.pieces import Piece, flat_range_boxes
 from megand.core.host_reads import holds_values
-from megand.core.sharding import ParamMeta
+from megand.core.sharding import ParamMeta, full_name
 
 
 def unpadded(local: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -53,7 +55,12 @@ def tp_offset(meta: ParamMeta) -> tuple[int, ...]:
 
 
 def saved_name(name: str, meta: ParamMeta) -> str:
-    return meta.copy_of or name
+    return full_name(name, meta)
+
+
+def written(meta: ParamMeta) -> bool:
+    """Whether this rank writes the parameter: not a tied copy, and the first copy of a replicated head."""
+    return meta.copy_of is None and (meta.tp_replicas == 1 or meta.first_replica)
 
 
 def model_key(name: str) -> str:
@@ -95,7 +102,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     rank writes. A storage of its own (through numpy, which makes no copy) lets it write the view as is."""
     if not holds_values(t):  # e.g. the fake tensors of a rehearsal: no numpy view
         return t
-    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes or not t.numel():
         return t
     return torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy()).view(t.dtype).view(t.shape)
 
@@ -105,8 +112,9 @@ def weight_pieces(named_params, ddp, key_of) -> list[Piece]:
     shard whole, or under ZeRO-3 (``ddp.shard_params``) this rank's flat slices of it, views of the
     engine's packed buffer: outside a forward those are the only values a ZeRO-3 rank holds, and reading
     them gathers nothing."""
-    if not ddp.shard_params:
-        return [param_piece(key, p) for name, p in named_params if (key := key_of(name, p)) is not None]
+    if not ddp.shard_params:  # a rank whose vocab rows are all padding holds no piece of that tensor
+        pieces = [param_piece(key, p) for name, p in named_params if (key := key_of(name, p)) is not None]
+        return [piece for piece in pieces if piece.tensor.numel()]
     name_of = {p: n for n, p in named_params}
     return [piece for p, lo, hi, data in ddp.param_shards() if (key := key_of(name_of[p], p)) is not None
             for piece in flat_pieces(key, p, lo, hi, data)]
@@ -135,11 +143,13 @@ def save_pieces(named_params, optimizer, named_buffers=()) -> list[Piece]:
     writes_shards = ddp.replica_rank == 0
     pieces = []
     if writes_shards or not ddp.shard_params:
-        pieces += weight_pieces(named_params, ddp, lambda n, p: None if p.meta.copy_of else model_key(n))
+        pieces += weight_pieces(named_params, ddp,
+                                lambda n, p: model_key(saved_name(n, p.meta)) if written(p.meta) else None)
     for shard in optimizer.sharded_state_dict() if writes_shards else ():
-        if shard.param.meta.copy_of is None:
+        if written(shard.param.meta):
             for kind, flat in shard.tensors.items():
-                pieces += flat_pieces(optim_key(shard.name, kind), shard.param, shard.lo, shard.hi, flat)
+                pieces += flat_pieces(optim_key(saved_name(shard.name, shard.param.meta), kind), shard.param,
+                                      shard.lo, shard.hi, flat)
     return pieces + buffer_pieces(named_buffers)
 
 

@@ -3,6 +3,7 @@
 After the last backward of a step every gradient must be the gradient of the global loss:
 - over dp x cp, replicas saw different tokens: sum (the loss is already divided by the global token count);
 - over tp under sequence parallelism, replicated parameters saw different sequence shards: sum;
+- over a run of tp ranks sharing a key/value head (``meta.tp_replicas``), each saw its own query heads: sum;
 - over the embedding group, the tied output layer of the last stage and the word embedding of the first
   stage are one parameter: sum, so both copies take the same step.
 """
@@ -55,6 +56,9 @@ def all_reduce_layout_grads(params, topo):
                      and not (expert_parallel and getattr(p.meta, "expert", False))]
         for same_dtype in _by_dtype(tp_summed):
             _all_reduce_coalesced(same_dtype, topo.tp_group)
+        for run in sorted({p.meta.tp_replicas for p, _ in grads if p.meta.tp_replicas > 1}):
+            for same_dtype in _by_dtype([g for p, g in grads if p.meta.tp_replicas == run]):
+                _all_reduce_coalesced(same_dtype, topo.tp_run_group(run))
     if topo.pp_size > 1 and topo.in_embedding_group:
         for same_dtype in _by_dtype([g for p, g in grads if p.meta.embedding_group_grad]):
             _all_reduce_coalesced(same_dtype, topo.embedding_group)

@@ -5,6 +5,11 @@ The fused QKV weight is laid out per query group: ``[groups, q_heads_per_group +
 gives each rank whole groups, so the layout of the full weight does not depend on tp. ``fuse_qkv`` and
 ``split_qkv`` convert between that layout and separate query/key/value weights (checkpoint conversion).
 
+When tp exceeds the key/value heads (multi-query attention, or few groups), each rank holds ``heads / tp``
+query heads and the key and value head of their group, which the ``tp / groups`` consecutive ranks of that
+group hold alike (:class:`SharedKVProjection`): the key/value rows are replicated over that run of ranks
+(``ParamMeta.tp_replicas``), while both parts stay pieces of the one fused weight of every other layout.
+
 Generation passes a layer's KV cache (:mod:`megand.core.transformer.kv_cache`): the keys and values of
 earlier tokens are kept, so each new token costs one position instead of the whole window.
 """
@@ -13,9 +18,10 @@ import torch
 
 from megand.core.attention_masks import local_attention
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
-from megand.core.sharding import HEADS, retag
+from megand.core.sharding import BIAS, HEADS, MATRIX, ParamMeta, retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
-from megand.core.tensor_parallel.layers import divide
+from megand.core.tensor_parallel.gemm import DEFAULT, use_policy
+from megand.core.tensor_parallel.layers import _param, column_parallel_linear, divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import apply_rope
@@ -39,6 +45,50 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, query_groups: int) -> tuple[tor
     qkv = qkv.reshape(query_groups, q_per_group + 2, -1, *rest)  # [groups, q_per_group + 2, d, ...]
     q = qkv[:, :q_per_group].reshape(-1, *rest)
     return q, qkv[:, q_per_group].reshape(-1, *rest), qkv[:, q_per_group + 1].reshape(-1, *rest)
+
+
+class SharedKVProjection(torch.nn.Module):
+    """The fused QKV projection when tp is a multiple of the query groups ``G``: rank ``r`` computes query heads
+    ``[r, r + 1) * heads / tp`` and the key and value head of their group ``r // (tp / G)``. Its two weights
+    are rows of the full fused weight (``[G, q_per_group + 2, d, hidden]``): the query rows its own, the
+    key/value rows replicated over the group's ``tp / G`` ranks, which sum their partial gradients (each saw
+    only its own query heads). Output: ``[s, b, (q_local + 2) * d]``, the layout of one group of the fused
+    projection with ``q_local`` query heads."""
+
+    def __init__(self, cfg, topo, q_per_group, *, bias, dtype, device):
+        super().__init__()
+        tp, rank, d, h = topo.tp_size, topo.tp_rank, cfg.head_dim, cfg.hidden_size
+        self.tp_group, self.sequence_parallel = topo.tp_group, cfg.sequence_parallel
+        run = tp // cfg.query_groups  # the ranks sharing one key/value head
+        group, j = divmod(rank, run)
+        q_local = q_per_group // run
+        unit = (q_per_group + 2) * d  # one group's rows of the fused weight
+        q_rows = (group * unit + j * q_local * d, group * unit + (j + 1) * q_local * d)
+        kv_rows = (group * unit + q_per_group * d, (group + 1) * unit)
+        full = cfg.query_groups * unit
+
+        def part(rows, role, init, name, replicas, *cols):
+            meta = ParamMeta((full, *cols), 0, rank, tp, init=init, init_std=cfg.init_std, role=role, rows=rows,
+                             part_of=name, tp_replicas=replicas)
+            return _param((rows[1] - rows[0], *cols), meta, dtype, device)
+
+        self.q_weight = part(q_rows, MATRIX, "normal", "weight", 1, h)
+        self.kv_weight = part(kv_rows, MATRIX, "normal", "weight", run, h)
+        self.q_bias = part(q_rows, BIAS, "zeros", "bias", 1) if bias else None
+        self.kv_bias = part(kv_rows, BIAS, "zeros", "bias", run) if bias else None
+        self.set_gemm(DEFAULT)
+
+    def set_gemm(self, policy):
+        """Run both products under ``policy`` (a precision recipe), each a column-parallel product."""
+        self.q_gemm = use_policy(self.q_weight, policy.bind(self.tp_group, "column"))
+        self.kv_gemm = use_policy(self.kv_weight, policy.bind(self.tp_group, "column"))
+
+    def forward(self, x):
+        q = column_parallel_linear(x, self.q_weight, self.q_bias, self.tp_group, self.sequence_parallel,
+                                   policy=self.q_gemm)
+        kv = column_parallel_linear(x, self.kv_weight, self.kv_bias, self.tp_group, self.sequence_parallel,
+                                    policy=self.kv_gemm)
+        return torch.cat([q, kv], dim=-1)
 
 
 class AttentionCore(torch.nn.Module):
@@ -86,7 +136,6 @@ class Attention(AttentionCore):
     def __init__(self, cfg, topo, rng, device=None, layer_id=0):
         super().__init__(cfg, topo, rng, layer_id)
         tp = topo.tp_size
-        self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
         # with the output gate each query group also holds its heads' gates, after its queries
         self.gated = cfg.attention_output_gate
@@ -94,11 +143,23 @@ class Attention(AttentionCore):
         qkv_size = cfg.query_width * (2 if self.gated else 1) + 2 * cfg.kv_width
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
-                                        **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
-        # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
-        retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim,) * (2 if self.gated else 1)
-              + (cfg.head_dim, cfg.head_dim))
+        if tp > cfg.query_groups:  # fewer key/value heads than ranks: each rank's one, shared with its neighbours
+            divide(tp, cfg.query_groups, "parallel.tp over model.num_query_groups")
+            if self.gated:  # a rank's gate rows would be a third part of each group's rows
+                raise ValueError(f"model.attention_output_gate with model.num_query_groups={cfg.query_groups} < "
+                                 f"parallel.tp={tp}: not supported; use parallel.tp <= {cfg.query_groups}")
+            self.qkv = SharedKVProjection(cfg, topo, self.q_per_group, bias=cfg.add_bias or cfg.qkv_bias,
+                                          dtype=cfg.params_dtype, device=common["device"])
+            self.local_groups, self.q_per_group = 1, divide(cfg.num_attention_heads, tp,
+                                                            "model.num_attention_heads across tensor-parallel ranks")
+            self.q_rows = self.q_per_group
+        else:
+            self.local_groups = divide(cfg.query_groups, tp, "model.num_query_groups across tensor-parallel ranks")
+            self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_size, init_std=cfg.init_std,
+                                            **dict(common, bias=cfg.add_bias or cfg.qkv_bias))
+            # per query group: its queries, its key, its value (optimizers that treat each matrix whole read this)
+            retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim,) * (2 if self.gated else 1)
+                  + (cfg.head_dim, cfg.head_dim))
         self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
         self.q_norm = self.k_norm = None
