@@ -2,7 +2,11 @@
 ``train.compile=true``, against a plain transformers training loop on the same LLaMA shape and batch, one
 process, fp32. Each run is a process of its own; the three alternate, ``--rounds`` times, so the machine's
 load drift reaches all of them alike. Prints one JSON line: each side's median tokens/s per round (steps
-after ``--warmup``), the best round of each, and the ratios over transformers.
+after ``--warmup``), the best round of each, and the ratios over transformers; then the two ratio lines.
+
+The transformers loop trains with the run's recipe where a plain loop has it: AdamW with the config's
+betas, weight decay and learning rate, and gradient clipping at ``optim.clip_grad`` (as megand, and as
+transformers' Trainer by default: ``max_grad_norm=1.0``); ``--no-baseline-clip`` leaves the clipping out.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_e2e.py --iters 8 --warmup 3 --rounds 2 model=llama_50m \\
         train.micro_batch_size=4
@@ -43,10 +47,12 @@ from megand.tools.benchmark_megand import benchmark_config
 from omegaconf import OmegaConf
 overrides, iters, warmup = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfg = benchmark_config(overrides, iters, 0, cuda=False)
+clip = cfg.optim.clip_grad if sys.argv[4] == "1" else 0.0
 torch.manual_seed(cfg.train.seed)
 model = build_hf_model(OmegaConf.to_container(cfg.model, resolve=True), attn_implementation="sdpa")
 model.train()
-opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+o = cfg.optim
+opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 batch, seq, vocab = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
 rates = []
 for i in range(iters):
@@ -55,6 +61,8 @@ for i in range(iters):
     opt.zero_grad(set_to_none=True)
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     loss.item()
     if i >= warmup:
@@ -63,13 +71,15 @@ print(json.dumps(sorted(rates)[len(rates) // 2]))
 """
 
 
-def transformers_run(overrides, iters, warmup) -> float:
-    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, json.dumps(overrides), str(iters), str(warmup)],
+def transformers_run(overrides, iters, warmup, clip: bool) -> float:
+    """Median tokens/s of the transformers loop after ``warmup``; ``clip``: at the config's ``optim.clip_grad``."""
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, json.dumps(overrides), str(iters), str(warmup),
+                          "1" if clip else "0"],
                          check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def profile(overrides, top: int = 15) -> None:
+def profile(overrides, clip: bool, top: int = 30) -> None:
     import torch
     from omegaconf import OmegaConf
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -82,22 +92,40 @@ def profile(overrides, top: int = 15) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
     trainer = Trainer(cfg)
     model = build_hf_model(OmegaConf.to_container(cfg.model, resolve=True), attn_implementation="sdpa")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     batch, seq, vocab = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
 
     def hf_step():
         tokens = torch.randint(0, vocab, (batch, seq))
         opt.zero_grad(set_to_none=True)
         model(input_ids=tokens, labels=tokens).loss.backward()
+        if clip and o.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         opt.step()
 
-    for name, step in (("megand", trainer.step), ("transformers", hf_step)):
+    ops, cpu = {}, {}
+    for name, step in (("megand", trainer.iterate), ("transformers", hf_step)):  # iterate: the step and its log
         step()  # warm-up
+        step()
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = os.times()
             step()
-        print(f"== {name}: one step")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+            end = os.times()
+        cpu[name] = (end.user - start.user, end.system - start.system)
+        ops[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
     trainer.close()
+    # the process's CPU time (user + system: page faults of fresh allocations are system time) and each
+    # operator's self time, side by side, the largest differences first
+    for name, (user, system) in cpu.items():
+        print(f"{name:12s} cpu {user + system:.3f} s (user {user:.3f}, system {system:.3f}); operators' self time "
+              f"{sum(t for t, _ in ops[name].values()) / 1e3:.3f} s")
+    m, h = ops["megand"], ops["transformers"]
+    keys = sorted(set(m) | set(h), key=lambda k: -abs(m.get(k, (0, 0))[0] - h.get(k, (0, 0))[0]))
+    print(f"{'operator':50s} {'megand ms':>10s} {'calls':>6s} {'transformers ms':>16s} {'calls':>6s}")
+    for k in keys[:top]:
+        (a, na), (b, nb) = m.get(k, (0.0, 0)), h.get(k, (0.0, 0))
+        print(f"{k[:50]:50s} {a:10.1f} {na:6d} {b:16.1f} {nb:6d}")
 
 
 def main():
@@ -107,25 +135,29 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="first iterations left out of the median")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one step of each side instead")
+    p.add_argument("--no-baseline-clip", dest="clip", action="store_false",
+                   help="the transformers loop without gradient clipping (megand clips at optim.clip_grad)")
     args = p.parse_intermixed_args()
     overrides = list(args.overrides)
     if not any(o.startswith("train.global_batch_size=") for o in overrides):  # one micro-batch per step
         micro = [o.split("=", 1)[1] for o in overrides if o.startswith("train.micro_batch_size=")]
         overrides.append(f"train.global_batch_size={micro[-1] if micro else 1}")
     if args.profile:
-        return profile(overrides)
+        return profile(overrides, args.clip)
     results = {"megand": [], "megand_compiled": [], "transformers": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             results["megand"].append(megand_run(overrides, args.iters, args.warmup, False, f"{tmp}/e{r}"))
             results["megand_compiled"].append(megand_run(overrides, args.iters, args.warmup, True, f"{tmp}/c{r}"))
-            results["transformers"].append(transformers_run(overrides, args.iters, args.warmup))
+            results["transformers"].append(transformers_run(overrides, args.iters, args.warmup, args.clip))
     best = {k: max(v) for k, v in results.items()}
+    eager, compiled = best["megand"] / best["transformers"], best["megand_compiled"] / best["transformers"]
     print(json.dumps({
-        "overrides": overrides, "iters": args.iters, "warmup": args.warmup, "tokens_per_s": results,
-        "best": best, "eager_ratio": best["megand"] / best["transformers"],
-        "compiled_ratio": best["megand_compiled"] / best["transformers"],
+        "overrides": overrides, "iters": args.iters, "warmup": args.warmup, "baseline_clip": args.clip,
+        "tokens_per_s": results, "best": best, "eager_ratio": eager, "compiled_ratio": compiled,
         "loadavg": open("/proc/loadavg").read().split()[:3], "time": time.strftime("%H:%M:%S")}))
+    print(f"eager    megand / transformers tokens/s: {eager:.3f}  (target >= 1.0)")
+    print(f"compiled megand / transformers tokens/s: {compiled:.3f}  (target >= 1.2)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,14 @@ from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import rope_cos_sin
 from megand.models.mtp import MultiTokenPrediction, depth_losses, shift_left
 
+
+def seq_first(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...] -> [s, b, ...]``, contiguous, with the strides of a new tensor of that shape. A batch of
+    one is contiguous as soon as it is transposed, so ``.contiguous()`` alone keeps the transposed strides
+    (``s*h`` for its size-1 batch dim), while the layers' outputs have ``h``: torch.compile guards on
+    strides, and the first layer would compile a graph of its own (``.view`` recomputes them, no copy)."""
+    return x.transpose(0, 1).contiguous().view(x.shape[1], x.shape[0], *x.shape[2:])
+
 WORD_EMBEDDING = "embedding.word.weight"
 
 
@@ -50,7 +58,7 @@ class Embedding(torch.nn.Module):
         if self.cfg.sequence_parallel:
             # each tp rank's lookup is partial (its vocab rows): reduce-scatter the sum over the sequence
             # (no all-reduce of the full sequence then a split)
-            x = reduce_scatter_to_sp(self.word(input_ids).transpose(0, 1).contiguous(), self.tp_group)  # [s/tp, b, h]
+            x = reduce_scatter_to_sp(seq_first(self.word(input_ids)), self.tp_group)  # [s/tp, b, h]
             if self.position is not None:
                 local = positions.chunk(dist.get_world_size(self.tp_group))[dist.get_rank(self.tp_group)]
                 x = x + self.position[local].unsqueeze(1)
@@ -58,7 +66,7 @@ class Embedding(torch.nn.Module):
             x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
             if self.position is not None:
                 x = x + self.position[positions]
-            x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            x = seq_first(x)  # [s, b, h]
         if self.training and self.cfg.hidden_dropout > 0:
             if self.cfg.sequence_parallel:  # each tp rank holds other tokens: draw other masks
                 with self.rng.fork():
@@ -135,7 +143,7 @@ class GPTModel(torch.nn.Module):
 
     def embed_tokens(self, ids):
         """The word embedding of ``ids [b, s]`` alone, ``[s, b, h]`` (this rank's sequence shard under sp)."""
-        partial = vocab_parallel_lookup(ids, self.mtp_table, self.topo.tp_group).transpose(0, 1).contiguous()
+        partial = seq_first(vocab_parallel_lookup(ids, self.mtp_table, self.topo.tp_group))
         if self.cfg.sequence_parallel:
             return reduce_scatter_to_sp(partial, self.topo.tp_group)
         return reduce_from_tp(partial, self.topo.tp_group)

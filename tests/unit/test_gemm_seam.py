@@ -72,6 +72,23 @@ def test_swiglu_activation_backward_traces_in_one_graph():
     torch.testing.assert_close(h.grad, ref.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_swiglu_backward_interleaves_bitwise_as_a_stack(dtype):
+    """The eager backward writes the interleaved (gate, up) gradient through a complex view instead of a
+    stack (whose stride-2 copies are slow on CPU): the same bits, also from strided inputs."""
+    from megand.core.transformer.mlp import _interleave
+
+    pair = torch.randn(6, 5, 2).to(dtype)
+    first, second = pair[..., 0], pair[..., 1]  # strided views, as SwiGLU's backward gets them
+    assert torch.equal(_interleave(first, second), torch.stack([first, second], dim=-1))
+    h = pair.clone().requires_grad_()
+    g = torch.randn(6, 5).to(dtype)
+    SwiGLU.apply(h).backward(g)
+    ref = pair.clone().requires_grad_()
+    (torch.nn.functional.silu(ref[..., 0]) * ref[..., 1]).backward(g)
+    torch.testing.assert_close(h.grad, ref.grad)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_deferred_weight_gradient_pass_equals_the_immediate_one(kind):
     module = layer(kind)

@@ -41,7 +41,21 @@ def _swiglu_grad(grad, gate, up):
     """The gradient of ``silu(gate) * up`` as the interleaved ``[..., f, 2]`` (gate, up) of its input. No
     kernel writes into a strided ``out=`` view: torch.compile cannot trace one."""
     # silu's own backward kernel: silu'(x) = sig(x) (1 + x (1 - sig(x))) in one pass
-    return torch.stack([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
+    return _interleave(torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate))
+
+
+# the dtypes whose pairs are a complex dtype with full CPU kernels (complex64, complex128)
+_COMPLEX_PAIRS = (torch.float32, torch.float64)
+
+
+def _interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``[..., f, 2]`` from ``first`` and ``second`` ``[..., f]``, bitwise ``torch.stack(..., dim=-1)``. Eager,
+    it is written as the real and imaginary parts of a complex tensor: one vectorised pass, where the
+    stack's stride-2 copies are not vectorised on CPU (4-5x slower; at llama_50m's size 3% of a step).
+    Compiled, the stack, which inductor fuses into the kernel that produces the two."""
+    if torch.compiler.is_compiling() or first.dtype not in _COMPLEX_PAIRS:
+        return torch.stack([first, second], dim=-1)
+    return torch.view_as_real(torch.complex(first, second))
 
 
 class SwiGLULinear(torch.autograd.Function):
