@@ -24,7 +24,8 @@ CPU = torch.device("cpu")
 # a schema key -> (overrides it needs to be valid, a value other than its default) where the type alone does
 # not give one (strings, nulls, keys that depend on others); others: a flipped bool, int + 1, float x 2
 OTHER_VALUE = {
-    "parallel.dp": ({}, 2),  # on the world it names (_core_configs): dp=null on one rank is dp=1
+    "parallel.dp": ({}, 2),
+    "parallel.dp_microbatches": ({"parallel.dp": 2}, [3, 1]),  # uneven shares of the global batch  # on the world it names (_core_configs): dp=null on one rank is dp=1
     "parallel.ep": ({"parallel.dp": 2}, 2),
     "parallel.vpp": ({"parallel.pp": 2}, 2),
     "parallel.pp_schedule": ({"parallel.pp": 2}, "zb1p"),
