@@ -70,9 +70,14 @@ def run_pretrain(run_dir, overrides=(), nproc: int = 1, timeout: float = 600, ex
         with tempfile.TemporaryDirectory() as logs:
             outs = [open(os.path.join(logs, f"{r}.out"), "w+") for r in range(nproc)]
             errs = [open(os.path.join(logs, f"{r}.err"), "w+") for r in range(nproc)]
-            ranks = [subprocess.Popen(cmd, cwd=root, stdout=outs[r], stderr=errs[r], preexec_fn=preexec_fn, env={
-                **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
-                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}) for r in range(nproc)]
+            rank_envs = [{**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                          "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                          "GROUP_RANK": "0"} for r in range(nproc)]
+            if preexec_fn is None and set(extra_env or ()) <= FORKABLE_ENV:
+                ranks = [_zygote().spawn(script, rank_envs[r], root, outs[r].name, errs[r].name) for r in range(nproc)]
+            else:
+                ranks = [subprocess.Popen(cmd, cwd=root, stdout=outs[r], stderr=errs[r], preexec_fn=preexec_fn,
+                                          env=rank_envs[r]) for r in range(nproc)]
             try:
                 codes = [rank.wait(timeout=timeout) for rank in ranks]
             finally:
@@ -103,3 +108,84 @@ def assert_parity(reference: list[dict], run: list[dict], steps: int = 10) -> No
         for key in ("loss", "grad_norm"):
             assert rel(run[i][key], reference[i][key]) <= 1e-4, (
                 f"step {i + 1} {key}: {run[i][key]} vs reference {reference[i][key]}")
+
+
+# Extra environment variables a forked rank may be given: none of them changes what an import does
+# (``PYTHONPATH`` would: such runs start a fresh interpreter).
+FORKABLE_ENV = {"XDG_CACHE_HOME"}
+
+
+class _ForkedRank:
+    """What run_pretrain needs of a ``Popen``, for a rank the zygote forked (not our child: it waits)."""
+
+    def __init__(self, zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def wait(self, timeout=None):
+        import subprocess
+
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, 1e9 if timeout is None else timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self.returncode
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, 0)
+        return self.returncode
+
+    def kill(self):
+        import signal
+
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait()
+
+
+class _Zygote:
+    """The session's tests/rank_zygote.py process (started on first use, ended with the session)."""
+
+    def __init__(self):
+        import atexit
+        import json
+        import subprocess
+        import sys
+
+        self.json = json
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.rank_zygote"], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        if self._read() != {"ready": True}:
+            raise RuntimeError("the rank zygote did not start")
+        atexit.register(self.proc.kill)
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the rank zygote exited ({self.proc.poll()})")
+        return self.json.loads(line)
+
+    def _ask(self, **req):
+        self.proc.stdin.write(self.json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def spawn(self, argv, env, cwd, stdout, stderr) -> _ForkedRank:
+        return _ForkedRank(self, self._ask(op="spawn", argv=list(argv), env=env, cwd=cwd, stdout=stdout,
+                                           stderr=stderr)["pid"])
+
+    def wait(self, pid, timeout):
+        return self._ask(op="wait", pid=pid, timeout=timeout)["code"]
+
+
+_ZYGOTE = []
+
+
+def _zygote() -> _Zygote:
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote()]
+    return _ZYGOTE[0]
