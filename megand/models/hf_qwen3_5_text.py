@@ -12,26 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from megand.models.hf import Family, Rule, dims, norm_eps
-from megand.models.hf_llama import DROPOUT, rope_parameters
+from megand.models.hf import Family, Rule
+from megand.models.hf_llama import DROPOUT
 from megand.models.hf_qwen3_next import FAMILY as NEXT
-from megand.models.hf_qwen3_next import LINEAR_KEYS, TYPES, _types, hybrid_config
+from megand.models.hf_qwen3_next import hybrid_config, hybrid_hf_kwargs
 from megand.models.hf_qwen3_next import rules as hybrid_rules
 
 
 def hf_config(m: dict):
     from transformers import Qwen3_5TextConfig
 
-    h, heads, groups, hd = dims(m)
-    rope = dict(rope_parameters(m), partial_rotary_factor=float(m.get("partial_rotary_factor", 1.0)))
-    return Qwen3_5TextConfig(
-        vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
-        num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups, head_dim=hd,
-        hidden_act="silu", max_position_embeddings=m["seq_length"], initializer_range=m.get("init_std", 0.02),
-        rms_norm_eps=norm_eps(m), rope_parameters=rope, tie_word_embeddings=bool(m["tie_embeddings"]),
-        attention_bias=False, attention_dropout=m.get("attention_dropout", 0.0),
-        layer_types=[TYPES[t] for t in _types(m)], linear_conv_kernel_dim=m.get("linear_conv_kernel", 4),
-        **{k: m[k] for k in LINEAR_KEYS if k in m}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return Qwen3_5TextConfig(**hybrid_hf_kwargs(m))
 
 
 def model_config(config) -> dict:

@@ -35,27 +35,31 @@ def _types(m) -> list[str]:
     return list(m.get("layer_types") or ["attention"] * m["num_layers"])
 
 
-def hf_config(m: dict):
-    from transformers import Qwen3NextConfig
-
+def hybrid_hf_kwargs(m: dict) -> dict:
+    """The transformers config arguments a Qwen3-Next and a Qwen3.5 text model share (all but the MoE ones)."""
     h, heads, groups, hd = dims(m)
-    moe = set(moe_layer_ids(m))
-    experts = m.get("num_experts") or 0
     rope = dict(rope_parameters(m), partial_rotary_factor=float(m.get("partial_rotary_factor", 1.0)))
-    return Qwen3NextConfig(
+    return dict(
         vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
         num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups, head_dim=hd,
         hidden_act="silu", max_position_embeddings=m["seq_length"], initializer_range=m.get("init_std", 0.02),
         rms_norm_eps=norm_eps(m), rope_parameters=rope, tie_word_embeddings=bool(m["tie_embeddings"]),
         attention_bias=False, attention_dropout=m.get("attention_dropout", 0.0),
         layer_types=[TYPES[t] for t in _types(m)], linear_conv_kernel_dim=m.get("linear_conv_kernel", 4),
-        **{k: m[k] for k in LINEAR_KEYS if k in m},
-        decoder_sparse_step=1, mlp_only_layers=[i for i in range(m["num_layers"]) if i not in moe],
+        **{k: m[k] for k in LINEAR_KEYS if k in m}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def hf_config(m: dict):
+    from transformers import Qwen3NextConfig
+
+    moe = set(moe_layer_ids(m))
+    experts = m.get("num_experts") or 0
+    return Qwen3NextConfig(
+        **hybrid_hf_kwargs(m), decoder_sparse_step=1, mlp_only_layers=[i for i in range(m["num_layers"]) if i not in moe],
         num_experts=experts, moe_intermediate_size=expert_width(m) if experts else 0,
         shared_expert_intermediate_size=(m.get("moe_shared_experts") or 0) * expert_width(m) if experts else 0,
         num_experts_per_tok=m.get("moe_top_k", 2), norm_topk_prob=bool(m.get("moe_norm_topk_prob", True)),
-        router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0),
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0))
 
 
 def hybrid_config(config) -> dict:
