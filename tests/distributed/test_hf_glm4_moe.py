@@ -93,7 +93,8 @@ def test_import_refuses_what_megand_cannot_express_in_one_line(changes, needle, 
     assert len(err) == 1 and needle in err[0], err
 
 
-LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}
+LAYOUTS = {"one": (1, []), "ep2": (2, ["parallel.ep=2"]),
+           "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_layout=[2,1]"])}  # 3 layers
 
 
 @pytest.mark.parametrize("layout", ["one", "ep2", pytest.param("tp2_pp2", marks=pytest.mark.slow)])

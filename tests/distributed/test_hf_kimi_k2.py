@@ -90,7 +90,8 @@ def test_import_refuses_an_unread_key_of_a_kimi_config(imported, tmp_path, capsy
     assert len(err) == 1 and "unknown_switch: the deepseek_v3 adapter does not read" in err[0], err
 
 
-LAYOUTS = {"one": (1, []), "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}
+LAYOUTS = {"one": (1, []), "ep2": (2, ["parallel.ep=2"]),
+           "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_layout=[2,1]"])}  # 3 layers
 
 
 @pytest.mark.parametrize("layout", ["one", pytest.param("tp2_pp2", marks=pytest.mark.slow),
