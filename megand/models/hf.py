@@ -91,6 +91,9 @@ class Family:
     model_config: Callable  # transformers config -> megand ``model``
     rules: Callable[..., list[Rule]]  # megand ``model`` -> one Rule per megand tensor
     mtp_marker: Callable | None = None  # megand ``model`` -> a tensor files with multi-token prediction hold
+    # other ``model_type`` values whose config.json is this family's config under another name (Kimi-K2 publishes
+    # DeepSeek-V3's architecture as ``kimi_k2``, for its own code): import reads them as this family's config
+    aliases: frozenset[str] = frozenset()
 
     def unexpressed(self, keys: Mapping[str, Any], m: Mapping[str, Any], optional=frozenset()) -> list[str]:
         """What keeps this family from expressing a model whose set architecture keys are ``keys`` (``m``: the

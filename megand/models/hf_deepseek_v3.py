@@ -1,5 +1,7 @@
 """State-dict adapter: megand models with multi-head latent attention <-> ``transformers``
-``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi K2, Moonlight).
+``DeepseekV3ForCausalLM`` (DeepSeek-V3, Kimi-K2, Moonlight). Kimi-K2's config.json says ``model_type: kimi_k2``
+(for its own code, which transformers does not have): import reads it as DeepSeek-V3's config (the family's
+``aliases``); export writes ``deepseek_v3``, which transformers loads.
 
 Attention: ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` (or ``q_proj`` with ``q_lora_rank`` null) are megand's
 ``attention.q_down``/``q_down_norm``/``q_up``; ``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj`` its
@@ -138,7 +140,13 @@ def _copies_rule(megand: str, names: list[str]) -> Rule:
 
 
 def rules(m: dict, rope_interleave: bool = True) -> list[Rule]:
-    """``rope_interleave``: the files' RoPE rows interleaved (DeepSeek's layout, and what export writes).
+    """``rope_interleave``: the files' RoPE rows interleaved (DeepSeek's layout, and what export writes)."""
+    return mtp_model_rules(m, lambda p, q, moe: _layer_rules(m, p, q, moe, rope_interleave))
+
+
+def mtp_model_rules(m: dict, layer_rules) -> list[Rule]:
+    """The rules of a model in DeepSeek-V3's file layout whose transformer layers ``layer_rules(megand prefix,
+    files' prefix, moe)`` gives (GLM-4.5 shares the layout with its own attention).
 
     Multi-token prediction depth k (``model.mtp_layers``) is DeepSeek's module ``model.layers.{num_layers + k}``:
     ``enorm``, ``hnorm``, ``eh_proj`` (megand's ``proj``, the embedding half first), a transformer layer under
@@ -155,7 +163,7 @@ def rules(m: dict, rope_interleave: bool = True) -> list[Rule]:
     else:
         out.append(_copies_rule("embedding.word.weight", embedding))
     for i in range(L):
-        out += _layer_rules(m, f"layers.{i}.", f"model.layers.{i}.", is_moe_layer(m, i), rope_interleave)
+        out += layer_rules(f"layers.{i}.", f"model.layers.{i}.", is_moe_layer(m, i))
     out.append(Rule("final_norm.weight", ("model.norm.weight",)))
     if not m["tie_embeddings"]:
         out.append(_copies_rule("output_layer.weight", ["lm_head.weight"] + heads))
@@ -163,7 +171,7 @@ def rules(m: dict, rope_interleave: bool = True) -> list[Rule]:
         p = f"mtp.depths.{k}."
         out += [Rule(p + "enorm.weight", (q + "enorm.weight",)), Rule(p + "hnorm.weight", (q + "hnorm.weight",)),
                 Rule(p + "proj.weight", (q + "eh_proj.weight",)),
-                *_layer_rules(m, p + "layer.", q, is_moe_layer(m, L + k), rope_interleave),
+                *layer_rules(p + "layer.", q, is_moe_layer(m, L + k)),
                 Rule(p + "final_norm.weight", (q + "shared_head.norm.weight",))]
     return out
 
@@ -189,15 +197,18 @@ def _layer_rules(m: dict, p: str, q: str, moe: bool, rope_interleave: bool) -> l
             Rule(a + "proj.weight", (qa + "o_proj.weight",)),
             Rule(p + "input_norm.weight", (q + "input_layernorm.weight",)),
             Rule(p + "post_attention_norm.weight", (q + "post_attention_layernorm.weight",))]
-    if not moe:
-        return out + mlp_rules(p + "mlp.", q + "mlp.")
+    return out + (deepseek_moe_rules(m, p, q) if moe else mlp_rules(p + "mlp.", q + "mlp."))
+
+
+def deepseek_moe_rules(m: dict, p: str, q: str) -> list[Rule]:
+    """A MoE layer's MLP: the sigmoid router with its correction bias, the routed experts, the shared experts."""
     mlp, experts = q + "mlp.", range(m["num_experts"])
-    return out + [Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
-                  Rule(p + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)),
-                  experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
-                                   [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
-                  experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
-                  *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]
+    return [Rule(p + "mlp.router.weight", (mlp + "gate.weight",)),
+            Rule(p + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)),
+            experts_fc1_rule(p + "mlp.experts.fc1.weight", [f"{mlp}experts.{e}.gate_proj.weight" for e in experts],
+                             [f"{mlp}experts.{e}.up_proj.weight" for e in experts]),
+            experts_fc2_rule(p + "mlp.experts.fc2.weight", [f"{mlp}experts.{e}.down_proj.weight" for e in experts]),
+            *mlp_rules(p + "mlp.shared_experts.", mlp + "shared_experts.")]
 
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", expresses=EXPRESSES, marks=LLAMA_MARKS | {"kv_lora_rank"},
@@ -215,4 +226,6 @@ FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", expresses=EXPRESSES, mar
                 # (layout, auxiliary loss); auto_map: DeepSeek's own code, which transformers' class replaces
                 ignores=DROPOUT | {"head_dim", "qk_head_dim", "num_key_value_heads", "pretraining_tp",
                                    "output_router_logits", "ep_size", "seq_aux", "aux_loss_alpha", "auto_map"},
-                hf_config=hf_config, model_config=model_config, rules=rules, mtp_marker=mtp_marker)
+                hf_config=hf_config, model_config=model_config, rules=rules, mtp_marker=mtp_marker,
+                # Kimi-K2's files: DeepSeek-V3's architecture, config.json with model_type kimi_k2 and DeepSeek's keys
+                aliases=frozenset({"kimi_k2"}))

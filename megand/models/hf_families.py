@@ -15,12 +15,14 @@ from typing import Any, Mapping
 from megand.core.transformer.config import architecture
 from megand.models import (hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_mixtral, hf_qwen2, hf_qwen2_moe,
                            hf_qwen3, hf_qwen3_moe, hf_qwen3_5_text, hf_qwen3_next)
+from megand.models import hf_glm4_moe
 from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
     hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY,
-    hf_qwen3_5_text.FAMILY)}
+    hf_qwen3_5_text.FAMILY,
+    hf_glm4_moe.FAMILY)}
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,18 @@ def family_for_model(m: Mapping[str, Any]) -> Family:
                      f"{nearest}; families: {family_names()}")
 
 
+def family_for_model_type(model_type: str) -> Family:
+    """The family that reads a ``config.json`` of ``model_type`` (its own, or one of its ``aliases``)."""
+    for family in FAMILIES.values():
+        if model_type == family.model_type or model_type in family.aliases:
+            return family
+    aliases = [a for f in FAMILIES.values() for a in sorted(f.aliases)]
+    raise ValueError(f"model_type={model_type!r}: only {', '.join([*FAMILIES, *aliases])} can be imported")
+
+
 def family_for_hf(config) -> Family:
     """The family of a ``transformers`` config (by its ``model_type``)."""
-    if config.model_type not in FAMILIES:
-        raise ValueError(f"model_type={config.model_type!r}: only {family_names()} can be imported")
-    return FAMILIES[config.model_type]
+    return family_for_model_type(config.model_type)
 
 
 def unread_keys(family: Family, config_keys, attribute_map: Mapping[str, str] | None = None) -> list[str]:

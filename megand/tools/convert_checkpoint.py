@@ -6,7 +6,8 @@
         (+ model.safetensors.index.json when there are several) and config.json; a key no family expresses,
         or a tensor the family's rules do not cover, is refused before anything is written
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
-        local transformers directory (safetensors) whose config.json's model_type is a family above
+        local transformers directory (safetensors) whose config.json's model_type is a family above (or a name
+        a family reads as its own: kimi_k2 is deepseek_v3's architecture; it exports as deepseek_v3)
         -> megand checkpoint (model only, iteration 0), loadable at any layout with
         `checkpoint.load=ckpts/imported` (no model keys needed: the run takes the checkpoint's model);
         a config.json key the family does not read is refused
@@ -38,7 +39,7 @@ from megand.tools.progress import heartbeat
 from megand.core.checkpointing import CheckpointError, files, offline
 from megand.core.transformer.config import DTYPES
 from megand.models import full
-from megand.models.hf_families import LEFT_OUT, family_for_hf, family_for_model, family_names, unread_keys
+from megand.models.hf_families import LEFT_OUT, family_for_model, family_for_model_type, family_names, unread_keys
 from megand.tools.safetensors_files import (
     FP8,
     INDEX,
@@ -120,10 +121,15 @@ def read_hf_config(hf_dir: str):
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"--hf {hf_dir}: no config.json (not a transformers model directory)")
-    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    family = family_for_hf(config)
     with open(path) as f:
-        unread = unread_keys(family, json.load(f), type(config).attribute_map)
+        raw = json.load(f)
+    family = family_for_model_type(raw.get("model_type"))
+    if raw.get("model_type") in family.aliases:  # the family's config under another name (transformers has no class
+        # of that name, the file's own code is not run): built by the family's config class
+        config = AutoConfig.for_model(family.model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    else:
+        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    unread = unread_keys(family, raw, type(config).attribute_map)
     if unread:
         raise ValueError(f"--hf {hf_dir}: config.json key(s) {', '.join(unread)}: the {family.model_type} adapter "
                          f"does not read them (megand cannot tell that the model keeps its meaning)")

@@ -21,6 +21,7 @@ MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
 NEXT = dict(layer_types=["linear_attention", "attention"], attention_output_gate=True, norm_unit_offset=True,
             partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8)
+GLM = dict(partial_rotary_factor=0.5)  # GLM-4.5: RoPE on half of each head
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -36,6 +37,8 @@ FAMILY_MODELS = {
                         moe_n_group=2, moe_topk_group=1, moe_first_k_dense_replace=1, mtp_layers=1),
     "qwen3_5_text": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32),
     "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
+    "glm4_moe": dict(LLAMA, **GLM, qkv_bias=True, qk_norm=True, head_dim=24, **MOE, moe_router="sigmoid",
+                     moe_shared_experts=1, moe_first_k_dense_replace=1, moe_routed_scaling_factor=2.5),
 }
 
 
@@ -48,7 +51,7 @@ def grid():
     axes = [[BASE, LLAMA], [{}, {"num_query_groups": 4}, {"head_dim": 24}], [{}, {"qkv_bias": True}],
             [{}, {"qk_norm": True}], [{}, {"sliding_window": 8}, {"sliding_window": [None, 8]},
                                       {"sliding_window": [4, 8]}],
-            moe, [{}, LATENT], [{}, NEXT]]
+            moe, [{}, LATENT], [{}, NEXT, GLM]]
     for parts in itertools.product(*axes):
         m = {}
         for part in parts:
