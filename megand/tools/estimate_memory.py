@@ -399,7 +399,12 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
         m = 2 * pp if v > 1 else pp
     # a count the schedule's rule refuses (the executor would): the next it runs
-    m = layout.parallel.schedule.microbatch_rule(pp, v if v > 1 else None).smallest_at_least(m)
+    rule = layout.parallel.schedule.microbatch_rule(pp, v if v > 1 else None)
+    m = rule.smallest_at_least(m)
+    # past the warm-up every schedule holds a steady number of chunks: its peak at 2·pp·v micro-batches is
+    # its peak at any more (tests/unit/test_estimate_saturation.py), and replaying thousands is what the
+    # planner cannot afford on every layout
+    m = min(m, rule.smallest_at_least(2 * pp * v))
     return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 
@@ -452,12 +457,16 @@ def layer_recompute(num_layers: int, layout: Layout):
 
 def stage_moe_layers(model: Mapping[str, Any], layout: Layout, stage: int) -> int:
     shape = Shape.from_config(model)
+    if not shape.experts:  # dense: no layer to look at (the planner asks this for every layout)
+        return 0
     return sum(shape.is_moe(i) for i in stage_layers(shape.layers, layout, stage))
 
 
 def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Routed-expert parameters held by one rank of pipeline ``stage`` (its share over ep and etp)."""
     shape = Shape.from_config(model)
+    if not shape.experts:
+        return 0.0
     moe = layer_params(shape, moe=True)
     layers = stage_moe_layers(model, layout, stage)
     if stage == layout.pp - 1:  # the multi-token prediction layers that are MoE

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from hydra.errors import HydraException
@@ -48,6 +49,7 @@ from megand.tools.planner.cluster import ClusterError, load_cluster
 from megand.tools.progress import heartbeat
 from megand.tools.planner.profile import Profile, ProfileError
 from megand.tools.planner.search import PlanError, Planner, config_validator
+from megand.tools.planner.shares import format_shares, is_replica_plan
 from megand.training.config import ConfigError, check_counts, compose
 
 
@@ -62,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--schedules", default=None, metavar="S1,S2",
                    help="the pipeline schedules to search, comma-separated (default: all of "
                         f"{', '.join(schedule_names())})")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="stop searching after S seconds and show the best plans found so far (a line says the "
+                        "search was cut)")
     p.add_argument("--verify", action="store_true",
                    help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
     return p.parse_intermixed_args(argv)
@@ -92,8 +97,12 @@ def format_table(plans) -> str:
         c, pr = p.candidate, p.prediction
         sharding = c.sharding + (f"/{c.dp_shard}" if c.dp_shard else "")
         worst = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
-        stages = " ".join(f"{g.name}" for g in p.stage_groups) if len({g.name for g in p.stage_groups}) > 1 \
-            else f"{p.stage_groups[0].name} x{c.pp}"
+        if is_replica_plan(p):
+            stages = "replicas on " + " ".join(f"{g.name}" for g in p.replica_groups)
+        elif len({g.name for g in p.stage_groups}) > 1:
+            stages = " ".join(f"{g.name}" for g in p.stage_groups)
+        else:
+            stages = f"{p.stage_groups[0].name} x{c.pp}"
         if c.pipeline_layout:
             stages += f" layers {list(c.pipeline_layout)}"
         if c.cp > 1:
@@ -104,10 +113,23 @@ def format_table(plans) -> str:
             f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
             f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g} "
             f"{(c.pp_schedule if c.pp > 1 else '-'):>9}  {stages}")
+        if is_replica_plan(p):
+            lines.append(format_shares(p))
         if p.hetero_ratio is not None:
             lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
                          f"throughput of each group")
     return "\n".join(lines)
+
+
+def launch_commands(user_overrides, plan) -> list:
+    """One command per node, node rank 0 first: torchrun with a fixed node rank (rank order is what places
+    each stage or replica on its group; nodes of different groups may run different process counts)."""
+    launch = plan.launch()
+    nnodes = len(launch["nodes"])
+    args = " ".join(shlex.quote(a) for a in [*user_overrides, *plan.overrides()])
+    return [f"{node}: torchrun --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
+            f"--master-port=29500 pretrain_gpt.py {args}"
+            for i, (node, nproc) in enumerate(zip(launch["nodes"], launch["nproc_per_node"]))]
 
 
 def verify(user_overrides, plan) -> dict:
@@ -146,6 +168,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.top < 1:
         return fail(f"--top {args.top} must be >= 1")
+    if args.time_budget is not None and not args.time_budget > 0:
+        return fail(f"--time-budget {args.time_budget:g} must be a positive number of seconds")
     schedules = None
     if args.schedules is not None:
         schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
@@ -165,11 +189,14 @@ def main(argv=None) -> int:
         return fail(e)
     try:
         planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg),
-                          schedules=schedules)
+                          schedules=schedules, time_budget_s=args.time_budget)
         with heartbeat("plan: searching layouts"):
             plans = planner.plan(args.top)
     except PlanError as e:
         return fail(e)
+    if planner.cut:
+        print(f"plan: the search was cut at the time budget (--time-budget {args.time_budget:g} s): these are the "
+              f"best plans found so far; a larger budget may find faster ones")
     if cfg.train.rampup_batch_size is not None:
         print(f"plan: train.rampup_batch_size={list(cfg.train.rampup_batch_size)}: step time and memory at the final "
               f"global batch {cfg.train.global_batch_size}; every layout shown can run each batch of the ramp")
@@ -177,8 +204,14 @@ def main(argv=None) -> int:
     best = plans[0]
     print(f"\nbest: append to pretrain_gpt.py: {' '.join(best.overrides())}")
     launch = best.launch()
+    where = (f"replica groups {' '.join(launch['replicas'])}" if is_replica_plan(best)
+             else f"stage groups {' '.join(launch['stages'])}")
     print(f"launch: {len(launch['nodes'])} nodes in this order (node rank 0 first): {' '.join(launch['nodes'])}; "
-          f"stage groups {' '.join(launch['stages'])}")
+          f"{where}")
+    if len(launch["nodes"]) > 1:
+        print("launch commands, one per node (NODE0: node rank 0's address):")
+        for line in launch_commands(args.overrides, best):
+            print(f"  {line}")
     checked = verify(args.overrides, best) if args.verify else None
     if checked:
         print(format_verify(checked))

@@ -59,6 +59,8 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
                                                       pp_schedule=schedule, **opts, **planner._base())
                                 if c is not None and planner._quick_valid(c):
                                     scored += _split(planner, c, stage_groups)
+                                if planner.out_of_time():
+                                    return planner.best(scored, top)
     return planner.best(scored, top)
 
 
