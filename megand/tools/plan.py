@@ -1,7 +1,8 @@
 """Plan the layout of a run: the fastest predicted layouts of a model on a cluster.
 
     python tools/plan.py model=llama_70b model.seq_length=8192 train.global_batch_size=512 \\
-        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--schedules 1f1b,zb1p] [--verify]
+        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--schedules 1f1b,zb1p] \\
+        [--time-budget S] [--verify]
 
 The overrides are the training config's (Hydra, as for ``pretrain_gpt.py``). Every ``key=value`` given
 is fixed: the model and the batch, and any ``parallel.*``, ``optim.*`` or ``train.*`` key you pin (so
@@ -10,8 +11,10 @@ vpp, cp, dp, sequence parallelism, cp_comm, the pipeline layout, optim.sharding,
 micro-batch size, recompute (and each stage's recomputed layers), the pipeline schedule (``--schedules`` to
 restrict it), the overlap flags and (unless pinned) the precision (bf16 on GPUs).
 
-The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster
-(each pipeline stage then runs on one group, with its own number of layers):
+The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster,
+on which the planner also weighs pipelines across the groups (each stage on one group, with its own
+number of layers) and replicas of different speeds (each data-parallel replica on one group, with its own
+number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted speed):
 
     groups:
       - name: h100
@@ -26,8 +29,10 @@ The cluster file (YAML) lists groups of identical nodes; several groups make a h
         profile: h100.json       # optional: a profile measured by tools/calibrate.py
 
 Output: a table, best first (predicted step time, tokens/s, TFLOP/s per device, MFU, pipeline bubble,
-peak memory per stage against the device memory), the top plan's overrides to append to
-``pretrain_gpt.py`` and the node order to launch with; ``--json F`` writes the list of plans (each with
+peak memory per stage against the device memory; a replica plan's shares and predicted speed-ups over
+the even split and each group alone), the top plan's overrides to append to ``pretrain_gpt.py``, the node
+order to launch with and one ``torchrun`` command per node; ``--time-budget S`` stops the search after S
+seconds with the best plans found so far (a line says it was cut); ``--json F`` writes the list of plans (each with
 ``overrides``, ``world_size``, ``stage_groups``, ``predicted``). Every plan passes the training config's
 ``validate()`` and fits the memory estimate on every stage. ``--verify`` rehearses the top plan's most
 loaded rank on this CPU (tools/rehearse.py) and prints its measured peak memory next to the prediction.
