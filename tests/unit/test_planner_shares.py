@@ -112,3 +112,40 @@ def test_time_budget_returns_the_best_plan_so_far_and_says_so():
     full = unbounded.plan(top=3)
     assert not unbounded.cut
     assert full[0].prediction.step_time_s <= plans[0].prediction.step_time_s
+
+
+def test_the_estimators_answers_are_cached_per_layout_and_stage(monkeypatch):
+    from megand.models.flops import FrozenModel, Shape
+    from megand.tools.planner import search
+    from megand.tools.planner.cost import stage_memory_gib, stage_times
+    from megand.tools.planner.layout import Candidate
+
+    cfg = compose(SMALL)
+    planner = Planner(cfg, pinned_keys(SMALL), _two_speeds(0.084 / 3))
+    asked = []
+    real = search.estimate_memory
+
+    def counting(model, layout, stages=None):
+        asked.append(tuple(stages))
+        return real(model, layout, stages=stages)
+
+    monkeypatch.setattr(search, "estimate_memory", counting)
+    c = Candidate.of(pp=2, micro_batch_size=2, precision="fp32")
+    whole = planner.memory(c)
+    assert planner.memory(c, [1]) == whole[1:] and planner.memory(c) == whole
+    assert asked == [(0, 1)]  # one estimate; the stage asked again came from the cache
+    assert whole == stage_memory_gib(planner.model, c, 4)  # the cached answer is the estimator's
+    planner.memory(c, [0], microbatches=1)  # another micro-batch count is another layout
+    assert len(asked) == 2
+    # the compute bound: one answer for a layout whatever its sharding, recompute and overlap flags, and
+    # never above the bound of any of them
+    group = planner.cluster.groups[0]
+    variants = [c.with_(sharding=s, recompute=r) for s in ("none", "optim") for r in ("none", "full")]
+    bounds = {planner.compute_bound(v, [group] * 2) for v in variants}
+    assert len(bounds) == 1 and len(planner._bounds) == 1
+    (bound,) = bounds
+    assert all(bound <= stage_times(planner.model, v, 16, [group] * 2).lower_bound(2) * (1 + 1e-12) for v in variants)
+    # the planner's model holds its shape: read, never recomputed, and never changed underneath it
+    assert isinstance(planner.model, FrozenModel) and Shape.from_config(planner.model) is planner.model.shape
+    with pytest.raises(TypeError):
+        planner.model["num_layers"] = 2

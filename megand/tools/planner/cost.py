@@ -36,7 +36,7 @@ from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.tools.estimate_memory import Layout, estimate_memory, matrix_step_cost, stage_params, stage_params_by_role
 from megand.tools.planner.layout import Candidate, place, spanned_links
 from megand.tools.planner.profile import collective_time, gemm_efficiency, gemm_time
-from megand.tools.planner.simulate import simulate_step
+from megand.tools.planner.simulate import simulate
 from megand.training.peak import mixed_peak
 
 GIB = 2 ** 30
@@ -302,8 +302,8 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     """The step of candidate ``c`` with pipeline stage r on cluster group ``stage_groups[r]``."""
     times = times or stage_times(model, c, global_batch_size, stage_groups)
     m, links, forward = times.microbatches, times.links, times.forward
-    timeline = simulate_step(c.pp, c.vpp, m, times.forward, times.backward, times.p2p, schedule=c.pp_schedule,
-                             weight_grad=times.weight_grad)
+    timeline = simulate(c.pp, c.vpp, m, times.forward, times.backward, times.p2p, schedule=c.pp_schedule,
+                        weight_grad=times.weight_grad)
     ends, opt_times = [], []
     for r in range(c.pp):
         prof = stage_groups[r].profile

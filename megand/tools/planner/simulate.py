@@ -103,34 +103,3 @@ def simulate(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2
                           for s in own)
         last_backward.append(free[r] - first_final)
     return Timeline(makespan=max(free), busy=busy, finish=list(free), last_backward=last_backward, ops=done)
-
-
-STEADY_AFTER = 4  # x pp x chunks: micro-batches after which every schedule's replay repeats itself
-
-
-def simulate_step(pp: int, vpp: int | None, m: int, forward: list, backward: list, p2p=None,
-                  schedule: str = DEFAULT_SCHEDULE, weight_grad: list | None = None) -> Timeline:
-    """:func:`simulate`, replaying at most about ``4·pp·chunks`` micro-batches: past that every schedule is in
-    its steady state (each further micro-batch adds the same time to each rank's finish and busy time; the
-    tail after the last backward does not change), so the step of ``m`` is extrapolated from two replays,
-    exactly (tests/unit/test_planner_simulate.py compares them with full replays). The planner times
-    layouts of thousands of micro-batches per step (a 2,048-sample batch on few replicas); ``ops`` then
-    holds the second replay's operations only."""
-    from megand.core.pipeline_parallel.registry import schedule_record
-
-    v = vpp if pp > 1 and (vpp or 1) > 1 else 1
-    rule = schedule_record(schedule).microbatch_rule(pp, vpp if v > 1 else None) if pp > 1 else None
-    first = rule.smallest_at_least(STEADY_AFTER * pp * v) if rule else STEADY_AFTER
-    second = rule.smallest_at_least(first + 1) if rule else first + 1
-    if m <= second:
-        return simulate(pp, vpp, m, forward, backward, p2p, schedule=schedule, weight_grad=weight_grad)
-    a = simulate(pp, vpp, first, forward, backward, p2p, schedule=schedule, weight_grad=weight_grad)
-    b = simulate(pp, vpp, second, forward, backward, p2p, schedule=schedule, weight_grad=weight_grad)
-    scale = (m - first) / (second - first)
-
-    def extend(x, y):
-        return x + scale * (y - x)
-
-    finish = [extend(x, y) for x, y in zip(a.finish, b.finish)]
-    return Timeline(makespan=max(finish), busy=[extend(x, y) for x, y in zip(a.busy, b.busy)], finish=finish,
-                    last_backward=list(b.last_backward), ops=b.ops)
