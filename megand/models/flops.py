@@ -247,6 +247,9 @@ class FrozenModel(dict):
         raise TypeError("a FrozenModel does not change: copy it into a dict first")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
+    # hashed by identity (it never changes), so the estimator can memoise its answers per model; two equal
+    # FrozenModels are still equal, they only miss each other's cache entries
+    __hash__ = object.__hash__
 
     def __reduce__(self):  # copies and pickles are made from the plain values
         return FrozenModel, (dict(self),)

@@ -88,7 +88,7 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
@@ -96,7 +96,7 @@ from megand.core.parallel_layout import ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
-from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
+from megand.models.flops import FrozenModel, Shape, layer_params, mtp_depth_extra, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelLayout))  # tp, pp, cp, dp, vpp, order, dp_shard, ep, etp, pp_schedule
@@ -474,6 +474,20 @@ def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) ->
     return layers * (moe.experts_split / (layout.ep * layout.expert_tp) + moe.experts_replicated / layout.ep)
 
 
+def per_frozen_model(fn):
+    """Memoise ``fn(model, layout, stage)`` when ``model`` is a :class:`FrozenModel` (the planner's: one
+    estimate asks about the same stage's parameters several times, the search about thousands of
+    layouts); any other mapping is computed every time, as it may change between calls."""
+    cached = lru_cache(maxsize=1 << 16)(fn)
+
+    @wraps(fn)
+    def wrapper(model, layout, stage):
+        return cached(model, layout, stage) if isinstance(model, FrozenModel) else fn(model, layout, stage)
+
+    return wrapper
+
+
+@per_frozen_model
 def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Parameters of the transformer layers held by one tensor-parallel rank of pipeline ``stage``
     (``pipeline_layout``'s layers, or the even split rounded up), routed experts included."""
@@ -488,6 +502,7 @@ def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> 
             + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
 
 
+@per_frozen_model
 def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
     the even split rounded up), routed experts included (their share over ep and etp)."""
@@ -640,6 +655,7 @@ def stage_params_by_role(model: Mapping[str, Any], layout: Layout, stage: int) -
     return {EMBEDDING: params - layer, MATRIX: layer - experts, EXPERT_MATRIX: experts}
 
 
+@per_frozen_model
 def stage_optimizer_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """The fp32 main params (non-fp32 runs) and optimizer states one rank of ``stage`` holds: each role's
     parameters keep the state of the optimizer that takes them (``optim.name`` or its fallback: AdamW's two

@@ -135,6 +135,7 @@ class Planner:
         self.rejected = []
         self._memory = {}  # (estimator layout, stage) -> peak GiB
         self._bounds = {}  # compute_bound's answers
+        self._config_keys = None  # _base()'s values read from the config
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
@@ -229,10 +230,15 @@ class Planner:
                             reshard_after_forward=self.pinned.get("optim.reshard_after_forward", pp == 1))
 
     def _base(self) -> dict:
-        return dict(precision=self.precision, fused_attention=self.fused_attention, optimizer=self.cfg.optim.name,
-                    fp8=self.cfg.train.get("fp8"), fp8_bf16_layers=int(self.cfg.train.get("fp8_bf16_layers", 1)),
-                    order=self.pinned.get("parallel.order", self.cfg.parallel.order),
-                    bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
+        """The candidate keys the search does not vary (read from the config once: OmegaConf reads cost
+        milliseconds, and every candidate asks)."""
+        if self._config_keys is None:
+            self._config_keys = dict(
+                optimizer=self.cfg.optim.name, fp8=self.cfg.train.get("fp8"),
+                fp8_bf16_layers=int(self.cfg.train.get("fp8_bf16_layers", 1)),
+                order=self.pinned.get("parallel.order", self.cfg.parallel.order),
+                bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
+        return dict(precision=self.precision, fused_attention=self.fused_attention, **self._config_keys)
 
     def memory(self, c: Candidate, stages=None, microbatches=None) -> list:
         """Peak GiB of ``stages`` (default all) with ``microbatches`` per step (default: the global batch's
