@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 from megand.models.flops import flops_per_iteration
 from megand.tools.planner.cost import Prediction, predict, stage_times
 from megand.tools.planner.layout import Candidate
-from megand.tools.planner.search import MICRO_BATCHES, Plan
+from megand.tools.planner.search import MICRO_BATCHES, VPP, Plan
 
 # the sharding levels whose shard groups meet once per step (batch_shares.GROUPS_PER_MICROBATCH: ZeRO-2/3's
 # per-micro-batch reduce-scatters would mix replicas of different shares)
@@ -141,13 +141,12 @@ class ReplicaPlan(Plan):
     replica_step_s: dict = field(default_factory=dict)  # group name -> predicted step of its replicas
     even_step_s: Optional[float] = None  # the same layout at equal shares (None: the batch does not split so)
     alone_tokens_per_s: dict = field(default_factory=dict)  # group name -> its best plan alone
+    gbs: int = 0  # the global batch (equal shares: its even split)
 
     @property
     def shares(self) -> tuple:
         c = self.candidate
         return c.parallel.dp_microbatches or (c.parallel.microbatches(self.gbs, c.micro_batch_size),) * c.dp
-
-    gbs: int = 0
 
     def speedups(self) -> dict:
         """Predicted throughput ratios: over equal shares, over each group alone and the fastest alone."""
@@ -191,7 +190,7 @@ def replica_candidates(planner, groups):
                 dp = sum(counts)
                 if planner.pinned.get("parallel.dp") not in (None, dp):
                     continue
-                vpps = [None] + [v for v in (2, 3, 4, 6, 8) if pp > 1 and pp * v <= L]
+                vpps = [None] + [v for v in VPP if pp > 1 and pp * v <= L]
                 for vpp in planner._dom("parallel.vpp", vpps if pp > 1 else [None]):
                     schedules = planner.schedules(pp, vpp)
                     for layout in (planner.layouts(pp, vpp) if schedules else []):
