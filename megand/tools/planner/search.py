@@ -140,14 +140,24 @@ class Planner:
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
         self.schedule_domain = self._schedule_domain(schedules)
-        self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+        self.finish_by = None if time_budget_s is None else time.monotonic() + time_budget_s
+        self.deadline = self.finish_by  # the current phase's share of the budget (plan())
         self.cut = False  # the time budget ran out: the plans are the best found so far
 
+    def _start_phase(self, phases_left: int) -> None:
+        """Give the next phase of :meth:`plan` its even share of what is left of the budget (a phase that
+        finishes early leaves its time to the next), so that no phase starves the others."""
+        if self.finish_by is not None:
+            now = time.monotonic()
+            self.deadline = now + max(self.finish_by - now, 0.0) / phases_left
+
     def out_of_time(self) -> bool:
-        """The time budget is spent (then :attr:`cut` says the search stopped early)."""
+        """The current phase's share of the time budget is spent (then :attr:`cut` says the search stopped
+        early)."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.cut = True
-        return self.cut
+            return True
+        return False
 
     def _schedule_domain(self, schedules) -> tuple:
         """The schedules searched: ``schedules`` (or all); a pinned ``parallel.pp_schedule`` alone. An
@@ -451,15 +461,20 @@ class Planner:
         plans, alone = [], {}
         # pinned uneven shares: only replicas on several groups can run them
         shares_only = is_uneven(self.pinned.get("parallel.dp_microbatches"))
+        phases = len(self.cluster.groups) + 2 * self.cluster.heterogeneous
         for group in self.cluster.groups:
+            self._start_phase(phases)
+            phases -= 1
             mine = [] if shares_only else self.plan_homogeneous(group, top)
             alone[group.name] = max((p.prediction.tokens_per_s for p in mine), default=0.0)
             plans += mine
         if self.cluster.heterogeneous:
             total = sum(alone.values())
+            self._start_phase(2)
             hetero = [] if shares_only else self.plan_heterogeneous(top)
             for p in hetero:
                 p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
+            self._start_phase(1)
             plans += hetero + plan_shares(self, top, alone)
         plans.sort(key=lambda p: p.prediction.step_time_s)
         if not plans:
