@@ -70,10 +70,9 @@ def summary(stdout: str) -> str:
     """The best plan's row (tokens/s and layout) and any replica-shares / cut lines."""
     lines = stdout.splitlines()
     rows = [ln for ln in lines if re.match(r"^\s+1\s", ln)]
-    extra = [ln.strip() for ln in lines if "replica shares" in ln or "was cut" in ln]
-    shares = extra[:1] if rows and "replicas on" in rows[0] else []
-    return " | ".join([" ".join(rows[0].split()) if rows else "(no table)"] + shares +
-                      [ln for ln in extra if "was cut" in ln])
+    shares = [ln.strip() for ln in lines if "replica shares" in ln][:1] if rows and "replicas on" in rows[0] else []
+    cut = [ln.strip() for ln in lines if "was cut" in ln]
+    return " | ".join([" ".join(rows[0].split()) if rows else "(no table)"] + shares + cut)
 
 
 def main(argv=None) -> int:
