@@ -181,6 +181,8 @@ class Shape:
 
     @classmethod
     def from_config(cls, model: Mapping[str, Any]) -> "Shape":
+        if isinstance(model, FrozenModel):
+            return model.shape
         if isinstance(model, dict):  # plain dicts (the estimator and planner call this a great many times)
             try:
                 key = tuple(sorted(model.items()))
@@ -231,6 +233,26 @@ class Shape:
             **_linear_fields(model),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
+
+
+class FrozenModel(dict):
+    """A model config (plain values) that never changes, holding its :class:`Shape`: the planner asks the
+    estimator about hundreds of thousands of layouts of one model, and every answer reads the shape."""
+
+    def __init__(self, model: Mapping[str, Any]):
+        super().__init__(model)
+        self.shape = Shape._from_config(self)
+
+    def _frozen(self, *args, **kwargs):
+        raise TypeError("a FrozenModel does not change: copy it into a dict first")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
+    # hashed by identity (it never changes), so the estimator can memoise its answers per model; two equal
+    # FrozenModels are still equal, they only miss each other's cache entries
+    __hash__ = object.__hash__
+
+    def __reduce__(self):  # copies and pickles are made from the plain values
+        return FrozenModel, (dict(self),)
 
 
 # the model keys that shape the attention heads

@@ -88,7 +88,7 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
@@ -96,7 +96,7 @@ from megand.core.parallel_layout import ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
-from megand.models.flops import Shape, layer_params, mtp_depth_extra, norm_params
+from megand.models.flops import FrozenModel, Shape, layer_params, mtp_depth_extra, norm_params
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelLayout))  # tp, pp, cp, dp, vpp, order, dp_shard, ep, etp, pp_schedule
@@ -399,7 +399,12 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
         m = 2 * pp if v > 1 else pp
     # a count the schedule's rule refuses (the executor would): the next it runs
-    m = layout.parallel.schedule.microbatch_rule(pp, v if v > 1 else None).smallest_at_least(m)
+    rule = layout.parallel.schedule.microbatch_rule(pp, v if v > 1 else None)
+    m = rule.smallest_at_least(m)
+    # past the warm-up every schedule holds a steady number of chunks: its peak at 2·pp·v micro-batches is
+    # its peak at any more (tests/unit/test_estimate_saturation.py), and replaying thousands is what the
+    # planner cannot afford on every layout
+    m = min(m, rule.smallest_at_least(2 * pp * v))
     return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
 
 
@@ -452,12 +457,16 @@ def layer_recompute(num_layers: int, layout: Layout):
 
 def stage_moe_layers(model: Mapping[str, Any], layout: Layout, stage: int) -> int:
     shape = Shape.from_config(model)
+    if not shape.experts:  # dense: no layer to look at (the planner asks this for every layout)
+        return 0
     return sum(shape.is_moe(i) for i in stage_layers(shape.layers, layout, stage))
 
 
 def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Routed-expert parameters held by one rank of pipeline ``stage`` (its share over ep and etp)."""
     shape = Shape.from_config(model)
+    if not shape.experts:
+        return 0.0
     moe = layer_params(shape, moe=True)
     layers = stage_moe_layers(model, layout, stage)
     if stage == layout.pp - 1:  # the multi-token prediction layers that are MoE
@@ -465,6 +474,20 @@ def stage_expert_params(model: Mapping[str, Any], layout: Layout, stage: int) ->
     return layers * (moe.experts_split / (layout.ep * layout.expert_tp) + moe.experts_replicated / layout.ep)
 
 
+def per_frozen_model(fn):
+    """Memoise ``fn(model, layout, stage)`` when ``model`` is a :class:`FrozenModel` (the planner's: one
+    estimate asks about the same stage's parameters several times, the search about thousands of
+    layouts); any other mapping is computed every time, as it may change between calls."""
+    cached = lru_cache(maxsize=1 << 16)(fn)
+
+    @wraps(fn)
+    def wrapper(model, layout, stage):
+        return cached(model, layout, stage) if isinstance(model, FrozenModel) else fn(model, layout, stage)
+
+    return wrapper
+
+
+@per_frozen_model
 def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Parameters of the transformer layers held by one tensor-parallel rank of pipeline ``stage``
     (``pipeline_layout``'s layers, or the even split rounded up), routed experts included."""
@@ -479,6 +502,7 @@ def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> 
             + n_moe * layer_params(shape, moe=True).per_tp_rank(layout.tp, layout.ep, layout.expert_tp))
 
 
+@per_frozen_model
 def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """Parameters held by one tensor-parallel rank of pipeline ``stage`` (``pipeline_layout``'s layers, or
     the even split rounded up), routed experts included (their share over ep and etp)."""
@@ -631,6 +655,7 @@ def stage_params_by_role(model: Mapping[str, Any], layout: Layout, stage: int) -
     return {EMBEDDING: params - layer, MATRIX: layer - experts, EXPERT_MATRIX: experts}
 
 
+@per_frozen_model
 def stage_optimizer_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """The fp32 main params (non-fp32 runs) and optimizer states one rank of ``stage`` holds: each role's
     parameters keep the state of the optimizer that takes them (``optim.name`` or its fallback: AdamW's two

@@ -1,7 +1,8 @@
 """Plan the layout of a run: the fastest predicted layouts of a model on a cluster.
 
     python tools/plan.py model=llama_70b model.seq_length=8192 train.global_batch_size=512 \\
-        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--schedules 1f1b,zb1p] [--verify]
+        --cluster cluster.yaml [--top 5] [--json plans.json] [--profile p.json] [--schedules 1f1b,zb1p] \\
+        [--time-budget S] [--verify]
 
 The overrides are the training config's (Hydra, as for ``pretrain_gpt.py``). Every ``key=value`` given
 is fixed: the model and the batch, and any ``parallel.*``, ``optim.*`` or ``train.*`` key you pin (so
@@ -10,8 +11,10 @@ vpp, cp, dp, sequence parallelism, cp_comm, the pipeline layout, optim.sharding,
 micro-batch size, recompute (and each stage's recomputed layers), the pipeline schedule (``--schedules`` to
 restrict it), the overlap flags and (unless pinned) the precision (bf16 on GPUs).
 
-The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster
-(each pipeline stage then runs on one group, with its own number of layers):
+The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster,
+on which the planner also weighs pipelines across the groups (each stage on one group, with its own
+number of layers) and replicas of different speeds (each data-parallel replica on one group, with its own
+number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted speed):
 
     groups:
       - name: h100
@@ -26,8 +29,10 @@ The cluster file (YAML) lists groups of identical nodes; several groups make a h
         profile: h100.json       # optional: a profile measured by tools/calibrate.py
 
 Output: a table, best first (predicted step time, tokens/s, TFLOP/s per device, MFU, pipeline bubble,
-peak memory per stage against the device memory), the top plan's overrides to append to
-``pretrain_gpt.py`` and the node order to launch with; ``--json F`` writes the list of plans (each with
+peak memory per stage against the device memory; a replica plan's shares and predicted speed-ups over
+the even split and each group alone), the top plan's overrides to append to ``pretrain_gpt.py``, the node
+order to launch with and one ``torchrun`` command per node; ``--time-budget S`` stops the search after S
+seconds with the best plans found so far (a line says it was cut); ``--json F`` writes the list of plans (each with
 ``overrides``, ``world_size``, ``stage_groups``, ``predicted``). Every plan passes the training config's
 ``validate()`` and fits the memory estimate on every stage. ``--verify`` rehearses the top plan's most
 loaded rank on this CPU (tools/rehearse.py) and prints its measured peak memory next to the prediction.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from hydra.errors import HydraException
@@ -48,6 +54,7 @@ from megand.tools.planner.cluster import ClusterError, load_cluster
 from megand.tools.progress import heartbeat
 from megand.tools.planner.profile import Profile, ProfileError
 from megand.tools.planner.search import PlanError, Planner, config_validator
+from megand.tools.planner.shares import format_shares, is_replica_plan
 from megand.training.config import ConfigError, check_counts, compose
 
 
@@ -62,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--schedules", default=None, metavar="S1,S2",
                    help="the pipeline schedules to search, comma-separated (default: all of "
                         f"{', '.join(schedule_names())})")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="stop searching after S seconds and show the best plans found so far (a line says the "
+                        "search was cut)")
     p.add_argument("--verify", action="store_true",
                    help="rehearse the top plan's most loaded rank on this CPU: measured vs predicted peak memory")
     return p.parse_intermixed_args(argv)
@@ -92,8 +102,12 @@ def format_table(plans) -> str:
         c, pr = p.candidate, p.prediction
         sharding = c.sharding + (f"/{c.dp_shard}" if c.dp_shard else "")
         worst = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
-        stages = " ".join(f"{g.name}" for g in p.stage_groups) if len({g.name for g in p.stage_groups}) > 1 \
-            else f"{p.stage_groups[0].name} x{c.pp}"
+        if is_replica_plan(p):
+            stages = "replicas on " + " ".join(f"{g.name}" for g in p.replica_groups)
+        elif len({g.name for g in p.stage_groups}) > 1:
+            stages = " ".join(f"{g.name}" for g in p.stage_groups)
+        else:
+            stages = f"{p.stage_groups[0].name} x{c.pp}"
         if c.pipeline_layout:
             stages += f" layers {list(c.pipeline_layout)}"
         if c.cp > 1:
@@ -104,10 +118,23 @@ def format_table(plans) -> str:
             f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
             f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g} "
             f"{(c.pp_schedule if c.pp > 1 else '-'):>9}  {stages}")
+        if is_replica_plan(p):
+            lines.append(format_shares(p))
         if p.hetero_ratio is not None:
             lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
                          f"throughput of each group")
     return "\n".join(lines)
+
+
+def launch_commands(user_overrides, plan) -> list:
+    """One command per node, node rank 0 first: torchrun with a fixed node rank (rank order is what places
+    each stage or replica on its group; nodes of different groups may run different process counts)."""
+    launch = plan.launch()
+    nnodes = len(launch["nodes"])
+    args = " ".join(shlex.quote(a) for a in [*user_overrides, *plan.overrides()])
+    return [f"{node}: torchrun --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
+            f"--master-port=29500 pretrain_gpt.py {args}"
+            for i, (node, nproc) in enumerate(zip(launch["nodes"], launch["nproc_per_node"]))]
 
 
 def verify(user_overrides, plan) -> dict:
@@ -146,6 +173,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.top < 1:
         return fail(f"--top {args.top} must be >= 1")
+    if args.time_budget is not None and not args.time_budget > 0:
+        return fail(f"--time-budget {args.time_budget:g} must be a positive number of seconds")
     schedules = None
     if args.schedules is not None:
         schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
@@ -165,11 +194,14 @@ def main(argv=None) -> int:
         return fail(e)
     try:
         planner = Planner(cfg, pinned_keys(args.overrides), cluster, validate_fn=config_validator(cfg),
-                          schedules=schedules)
+                          schedules=schedules, time_budget_s=args.time_budget)
         with heartbeat("plan: searching layouts"):
             plans = planner.plan(args.top)
     except PlanError as e:
         return fail(e)
+    if planner.cut:
+        print(f"plan: the search was cut at the time budget (--time-budget {args.time_budget:g} s): these are the "
+              f"best plans found so far; a larger budget may find faster ones")
     if cfg.train.rampup_batch_size is not None:
         print(f"plan: train.rampup_batch_size={list(cfg.train.rampup_batch_size)}: step time and memory at the final "
               f"global batch {cfg.train.global_batch_size}; every layout shown can run each batch of the ramp")
@@ -177,8 +209,14 @@ def main(argv=None) -> int:
     best = plans[0]
     print(f"\nbest: append to pretrain_gpt.py: {' '.join(best.overrides())}")
     launch = best.launch()
+    where = (f"replica groups {' '.join(launch['replicas'])}" if is_replica_plan(best)
+             else f"stage groups {' '.join(launch['stages'])}")
     print(f"launch: {len(launch['nodes'])} nodes in this order (node rank 0 first): {' '.join(launch['nodes'])}; "
-          f"stage groups {' '.join(launch['stages'])}")
+          f"{where}")
+    if len(launch["nodes"]) > 1:
+        print("launch commands, one per node (NODE0: node rank 0's address):")
+        for line in launch_commands(args.overrides, best):
+            print(f"  {line}")
     checked = verify(args.overrides, best) if args.verify else None
     if checked:
         print(format_verify(checked))

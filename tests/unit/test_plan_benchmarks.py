@@ -70,3 +70,26 @@ def test_hetero_improvement_ratio():
     assert figures["ratio"] == pytest.approx((1 - 1.8 / 2.2) / 0.25)
     same = plan_hetero.improvement({"even": 2.0, "uneven": 2.0}, {"even": [2.0], "uneven": [2.0]})
     assert same["ratio"] != same["ratio"]  # nan: no gain predicted (the planner kept the even split)
+
+
+def test_shares_benchmark_plans_uneven_shares_that_run(tmp_path):
+    """benchmarks/plan_shares.py's plan on two synthetic profiles (one a third as fast): the fast replica
+    takes more micro-batches, and both layouts it measures pass validate()."""
+    from megand.training.config import compose, validate
+
+    plan_shares = load("plan_shares")
+    coll = {op: {"alpha_s": 1e-4, "gbps": 1.0} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")}
+    paths = {}
+    for name, peak in (("fast", 0.1), ("slow", 0.1 / 3)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({
+            "name": name, "peak_tflops": peak, "memory_gbps": 20.0 * peak / 0.1,
+            "gemm": [{"m": m, "n": n, "k": k, "tflops": peak} for m in (32, 2048) for n in (32, 2048) for k in (32, 2048)],
+            "overhead_s": {"per_layer_step": 1e-3, "per_microbatch": 0.0, "per_step": 2e-3},
+            "collectives": {"intra_node": coll, "inter_node": coll}}))
+    best = plan_shares.plan(plan_shares.cluster_of({k: str(v) for k, v in paths.items()}))
+    shares = dict(zip((g.name for g in best.replica_groups), best.shares))
+    assert shares["fast"] > shares["slow"] and best.prediction.step_time_s < best.even_step_s
+    overrides = [*plan_shares.MODEL, *best.overrides()]
+    validate(compose(overrides), 2)
+    validate(compose([*overrides, "parallel.dp_microbatches=null"]), 2)

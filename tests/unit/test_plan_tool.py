@@ -70,3 +70,19 @@ def test_impossible_request_is_one_line(tmp_path):
     r = _run("model=llama_8b", "train.global_batch_size=8", "model.seq_length=4096", "--cluster", str(cluster))
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "the smallest layout that fits needs" in r.stderr and "devices of 8 GiB" in r.stderr
+
+
+
+def test_time_budget_prints_the_best_plans_so_far_and_says_the_search_was_cut(tmp_path, capsys):
+    from megand.tools.plan import main  # in this process: the command line is the same
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    assert main(["+experiment=tiny_llama", "train.global_batch_size=8", "--cluster", str(cluster),
+                 "--time-budget", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "the search was cut at the time budget (--time-budget 1e-06 s)" in out
+    assert "best: append to pretrain_gpt.py: parallel.tp=" in out
+    assert main(["+experiment=tiny_llama", "--cluster", str(cluster), "--time-budget", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--time-budget 0" in err

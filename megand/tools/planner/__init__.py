@@ -10,5 +10,7 @@ layout.py    a candidate layout, its config overrides, and which link each of it
 search.py    the layouts worth running, homogeneous and heterogeneous; ``predict_config(cfg, cluster,
              world_size)`` predicts one given run (a composed training config)
 hetero.py    the heterogeneous search: stages per group, dp, the schedule, the per-stage layer split
+shares.py    replicas of different speeds: each data-parallel replica on one group, its micro-batches
+             per step (``parallel.dp_microbatches``) water-filled by predicted speed
 published.py published large-scale runs against the cost model (the table in docs/layout.md)
 """

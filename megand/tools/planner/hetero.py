@@ -26,7 +26,7 @@ import bisect
 import math
 
 from megand.core.pipeline_parallel.registry import schedule_record
-from megand.tools.planner.cost import rank_virtual_stages, stage_memory_gib, stage_times
+from megand.tools.planner.cost import rank_virtual_stages, stage_times
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
 
@@ -59,6 +59,8 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
                                                       pp_schedule=schedule, **opts, **planner._base())
                                 if c is not None and planner._quick_valid(c):
                                     scored += _split(planner, c, stage_groups)
+                                if planner.out_of_time():
+                                    return planner.best(scored, top)
     return planner.best(scored, top)
 
 
@@ -171,7 +173,7 @@ def balanced_layout(planner, c: Candidate, stage_groups):
     two = c.with_(pipeline_layout=chunk_layout(c, [2] * pp))
     t1 = rank_step(stage_times(planner.model, one, planner.gbs, stage_groups), c)
     t2 = rank_step(stage_times(planner.model, two, planner.gbs, stage_groups), c)
-    m1, m2 = stage_memory_gib(planner.model, one, m), stage_memory_gib(planner.model, two, m)
+    m1, m2 = planner.memory(one, microbatches=m), planner.memory(two, microbatches=m)  # cached
     slope = [t2[r] - t1[r] for r in range(pp)]
     fixed = [t1[r] - slope[r] for r in range(pp)]
     caps = []
@@ -217,10 +219,11 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     t1 = rank_step(stage_times(model, stored.with_(pipeline_layout=one), gbs, stage_groups), c)
     t2 = rank_step(stage_times(model, stored.with_(pipeline_layout=two), gbs, stage_groups), c)
     tr = rank_step(stage_times(model, c.with_(pipeline_layout=one, recompute_layers=None), gbs, stage_groups), c)
-    m1 = stage_memory_gib(model, stored.with_(pipeline_layout=one), m)
-    m2 = stage_memory_gib(model, stored.with_(pipeline_layout=two), m)
-    m21 = stage_memory_gib(model, c.with_(pipeline_layout=two, recompute_layers=chunk_recompute(c, two, [1] * pp)), m)
-    m22 = stage_memory_gib(model, c.with_(pipeline_layout=two, recompute_layers=None), m)
+    m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
+    m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
+    m21 = planner.memory(c.with_(pipeline_layout=two, recompute_layers=chunk_recompute(c, two, [1] * pp)),
+                        microbatches=m)
+    m22 = planner.memory(c.with_(pipeline_layout=two, recompute_layers=None), microbatches=m)
     table = []
     for r, g in enumerate(stage_groups):
         slope = t2[r] - t1[r]

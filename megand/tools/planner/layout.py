@@ -98,6 +98,7 @@ class Candidate:
         return {
             "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.vpp": self.vpp, "parallel.cp": self.cp,
             "parallel.dp": self.dp, "parallel.sequence_parallel": self.sequence_parallel,
+            "parallel.dp_microbatches": list(self.parallel.dp_microbatches) if self.parallel.dp_microbatches else None,
             "parallel.dp_shard": self.dp_shard, "parallel.cp_comm": self.cp_comm,
             "parallel.pipeline_layout": list(self.pipeline_layout) if self.pipeline_layout else None,
             "parallel.order": self.order,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 LINKS = ("intra_node", "inter_node")
@@ -148,13 +149,20 @@ def gemm_efficiency(profile: Profile, m: float, n: float, k: float) -> float:
     """
     if min(m, n, k) <= 0:
         return 1.0  # no work: any efficiency gives zero time
+    return _efficiency(profile.gemm, profile.peak_tflops, m, n, k)
+
+
+@lru_cache(maxsize=65536)
+def _efficiency(gemm: tuple, peak_tflops: float, m: float, n: float, k: float) -> float:
+    """:func:`gemm_efficiency` of the measured points ``gemm``, memoised: the planner asks for the same few
+    shapes across thousands of layouts."""
     q = (math.log2(m), math.log2(n), math.log2(k))
     scored, lower, upper = [], 0.0, math.inf
-    for pm, pn, pk, tflops in profile.gemm:
+    for pm, pn, pk, tflops in gemm:
         p = (math.log2(pm), math.log2(pn), math.log2(pk))
         d2 = sum((a - b) ** 2 for a, b in zip(q, p))
         if d2 < 1e-12:
-            return min(1.0, tflops / profile.peak_tflops)
+            return min(1.0, tflops / peak_tflops)
         if all(a >= b for a, b in zip(q, p)):
             lower = max(lower, tflops)
         if all(a <= b for a, b in zip(q, p)):
@@ -166,7 +174,7 @@ def gemm_efficiency(profile: Profile, m: float, n: float, k: float) -> float:
     tflops = sum(w * t for w, (_, t) in zip(weights, nearest)) / sum(weights)
     if lower <= upper:
         tflops = min(max(tflops, lower), upper)
-    return min(1.0, tflops / profile.peak_tflops)
+    return min(1.0, tflops / peak_tflops)
 
 
 def gemm_time(profile: Profile, m: float, n: float, k: float, count: float = 1.0, fp8: bool = False) -> float:

@@ -21,12 +21,14 @@ and the per-stage layer split; its candidates go through the same memory check, 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megand.core.batch_shares import is_uneven
 from megand.core.parallel_layout import LayoutError
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_names
-from megand.models.flops import Shape
+from megand.models.flops import FrozenModel, Shape
 from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
 from megand.tools.planner.cost import (GIB, Prediction, memory_layout, predict, rank_virtual_stages,
                                        stage_memory_gib, stage_times)
@@ -41,7 +43,7 @@ CP = (1, 2, 4, 8, 16, 32)
 
 # the config keys the planner chooses (a pinned one keeps the user's value)
 SEARCHED = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
-            "parallel.sequence_parallel", "parallel.dp_shard", "parallel.cp_comm", "parallel.pipeline_layout",
+            "parallel.sequence_parallel", "parallel.dp_shard", "parallel.dp_microbatches", "parallel.cp_comm", "parallel.pipeline_layout",
             "parallel.order", "optim.sharding", "optim.overlap_grad_reduce", "optim.overlap_param_gather",
             "optim.reshard_after_forward", "optim.bucket_size", "train.micro_batch_size", "train.recompute",
             "train.recompute_layers", "train.precision", "parallel.pp_schedule")
@@ -120,22 +122,42 @@ class Planner:
     """Search layouts of ``cfg`` (the composed training config) with ``pinned`` keys fixed. ``schedules``:
     the pipeline schedules to try (default: all; ``parallel.pp_schedule`` pinned: that one)."""
 
-    def __init__(self, cfg, pinned, cluster, validate_fn=None, schedules=None):
+    def __init__(self, cfg, pinned, cluster, validate_fn=None, schedules=None, time_budget_s=None):
         from omegaconf import OmegaConf
 
         self.cfg = cfg
-        self.model = OmegaConf.to_container(cfg.model, resolve=True)
+        self.model = FrozenModel(OmegaConf.to_container(cfg.model, resolve=True))  # its shape computed once
         self.shape = Shape.from_config(self.model)
         self.gbs = int(cfg.train.global_batch_size)
         self.cluster = cluster
         self.pinned = {k: OmegaConf.select(cfg, k) for k in pinned if k in SEARCHED}
         self.validate_fn = validate_fn
         self.rejected = []
-        self._memory = {}
+        self._memory = {}  # (estimator layout, stage) -> peak GiB
+        self._bounds = {}  # compute_bound's answers
+        self._config_keys = None  # _base()'s values read from the config
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
         self.precision = self.pinned.get("train.precision") or ("fp32" if profiles == {"fp32"} else "bf16")
         self.schedule_domain = self._schedule_domain(schedules)
+        self.finish_by = None if time_budget_s is None else time.monotonic() + time_budget_s
+        self.deadline = self.finish_by  # the current phase's share of the budget (plan())
+        self.cut = False  # the time budget ran out: the plans are the best found so far
+
+    def _start_phase(self, phases_left: int) -> None:
+        """Give the next phase of :meth:`plan` its even share of what is left of the budget (a phase that
+        finishes early leaves its time to the next), so that no phase starves the others."""
+        if self.finish_by is not None:
+            now = time.monotonic()
+            self.deadline = now + max(self.finish_by - now, 0.0) / phases_left
+
+    def out_of_time(self) -> bool:
+        """The current phase's share of the time budget is spent (then :attr:`cut` says the search stopped
+        early)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.cut = True
+            return True
+        return False
 
     def _schedule_domain(self, schedules) -> tuple:
         """The schedules searched: ``schedules`` (or all); a pinned ``parallel.pp_schedule`` alone. An
@@ -218,21 +240,27 @@ class Planner:
                             reshard_after_forward=self.pinned.get("optim.reshard_after_forward", pp == 1))
 
     def _base(self) -> dict:
-        return dict(precision=self.precision, fused_attention=self.fused_attention, optimizer=self.cfg.optim.name,
-                    fp8=self.cfg.train.get("fp8"), fp8_bf16_layers=int(self.cfg.train.get("fp8_bf16_layers", 1)),
-                    order=self.pinned.get("parallel.order", self.cfg.parallel.order),
-                    bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
+        """The candidate keys the search does not vary (read from the config once: OmegaConf reads cost
+        milliseconds, and every candidate asks)."""
+        if self._config_keys is None:
+            self._config_keys = dict(
+                optimizer=self.cfg.optim.name, fp8=self.cfg.train.get("fp8"),
+                fp8_bf16_layers=int(self.cfg.train.get("fp8_bf16_layers", 1)),
+                order=self.pinned.get("parallel.order", self.cfg.parallel.order),
+                bucket_size=int(self.pinned.get("optim.bucket_size", self.cfg.optim.bucket_size)))
+        return dict(precision=self.precision, fused_attention=self.fused_attention, **self._config_keys)
 
-    def memory(self, c: Candidate, stages=None) -> list:
-        """Peak GiB of ``stages`` (default all), memoised: many candidates differ only in what memory
-        does not see."""
-        m = c.parallel.microbatches(self.gbs, c.micro_batch_size)
+    def memory(self, c: Candidate, stages=None, microbatches=None) -> list:
+        """Peak GiB of ``stages`` (default all) with ``microbatches`` per step (default: the global batch's
+        even split), memoised: many candidates differ only in what memory does not see."""
+        m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
-        key = (memory_layout(c, m), stages)
-        if key not in self._memory:
-            est = estimate_memory(self.model, memory_layout(c, m), stages=stages)
-            self._memory[key] = [st.total_bytes / GIB for st in est.stages]
-        return self._memory[key]
+        layout = memory_layout(c, m)
+        missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
+        if missing:  # all of them, fewest_recomputed for one at a time
+            for st in estimate_memory(self.model, layout, stages=missing).stages:
+                self._memory[(layout, st.stage)] = st.total_bytes / GIB
+        return [self._memory[(layout, s)] for s in stages]
 
     def fits(self, c: Candidate, stage_groups) -> bool:
         """Every stage within its device memory. On one group with an even split and the output layer on
@@ -306,8 +334,9 @@ class Planner:
         return [s for s in self.schedule_domain if schedule_error(s, pp, vpp, 2 * pp) is None]
 
     # --- homogeneous ----------------------------------------------------------------------------
-    def homogeneous_candidates(self, group):
-        """Every fitting candidate on ``group`` alone (with its memory)."""
+    def homogeneous_bases(self, group):
+        """Every layout on ``group`` alone that the search weighs, before memory (no recompute yet):
+        :meth:`_fitting` turns each into the candidates that fit."""
         L = self.shape.layers
         for tp in self.tp_domain(group.devices_per_node):
             for cp in self.cp_domain(tp):
@@ -330,7 +359,23 @@ class Planner:
                                                               micro_batch_size=mbs, pipeline_layout=layout,
                                                               pp_schedule=schedule, **opts, **self._base())
                                         if c is not None and self._quick_valid(c):
-                                            yield from self._fitting(c, [group] * pp)
+                                            yield c
+
+    def homogeneous_candidates(self, group):
+        """Every fitting candidate on ``group`` alone (with its memory)."""
+        for c in self.homogeneous_bases(group):
+            yield from self._fitting(c, [group] * c.pp)
+
+    def compute_bound(self, c: Candidate, stage_groups) -> float:
+        """A lower bound on the step of ``c`` and of every candidate that differs from it only in sharding,
+        shard groups, overlap flags or recompute (each of which only adds time to the stages' forwards and
+        backwards): the busiest rank's compute at ZeRO-0 without recompute, memoised over those keys."""
+        base = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
+                       overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
+        key = (base, tuple(g.name for g in stage_groups))
+        if key not in self._bounds:
+            self._bounds[key] = stage_times(self.model, base, self.gbs, stage_groups).lower_bound(c.pp)
+        return self._bounds[key]
 
     def _quick_valid(self, c: Candidate) -> bool:
         """The rules of validate() beyond the parallel layout's own (checked when the candidate was made):
@@ -348,12 +393,15 @@ class Planner:
         m = layout.microbatches(self.gbs, c.micro_batch_size)
         return layout.schedule.microbatch_rule(c.pp, c.vpp).error(m) is None
 
-    def best(self, scored, top: int) -> list:
-        """Branch and bound: time candidates in order of their lower bound until none can enter the top."""
+    def best(self, scored, top: int, plans=None) -> list:
+        """Branch and bound: time candidates in order of their lower bound until none can enter the top
+        (``plans``: the top so far, extended)."""
         scored.sort(key=lambda x: x[0])
-        plans = []
+        plans = list(plans or [])
         for bound, c, groups, times in scored:
             if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+                break
+            if plans and self.out_of_time():
                 break
             pred = predict(self.model, c, self.gbs, groups, times=times, memory=self.memory(c))
             if len(plans) >= top and pred.step_time_s >= plans[-1].prediction.step_time_s:
@@ -374,12 +422,28 @@ class Planner:
         return not message
 
     def plan_homogeneous(self, group, top: int = 5) -> list:
-        scored = []
-        for c in self.homogeneous_candidates(group):
-            groups = [group] * c.pp
-            times = stage_times(self.model, c, self.gbs, groups)
-            scored.append((times.lower_bound(c.pp), c, groups, times))
-        return self.best(scored, top)
+        """The best plans on ``group`` alone. Layouts are weighed in order of their compute bound
+        (:meth:`compute_bound`, no memory estimate needed) and only those that can still enter the top
+        ``top`` are checked against the memory (the estimator: most of the search's time) and timed."""
+        bases = []
+        for c in self.homogeneous_bases(group):
+            bases.append((self.compute_bound(c, [group] * c.pp), len(bases), c))
+            if self.out_of_time():
+                break
+        bases.sort(key=lambda x: x[:2])
+        plans = []
+        for bound, _, base in bases:
+            if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+                break
+            if plans and self.out_of_time():
+                break
+            groups = [group] * base.pp
+            scored = []
+            for c in self._fitting(base, groups):
+                times = stage_times(self.model, c, self.gbs, groups)
+                scored.append((times.lower_bound(c.pp), c, groups, times))
+            plans = self.best(scored, top, plans)
+        return plans
 
     # --- heterogeneous (hetero.py) ----------------------------------------------------------
     def plan_heterogeneous(self, top: int = 5) -> list:
@@ -389,17 +453,29 @@ class Planner:
 
     # --- everything ----------------------------------------------------------------------------
     def plan(self, top: int = 5) -> list:
-        plans = []
+        """The ``top`` plans, best first: each group alone, then on a heterogeneous cluster pipelines over
+        the groups (hetero.py) and replicas of different speeds (shares.py). With a time budget each phase
+        stops when it is spent (:attr:`cut`), keeping the best plans found so far."""
+        from megand.tools.planner.shares import plan_shares
+
+        plans, alone = [], {}
+        # pinned uneven shares: only replicas on several groups can run them
+        shares_only = is_uneven(self.pinned.get("parallel.dp_microbatches"))
+        phases = len(self.cluster.groups) + 2 * self.cluster.heterogeneous
         for group in self.cluster.groups:
-            plans += self.plan_homogeneous(group, top)
+            self._start_phase(phases)
+            phases -= 1
+            mine = [] if shares_only else self.plan_homogeneous(group, top)
+            alone[group.name] = max((p.prediction.tokens_per_s for p in mine), default=0.0)
+            plans += mine
         if self.cluster.heterogeneous:
-            best_each = [max((p.prediction.tokens_per_s for p in plans if p.stage_groups[0].name == g.name),
-                             default=0.0) for g in self.cluster.groups]
-            hetero = self.plan_heterogeneous(top)
-            total = sum(best_each)
+            total = sum(alone.values())
+            self._start_phase(2)
+            hetero = [] if shares_only else self.plan_heterogeneous(top)
             for p in hetero:
                 p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
-            plans += hetero
+            self._start_phase(1)
+            plans += hetero + plan_shares(self, top, alone)
         plans.sort(key=lambda p: p.prediction.step_time_s)
         if not plans:
             raise PlanError(self.why_impossible())
