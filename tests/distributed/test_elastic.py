@@ -7,6 +7,7 @@ before the first restart (the same layout), within the layout tolerance after it
 summation order), with the same samples (batch checksum) and learning rates."""
 
 import re
+import socket
 import uuid
 
 import pytest
@@ -18,6 +19,15 @@ from tests.harness import read_metrics, run_pretrain
 ITERS, INTERVAL = 300, 5
 COMMON = ["+experiment=tiny_llama", "train.eval_iters=0", f"train.iters={ITERS}", "train.batch_checksum=true"]
 LOSS_RTOL = 1e-4  # the correctness protocol's per-step loss bound across layouts
+
+
+def listening(endpoint) -> bool:
+    host, port = endpoint.split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def loaded(job) -> list[int]:
@@ -45,8 +55,13 @@ def test_two_nodes_one_node_two_nodes_continue_the_run(tmp_path):
     overrides = [*COMMON, f"checkpoint.save={save}", f"checkpoint.load={save}", f"checkpoint.interval={INTERVAL}"]
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     a = ElasticNode(run_dir, overrides, endpoint, run_id)
+    # the first agent hosts the c10d rendezvous store; it must outlive the job (a lost host ends the rendezvous,
+    # as torch documents): the node lost below is the other one
+    a.wait_for(lambda: listening(endpoint))
     b = ElasticNode(run_dir, overrides, endpoint, run_id)
-    a.wait_for(lambda: len(saved(a) + saved(b)) >= 2)  # two nodes, dp=4
+    a.wait_for(lambda: len(b.ranks()) == 2)  # both nodes' workers run: world size 4, dp=4
+    done = len(saved(a) + saved(b))
+    a.wait_for(lambda: len(saved(a) + saved(b)) >= done + 2)
     b.kill()  # a node lost: its agent and workers
     # one node, dp=2: resumed, then two checkpoints of its own
     a.wait_for(lambda: loaded(a) and max(saved(a)) > loaded(a)[0] + INTERVAL)

@@ -49,3 +49,21 @@ def test_elastic_restart_changes_dp_only(tmp_path):
             check_continuation(run_config(save, overrides), 2)
         message = str(e.value)
         assert "\n" not in message and named in message and "world size 2 (the checkpoint's: 4)" in message, message
+
+
+def test_elastic_launch_is_valid_at_every_node_count():
+    from torch.distributed.run import parse_args
+
+    from megand.tools.launch import config_error, is_elastic
+
+    def launch(nnodes, *overrides):
+        return parse_args([f"--nnodes={nnodes}", "--nproc-per-node=2", "pretrain_gpt.py", "+experiment=tiny_llama",
+                           *overrides])
+
+    assert is_elastic(launch("1:2")) and not is_elastic(launch("2")) and not is_elastic(launch("2:2"))
+    assert config_error(launch("1:2")) is None  # dp 2 or 4, one micro-batch of 2 per replica at most 4
+    assert config_error(launch("1:2", "train.global_batch_size=12")) == (
+        "megand: invalid configuration: at --nnodes=1:2 x 2 = world size 4: train.global_batch_size=12 is not "
+        "divisible by train.micro_batch_size=2 x dp=4 = 8")
+    assert config_error(launch("1:2", "parallel.dp=2")).startswith(
+        "megand: invalid configuration: at --nnodes=1:2 x 2 = world size 4: parallel.dp=2 but world size 4")
