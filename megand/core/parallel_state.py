@@ -176,7 +176,7 @@ def init_distributed(timeout_s: float | None = None) -> torch.device:
             kwargs["timeout"] = timedelta(seconds=timeout_s)
         if "RANK" not in os.environ:  # not launched by torchrun: a one-process world, no rendezvous needed
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        elif reuses_agent_store():
             kwargs.update(restart_store())
         dist.init_process_group(backend, **kwargs)
     return device
@@ -197,15 +197,24 @@ def init_fake_distributed(rank: int, world_size: int) -> torch.device:
     return torch.device("cpu")
 
 
+def reuses_agent_store() -> bool:
+    """Workers restarted by torchrun (``--max-restarts``) that rendezvous through the agent's store, which
+    outlives them (``TORCHELASTIC_USE_AGENT_STORE``): the previous attempt's keys are still in it. Without
+    the agent's store (an elastic launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: megand's launcher
+    sets it for a range of nodes) rank 0 of each rendezvous round hosts a new store on a new port, and the
+    plain env:// init is right: the restart counts of agents that joined at different times differ, so no
+    key derived from them would be shared by every worker of the round."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
 def restart_store() -> dict:
-    """The rendezvous of workers restarted by torchrun (``--max-restarts``): the agent's store outlives
-    its workers, so the previous attempt's keys (the addresses of dead ranks) are still there and a
+    """The rendezvous of workers restarted by torchrun (``--max-restarts``) through the agent's store: it
+    outlives its workers, so the previous attempt's keys (the addresses of dead ranks) are still there and a
     plain env:// init would read them and hang or fail to connect. Each attempt uses keys of its own."""
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts the store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, multi_tenant=not agent_store)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
     return dict(store=dist.PrefixStore(f"megand/attempt_{attempt}", store), rank=rank, world_size=world)
 
 

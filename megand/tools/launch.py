@@ -19,6 +19,10 @@ run's config from the same overrides and validates it at the launch's world size
 line (``megand: invalid configuration: ...``) and exit code 2, and ``--max-restarts`` never retries it.
 A worker failure is one line naming the rank and its exit code (the worker's own line is above it), and
 the launcher exits with that code.
+
+An elastic launch (``--nnodes=MIN:MAX``) is validated at every world size it may run at (a restart on
+fewer nodes must not fail on a configuration it could have refused now; megand/training/elastic.py has
+the rule), and its agents' rendezvous keeps no store across rounds (:data:`ELASTIC_ENV`).
 """
 
 from __future__ import annotations
@@ -79,12 +83,24 @@ def without_stop_signals(signals: str) -> str:
     return ",".join(kept) or "SIGQUIT"  # the agent needs at least one name
 
 
-def launch_world_size(args) -> int | None:
-    """Workers of the whole launch, when the arguments fix it (an elastic range of nodes does not)."""
+def launch_world_sizes(args) -> list[int]:
+    """Every world size the launch may run at: one, or one per node count of an elastic range
+    (``--nnodes=MIN:MAX``); none when the arguments do not say (``--nproc-per-node=gpu``)."""
     nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
-    if ":" in nnodes and len(set(nnodes.split(":"))) > 1 or not nproc.isdigit():
-        return None
-    return int(nnodes.split(":")[0]) * int(nproc)
+    low, _, high = nnodes.partition(":")
+    if not nproc.isdigit() or not low.isdigit() or not (high or low).isdigit():
+        return []
+    return [n * int(nproc) for n in range(int(low), int(high or low) + 1)]
+
+
+def is_elastic(args) -> bool:
+    return len(launch_world_sizes(args)) > 1
+
+
+# torch's agents share one TCP store across rendezvous rounds unless this is "1"; a node that joins a running
+# job (an elastic scale-up) then waits for a key the existing rank-0 agent never writes for the new round, and
+# the workers' own keys of earlier rounds linger. Per round, rank 0's worker hosting a new store avoids both.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def config_error(args) -> str | None:
@@ -93,10 +109,10 @@ def config_error(args) -> str | None:
     workers, which read the checkpoint."""
     if os.path.basename(args.training_script) != TRAINING_SCRIPT:
         return None
-    world = launch_world_size(args)
+    worlds = launch_world_sizes(args)
     overrides = [a for a in args.training_script_args if not a.startswith("-")]
-    if world is None or len(overrides) != len(args.training_script_args):
-        return None  # Hydra flags (--cfg, --multirun, ...) and elastic sizes: the workers check
+    if not worlds or len(overrides) != len(args.training_script_args):
+        return None  # Hydra flags (--cfg, --multirun, ...) and unknown sizes: the workers check
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -109,10 +125,12 @@ def config_error(args) -> str | None:
     takes_model = any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "model" for o in overrides)
     if cfg.checkpoint.load and not takes_model:
         return None
-    try:
-        validate(cfg, world)
-    except ConfigError as e:
-        return f"megand: invalid configuration: {e}"
+    for world in worlds:  # an elastic launch: valid at every node count it may restart on
+        try:
+            validate(cfg, world)  # a fixed parallel.dp fails at every other world size
+        except ConfigError as e:
+            at = f"at --nnodes={args.nnodes} x {args.nproc_per_node} = world size {world}: " if len(worlds) > 1 else ""
+            return f"megand: invalid configuration: {at}{e}"
     return None
 
 
@@ -128,6 +146,9 @@ def main(argv=None) -> None:
     if message:  # before any worker: not retried by --max-restarts, and one line
         print(message, file=sys.stderr, flush=True)
         sys.exit(2)
+    if is_elastic(args):
+        for key, value in ELASTIC_ENV.items():
+            os.environ.setdefault(key, value)
     args.signals_to_handle = without_stop_signals(args.signals_to_handle)
     ForwardStopSignals()
     try:

@@ -43,6 +43,7 @@ from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import loss_token_count, mtp_token_counts
 from megand.training.compile import compile_layers
 from megand.training.config import backend_timeout_s, collective_timeout_s, validate
+from megand.training.elastic import check_continuation
 from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
 from megand.training.guards import NonFiniteStop, SkipGuard, SpikeDetector, all_finite, first_nonfinite_grad
@@ -149,7 +150,11 @@ class Trainer:
         enable_recorder(cfg.train.hang_report_ops)  # before the first process group: the hang report's record
         device = init_distributed(backend_timeout_s(collective_timeout_s(cfg, choose_device_and_backend()[0])))
         # before any work: the values, then the directories the run must be able to write
+        # an elastic restart (its own checkpoint, another world size) changes only dp (megand/training/elastic.py)
+        elastic = on_every_rank(lambda: check_continuation(cfg, dist.get_world_size()))
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
+        if elastic and dist.get_rank() == 0:
+            print(elastic, flush=True)
         on_every_rank(lambda: check_output_dirs(cfg))
         on_every_rank(lambda: check_run_dir_reuse(cfg))
         # the one reading of the Hydra config for core: every builder below takes its typed piece of it

@@ -18,18 +18,18 @@ class Job:
     """A torchrun job (one agent by default) whose output is collected line by line with arrival times."""
 
     def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, launcher=("-m", "torch.distributed.run"),
-                 preexec_fn=None):
-        """``launcher``: the agent's command after the interpreter (torchrun's module, or tools/launch.py)."""
+                 preexec_fn=None, rendezvous=None):
+        """``launcher``: the agent's command after the interpreter (torchrun's module, or tools/launch.py);
+        ``rendezvous``: the agents' rendezvous arguments (default: standalone, or static over ``nnodes``)."""
         self.lines: list[tuple[float, str]] = []
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc * nnodes)}
         script = [os.path.join(ROOT, "pretrain_gpt.py"), f"run_dir={run_dir}", *overrides]
         self.agents = []
         for node in range(nnodes):
-            rendezvous = (["--standalone"] if nnodes == 1 else
-                          [f"--nnodes={nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1",
-                           f"--master-port={port}"])
-            cmd = [sys.executable, *launcher, *rendezvous, f"--nproc-per-node={nproc}",
+            args = (rendezvous if rendezvous is not None else ["--standalone"] if nnodes == 1 else
+                    [f"--nnodes={nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"])
+            cmd = [sys.executable, *launcher, *args, f"--nproc-per-node={nproc}",
                    *launcher_args, *script]
             agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, preexec_fn=preexec_fn)
