@@ -126,6 +126,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = None  # keep only the newest N iter_* directories after each save; null: keep all
     continue_on_error: bool = False  # a failed save never stops the run, the final one included (it only warns)
     max_failed_saves: int = 3  # consecutive failed saves before the run stops (exit code 5); a failed final save also stops it
+    local_dir: Optional[str] = None  # node-local directory of the fast tier (the same path on every node, each node's own disk); each rank's state is also replicated to a peer node; null: no local tier
+    local_interval: int = 0  # save to local_dir every N iterations (needs local_dir; cheaper and more frequent than interval)
     save_timeout_s: Optional[float] = None  # longest a checkpoint save may take before it counts as failed, and a load before the hang watchdog fires (also their collectives' timeout); null: the larger of 3600 and train.collective_timeout_s
 
 
@@ -471,6 +473,12 @@ def validate_fault_keys(cfg) -> None:
         raise ConfigError(f"train.hang_report_ops={t.hang_report_ops} must be >= 0")
     if t.max_rollbacks < 0:
         raise ConfigError(f"train.max_rollbacks={t.max_rollbacks} must be >= 0")
+    if (not c.local_dir) != (c.local_interval <= 0) or c.local_interval < 0:
+        raise ConfigError(f"checkpoint.local_dir={c.local_dir} and checkpoint.local_interval={c.local_interval}: the "
+                          f"node-local tier needs both (a directory and an interval > 0), or neither")
+    if c.local_dir and not c.save:
+        raise ConfigError(f"checkpoint.local_dir={c.local_dir} is a fast copy of a run that also saves to the shared "
+                          f"tier: set checkpoint.save (and checkpoint.load to the same directory to restart from either)")
     if t.spike_rollback and not (c.save and c.interval > 0):
         raise ConfigError(f"train.spike_rollback=true needs checkpoints to roll back to: checkpoint.save={c.save} "
                           f"and checkpoint.interval={c.interval} (must be > 0)")

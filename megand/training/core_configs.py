@@ -54,6 +54,7 @@ READ_ELSEWHERE = {
         "interval": "the Trainer's checkpoint step",
         "continue_on_error": "the Trainer's checkpoint step (SaveFailures)",
         "max_failed_saves": "the Trainer's checkpoint step (SaveFailures)",
+        "local_interval": "the Trainer's checkpoint step (local tier)",
         "save_timeout_s": "CheckpointConfig.budget_s, .timeout_s (with the backend's grace) and the hang watchdog",
     },
     "parallel": {

@@ -24,10 +24,13 @@ def check_writable(key: str, path: str) -> None:
 
 
 def check_output_dirs(cfg) -> None:
-    """``run_dir`` and ``checkpoint.save`` (when set) are directories this process can write into."""
+    """``run_dir``, ``checkpoint.save`` and ``checkpoint.local_dir`` (when set) are directories this process can
+    write into."""
     check_writable("run_dir", str(cfg.run_dir))
     if cfg.checkpoint.save:
         check_writable("checkpoint.save", str(cfg.checkpoint.save))
+    if cfg.checkpoint.get("local_dir"):  # on every node: each rank checks its own node's directory
+        check_writable("checkpoint.local_dir", str(cfg.checkpoint.local_dir))
 
 
 def check_run_dir_reuse(cfg) -> None:

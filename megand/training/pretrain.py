@@ -182,19 +182,22 @@ class Trainer:
         self.wandb_run_id = wandb_run_id or new_wandb_run_id()  # a loaded checkpoint's id replaces it
         self._wandb = None  # started on first use, after a checkpoint may have set wandb_run_id
         self.checkpointer = self._build_checkpointer()
+        local = self.checkpointer.local if self.checkpointer is not None else None
+        if local is not None and not local.replicated and self.topo.is_logging_rank:
+            print(f" checkpoint.local_dir: every rank is on one node, so the local tier has no peer node to replicate "
+                  f"to: it survives restarts of the processes, not the loss of the node", flush=True)
         self.save_failures = SaveFailures(cfg.checkpoint.max_failed_saves, cfg.checkpoint.continue_on_error,
                                           self._report_save_failure)
         self.stop = StopOnSignal()
         self.agreed_stop = None  # the ranks' stop decision, taken with the last step's all-reduce
         self.best_val = float("inf")  # the best validation loss of this run so far
+        self.restored = None  # the state this run started from (LoadedState), reported once the logs are open
         if cfg.checkpoint.load:
-            from megand.training.resume import load_path
-
-            path, notice = load_path(cfg.checkpoint)
-            if notice and self.topo.is_logging_rank:
-                print(notice, flush=True)
-            if path:
-                self.load_checkpoint(path)
+            self.resume()
+        if self.checkpointer is not None and self.checkpointer.local is not None and self.topo.local_rank == 0:
+            # local iterations past this run's start are another trajectory's: never restored later
+            start = self.iteration
+            self.checkpointer.local.remove(lambda it: it > start)
         # a smaller global batch size resumes further into the data than the run was built for
         self.train_feed.reserve(self.consumed_samples + (cfg.train.iters - self.iteration) * cfg.train.global_batch_size
                                 + self.rollback_sample_budget())
@@ -204,6 +207,7 @@ class Trainer:
         self.skips = SkipGuard(cfg.train.max_skipped_steps)
         self.busy = device_timer(self.topo.device)  # this rank's time in forward/backward since the last log line
         self._open_logs()
+        self._report_restore()
 
     @property
     def train_data(self):
@@ -285,24 +289,99 @@ class Trainer:
         """Collective: where the data stands after the batches trained on (what a checkpoint keeps)."""
         return self.train_feed.state_dict()
 
-    def load_checkpoint(self, path):
-        loaded = self.checkpointer.load(path)
-        self.rollback_path = loaded.path
+    def resume(self) -> None:
+        """Collective: start from the newest state of ``checkpoint.load``, or of the node-local tier when this
+        run resumes itself (``checkpoint.load`` = ``checkpoint.save``) and the tier holds a complete state at
+        least as new (see megand/core/checkpointing/local_tier.py); otherwise as the requeue idiom says."""
+        from megand.training.resume import load_path, resumes_itself
+
+        c = self.cfg.checkpoint
+        path, notice = load_path(c)
+        local = self.checkpointer.local is not None and resumes_itself(c)
+        restored, notes = self.checkpointer.restore_local(c.save) if local else (None, [])
+        if self.topo.is_logging_rank:
+            for note in notes:
+                print(f" checkpoint.local_dir: {note}" + ("; loading the shared tier" if path and not restored else ""),
+                      flush=True)
+            if notice and restored is None:
+                print(notice, flush=True)
+        if restored is not None:
+            self.load_checkpoint(None, restored)
+        elif path:
+            self.load_checkpoint(path)
+
+    def _report_restore(self) -> None:
+        """The ``checkpoint_restored`` event: which tier the run started from, the bytes read from each."""
+        r = self.restored
+        if r is None:
+            return
+        self.writer.write({"iter": r.iteration, "event": "checkpoint_restored", "tier": r.tier, "path": r.path,
+                           "bytes_local": (r.bytes_read or {}).get("local", 0),
+                           "bytes_shared": (r.bytes_read or {}).get("shared", 0), "seconds": round(r.seconds, 4),
+                           "from_replica": list(r.from_replica)})
+
+    def load_checkpoint(self, path, loaded=None):
+        """Load the checkpoint at ``path`` (or take ``loaded``, a state already restored) and continue from it."""
+        loaded = loaded or self.checkpointer.load(path)
+        self.restored = loaded
+        # a spike rollback reloads from the shared tier: its newest checkpoint, when the local tier was newer
+        self.rollback_path = loaded.path if loaded.tier == "shared" else self._shared_latest()
         self.load_guard_state(loaded.extra_state)
         notice = self.train_feed.load_state_dict((loaded.extra_state or {}).get("data"))
         if notice and self.topo.is_logging_rank:
             print(f" {loaded.path} {notice}", flush=True)
         if self.loaded_iteration is None:  # the run's first load (a rollback reloads under the same schedule)
             check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps)
-        self.loaded_iteration = loaded.iteration
+        # a state restored from the local tier only is saved to the shared tier at the end all the same
+        self.loaded_iteration = loaded.iteration if loaded.tier == "shared" else None
         self.iteration = loaded.iteration
         self.wandb_run_id = loaded.run_id or self.wandb_run_id
         # the data position: samples consumed so far (a changed global batch size continues from there)
         self.consumed_samples = loaded.consumed_samples
         if self.topo.is_logging_rank:
             rng = "yes" if loaded.rng_restored else f"partly: {loaded.rng_notice}" if loaded.rng_notice else "no, layout changed"
-            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} (optimizer state: "
-                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: {rng})", flush=True)
+            where = (f"from the local tier ({', '.join(f'rank {r}' for r in loaded.from_replica)} from their "
+                     f"replicas on a peer node) " if loaded.from_replica else "from the local tier " if loaded.tier == "local" else "")
+            print(f" loaded checkpoint {loaded.path} {where}at iteration {loaded.iteration} (optimizer state: "
+                  f"{'yes' if loaded.optimizer_loaded else 'no'}, RNG state: {rng}; {loaded.seconds:.2f} s)", flush=True)
+
+    def _shared_latest(self) -> str | None:
+        """The iteration directory the shared tier's ``latest`` names, or None."""
+        from megand.core.checkpointing.files import iter_dir_name, latest_iteration
+
+        latest = latest_iteration(self.cfg.checkpoint.save)
+        return os.path.join(self.cfg.checkpoint.save, iter_dir_name(latest[0])) if latest else None
+
+    def _state_finite(self, what: str) -> bool:
+        """Whether the weights and optimizer state are finite (collective); warns that ``what`` is skipped if not."""
+        self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
+        # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
+        weights = [data for _, _, _, data in self.ddp.param_shards()]
+        if all_finite([*weights, *self.optimizer.state_tensors()], self.topo.device):
+            return True
+        if self.topo.is_logging_rank:
+            print(f" WARNING: not saving {what} at iteration {self.iteration}: the weights or optimizer state are "
+                  f"not finite", flush=True)
+        return False
+
+    def save_local(self) -> bool:
+        """Save to the node-local tier (collective); False when nothing was saved. A failed local save is
+        reported and never stops the run: the shared tier is the one that lasts."""
+        from megand.core.checkpointing import CheckpointWriteError
+
+        self._progress("checkpoint save (local tier)", *self._save_budget())
+        if not self._state_finite("a local checkpoint"):
+            return False
+        extra = {**self.guard_state(), "data": self.data_state()}
+        try:
+            self.checkpointer.save_local(self.iteration, self.consumed_samples, self.wandb_run_id,
+                                         self.cfg.train.global_batch_size, extra_state=extra)
+        except CheckpointWriteError as e:
+            self.writer.write({"iter": self.iteration, "event": "checkpoint_local_save_failed", "error": str(e)})
+            if self.topo.is_logging_rank:
+                print(f" WARNING: {e}; training continues", flush=True)
+            return False
+        return True
 
     def save_checkpoint(self, final: bool = False) -> bool:
         """Save (collective); False when nothing was saved: non-finite state, or a failed write (reported; see
@@ -313,13 +392,7 @@ class Trainer:
         self.last_save_attempt = self.iteration
         self._progress("checkpoint save", *self._save_budget())
         self.settle_save()  # the previous asynchronous save, published or failed
-        self.ddp.finish_param_sync()  # overlapped parameter all-gathers must land before the copy
-        # this rank's slices of the weights (under ZeRO-3 the parameters hold no storage between steps)
-        weights = [data for _, _, _, data in self.ddp.param_shards()]
-        if not all_finite([*weights, *self.optimizer.state_tensors()], self.topo.device):
-            if self.topo.is_logging_rank:
-                print(f" WARNING: not saving a checkpoint at iteration {self.iteration}: the weights or optimizer "
-                      f"state are not finite", flush=True)
+        if not self._state_finite("a checkpoint"):
             return False
         extra = {**self.guard_state(), "data": self.data_state()}
         from megand.core.checkpointing import CheckpointWriteError
@@ -404,6 +477,8 @@ class Trainer:
             stop = self.stop.agreed(limit_reached=any(self.limits_reached(self.iteration)))
         self.agreed_stop = None
         over_iters = self.limits_reached(self.iteration)[1]
+        if c.local_dir and self.iteration % c.local_interval == 0:
+            self.save_local()
         if c.save and (stop or (c.interval and self.iteration % c.interval == 0)):
             self.save_checkpoint(final=bool(stop) or self.iteration >= t.iters)
         if stop and self.topo.is_logging_rank:

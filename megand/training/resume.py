@@ -28,7 +28,13 @@ def load_path(checkpoint_cfg) -> tuple[str | None, str | None]:
     load, save = checkpoint_cfg.load, checkpoint_cfg.save
     if not load:
         return None, None
-    if save and os.path.abspath(load) == os.path.abspath(save) and holds_no_checkpoint(load):
+    if resumes_itself(checkpoint_cfg) and holds_no_checkpoint(load):
         return None, (f" checkpoint.load={load} is checkpoint.save and holds no checkpoint yet: "
                       f"starting from scratch")
     return load, None
+
+
+def resumes_itself(checkpoint_cfg) -> bool:
+    """The requeue idiom: the run loads from its own save directory (so its node-local tier is its own too)."""
+    load, save = checkpoint_cfg.load, checkpoint_cfg.save
+    return bool(load and save) and os.path.abspath(load) == os.path.abspath(save)

@@ -18,9 +18,10 @@ class Job:
     """A torchrun job (one agent by default) whose output is collected line by line with arrival times."""
 
     def __init__(self, run_dir, overrides, nproc, launcher_args=(), nnodes=1, launcher=("-m", "torch.distributed.run"),
-                 preexec_fn=None, rendezvous=None):
+                 preexec_fn=None, rendezvous=None, node_env=None):
         """``launcher``: the agent's command after the interpreter (torchrun's module, or tools/launch.py);
-        ``rendezvous``: the agents' rendezvous arguments (default: standalone, or static over ``nnodes``)."""
+        ``rendezvous``: the agents' rendezvous arguments (default: standalone, or static over ``nnodes``);
+        ``node_env``: per node, environment variables of its agent (e.g. its own node-local directory)."""
         self.lines: list[tuple[float, str]] = []
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ranks_env(nproc * nnodes)}
@@ -31,7 +32,8 @@ class Job:
                     [f"--nnodes={nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"])
             cmd = [sys.executable, *launcher, *args, f"--nproc-per-node={nproc}",
                    *launcher_args, *script]
-            agent = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            agent = subprocess.Popen(cmd, env={**env, **(node_env[node] if node_env else {})}, cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, preexec_fn=preexec_fn)
             threading.Thread(target=self._read, args=(agent,), daemon=True).start()
             self.agents.append(agent)
@@ -77,9 +79,10 @@ class Job:
         time.sleep(0.2)  # let the reader threads drain
         return max(codes, key=abs)
 
-    def kill(self):
-        for agent in self.agents:
-            if agent.poll() is None:
+    def kill(self, nodes=None):
+        """SIGKILL the agents of ``nodes`` (default: all) and their workers."""
+        for node, agent in enumerate(self.agents):
+            if agent.poll() is None and (nodes is None or node in nodes):
                 pids = children(agent.pid) + [agent.pid]
                 for pid in pids:
                     try:

@@ -42,6 +42,7 @@ OTHER_VALUE = {
     "optim.sharding": ({}, "optim"),
     "checkpoint.save": ({}, "/tmp/unused_ckpt"),
     "checkpoint.keep_last": ({}, 2),
+    "checkpoint.local_dir": ({}, "/tmp/unused_local"),
 }
 
 

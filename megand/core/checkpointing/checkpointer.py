@@ -62,6 +62,10 @@ class LoadedState:
     rng_restored: bool
     extra_state: dict | None = None  # what the trainer stored with the save (opaque here)
     rng_notice: str | None = None  # why some random streams were re-seeded rather than restored
+    tier: str = "shared"  # where it came from: the shared save directory, or the node-local tier
+    bytes_read: dict | None = None  # tier -> bytes read from it by all ranks together
+    seconds: float = 0.0
+    from_replica: tuple[int, ...] = ()  # local tier: the ranks whose state came from a peer's replica
 
 
 def layout_of(topo) -> dict:
@@ -117,6 +121,13 @@ class Checkpointer:
         self.staging = HostStaging()
         self.last_saved = None
         self.last_stall_s = 0.0
+        self.local = None
+        if config.local_dir:
+            from megand.core.checkpointing.local_tier import LocalTier, rank_tensors
+
+            self.local = LocalTier(config.local_dir, os.path.abspath(config.save), topo,
+                                   lambda: rank_tensors(self.named_params, optimizer, self.named_buffers), self.rngs,
+                                   timedelta(seconds=config.timeout_s))
         if hasattr(signal, "SIGXFSZ"):  # over a file-size limit a write must fail (EFBIG), not kill the rank
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
@@ -142,10 +153,7 @@ class Checkpointer:
         self.wait()
         tmp = os.path.join(self.cfg.save, files.iter_dir_name(iteration) + ".tmp")
         rng_state = rng.capture(self.rngs, self.topo.device)
-        common = {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-                  "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
-                  "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
-                  "extra": extra_state} if self.rank == 0 else None
+        common = self._common(iteration, consumed_samples, run_id, global_batch_size, extra_state)
         self.optimizer.ddp.finish_param_sync()  # overlapped parameter all-gathers must land first
         state = self.staging.stage(sharded.save_pieces(self.named_params, self.optimizer, self.named_buffers),
                                    copy=self.cfg.async_save)
@@ -154,6 +162,42 @@ class Checkpointer:
             self.wait()
         self.last_saved = iteration
         self.last_stall_s = time.perf_counter() - start
+
+    def _common(self, iteration, consumed_samples, run_id, global_batch_size, extra_state) -> dict | None:
+        """Rank 0's part of a save: the run's scalars (None on the other ranks)."""
+        return {"format": files.FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+                "global_batch_size": global_batch_size, "optimizer": self.optimizer.scalar_state(),
+                "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
+                "extra": extra_state} if self.rank == 0 else None
+
+    def save_local(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None,
+                   extra_state: dict | None = None) -> None:
+        """Collective: a save to the node-local tier (synchronous; :meth:`save`'s arguments). Raises
+        CheckpointWriteError on every rank alike when a write failed anywhere."""
+        self.optimizer.ddp.finish_param_sync()
+        self.local.save(iteration, self._common(iteration, consumed_samples, run_id, global_batch_size, extra_state),
+                        layout_of(self.topo))
+
+    def restore_local(self, shared_path: str | None) -> tuple[LoadedState | None, list[str]]:
+        """Collective: the newest complete state of the local tier if it is at least as new as the shared
+        tier's ``latest`` in ``shared_path`` (None: the shared tier holds none), loaded; else None. And the
+        notes saying why newer local iterations were passed over. Every rank alike."""
+        box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        shared_iteration, shared_bytes = box[0] or (0, 0)
+        plan, notes = self.local.plan(shared_iteration, layout_of(self.topo))
+        if plan is None:
+            return None, notes
+        self.optimizer.ddp.finish_param_sync()
+        got = self.local.restore(plan)
+        common = got.common
+        self.optimizer.load_scalar_state(common["optimizer"])
+        loaded = LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
+                             os.path.join(self.local.dir, files.iter_dir_name(got.iteration)), True, got.rng_restored,
+                             extra_state=common.get("extra"), rng_notice=got.rng_notice, tier="local",
+                             bytes_read={"local": got.bytes_read, "shared": shared_bytes},  # shared: ``latest``
+                             seconds=got.seconds, from_replica=tuple(got.from_replica))
+        return loaded, notes
 
     def _write(self, save: _Save, state, rng_state, common) -> None:
         """The save's steps, each agreed on by every rank (in the save's thread)."""
@@ -332,6 +376,7 @@ class Checkpointer:
         return result
 
     def load(self, path: str) -> LoadedState:
+        start = time.perf_counter()
         iter_dir = files.resolve(path)
         metadata = files.read_metadata(iter_dir)
         self._check_files_together(iter_dir, metadata)  # checksums first: nothing read below can be damaged
@@ -370,5 +415,8 @@ class Checkpointer:
             rng_notice = rng.restore(state, self.rngs, self.topo.device)
             rng_restored = rng_notice is None
         dist.barrier(group=self.group)
+        # every file is read at least once (its checksum, shared among the ranks), the data then by its readers
+        size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(iter_dir) for n in names)
         return LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
-                           iter_dir, has_optimizer, rng_restored, extra_state=common.get("extra"), rng_notice=rng_notice)
+                           iter_dir, has_optimizer, rng_restored, extra_state=common.get("extra"), rng_notice=rng_notice,
+                           bytes_read={"shared": size}, seconds=time.perf_counter() - start)

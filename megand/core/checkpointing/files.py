@@ -59,6 +59,17 @@ def file_crc(path: str) -> int:
     return crc
 
 
+def latest_iteration(save: str) -> tuple[int, int] | None:
+    """``(iteration, bytes read)`` of the ``latest`` file of the save directory ``save``; None when it has
+    none or it does not hold a number."""
+    try:
+        with open(os.path.join(save, LATEST), "rb") as f:
+            raw = f.read()
+        return int(raw.strip()), len(raw)
+    except (OSError, ValueError):
+        return None
+
+
 def resolve(path: str) -> str:
     """The complete iteration directory that ``checkpoint.load=path`` designates, or CheckpointError.
 

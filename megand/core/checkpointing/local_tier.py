@@ -1,0 +1,357 @@
+"""The node-local checkpoint tier: frequent, cheap saves to each node's own disk, every rank's state
+replicated on a peer node, restored without the shared file system while every rank's state survives
+somewhere (its own node, or the peer that holds its replica).
+
+    ${local_dir}/iter_0000012/rank_00003.pt      rank 3's own state, written by rank 3
+    ${local_dir}/iter_0000012/replica_00001.pt   rank 1's state, received from rank 1 (a rank of another node)
+
+Each rank saves *its own* state exactly as it holds it (its local parameters, or under ZeRO-3 its slices of
+them; its optimizer shard; the persistent buffers; its random streams; rank 0 also the run's scalars and
+the trainer's extra state), serialized with ``torch.save``, and sends the same bytes to its peer: the rank
+of the same local index on the next node (torchrun's ``GROUP_RANK``). Restoring copies those tensors back
+into the same tensors: it is exact, and only possible at the same layout (the same ranks holding the same
+shards). The layout and a signature of every tensor's name, dtype and shape are recorded in each file's
+header; a run at another layout, sharding level or precision ignores the tier and loads the shared one.
+
+A file is written to ``*.tmp`` and renamed once complete (and flushed), so a crash never leaves a file
+that looks complete; older iterations are removed only after every rank has written (and replicated)
+the new one: the last complete local state is never destroyed by a save that fails or dies half-way.
+
+Restore is collective: every rank lists what its node's directory holds (the headers only), the lists are
+gathered, and the newest iteration for which every rank's state is held somewhere (as its own file or a
+replica) wins over the shared tier when it is at least as new as the shared ``latest``. Each rank's state
+is read where it is (by the rank itself when its node kept it) and sent to it over the tier's own process
+group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megand.core.checkpointing import files, rng
+from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
+from megand.core.checkpointing.pieces import Piece
+from megand.core.checkpointing.staging import HostStaging
+
+MAGIC = b"megand-local-1\n"
+OWN, REPLICA = "rank", "replica"
+
+
+def node_rank() -> int:
+    """This process's node: the agent's group rank torchrun gives it (0 when launched otherwise)."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
+def file_name(kind: str, rank: int) -> str:
+    return f"{kind}_{rank:05d}.pt"
+
+
+def rank_tensors(named_params, optimizer, named_buffers) -> dict[str, torch.Tensor]:
+    """This rank's state as it holds it, by names unique to it: every local parameter whole (under ZeRO-3
+    its packed slices, the only values it holds between steps), its optimizer shard, the buffers."""
+    ddp, out = optimizer.ddp, {}
+    if ddp.shard_params:
+        name_of = {p: n for n, p in named_params}
+        for p, lo, hi, data in ddp.param_shards():
+            out[f"param.{name_of[p]}[{lo}:{hi}]"] = data
+    else:
+        for name, p in named_params:
+            out[f"param.{name}"] = p.detach()
+    for shard in optimizer.sharded_state_dict():
+        for kind, t in shard.tensors.items():
+            out[f"optim.{shard.name}.{kind}[{shard.lo}:{shard.hi}]"] = t
+    for name, b in named_buffers:
+        out[f"buffer.{name}"] = b.detach()
+    return out
+
+
+def signature(tensors: dict[str, torch.Tensor], layout: dict) -> str:
+    """What must be equal for a saved state to load into these tensors: the layout, every name, dtype, shape."""
+    text = json.dumps([layout, sorted((k, str(t.dtype), list(t.shape)) for k, t in tensors.items())])
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def write_atomic(path: str, chunks) -> None:
+    """``chunks`` (bytes-like) to ``path`` through ``path.tmp``, flushed, then renamed."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def encode_header(header: dict) -> bytes:
+    text = json.dumps(header).encode()
+    return MAGIC + struct.pack("<Q", len(text)) + text
+
+
+def read_header(path: str) -> dict | None:
+    """The header of a local-tier file, or None when it is not one (or is unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return None
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            header["payload_at"] = len(MAGIC) + 8 + n
+            header["file_bytes"] = os.path.getsize(path)
+        return header
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+@dataclass
+class LocalRestore:
+    """What a restore from the local tier did: the iteration, where each rank's state came from, the bytes
+    read from the local disks (all ranks together), the seconds it took."""
+
+    iteration: int
+    common: dict
+    rng_notice: str | None
+    rng_restored: bool
+    bytes_read: int
+    seconds: float
+    from_replica: list[int] = field(default_factory=list)  # ranks whose own file was lost
+
+
+class LocalTier:
+    def __init__(self, local_dir: str, run: str, topo, tensors, rngs, timeout):
+        """``run``: what identifies the run the tier belongs to (its shared save directory); ``tensors()``: this
+        rank's :func:`rank_tensors`. Collective (a process group of its own, and the ranks' nodes)."""
+        self.dir, self.run, self.topo, self.tensors, self.rngs = local_dir, run, topo, tensors, rngs
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        nodes = [None] * self.world
+        dist.all_gather_object(nodes, node_rank(), group=self.group)
+        members = {n: [r for r in range(self.world) if nodes[r] == n] for n in sorted(set(nodes))}
+        order = sorted(members)
+        self.nodes = len(order)
+
+        def peer(r: int) -> int:  # the same local index on the next node
+            mine = members[nodes[r]]
+            nxt = members[order[(order.index(nodes[r]) + 1) % len(order)]]
+            return nxt[mine.index(r) % len(nxt)]
+
+        self.peer = peer(self.rank) if self.nodes > 1 else None
+        self.sources = [r for r in range(self.world) if self.nodes > 1 and peer(r) == self.rank]
+        self.staging = HostStaging()
+
+    @property
+    def replicated(self) -> bool:
+        return self.nodes > 1
+
+    def _iter_dir(self, iteration: int) -> str:
+        return os.path.join(self.dir, files.iter_dir_name(iteration))
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, iteration: int, common: dict | None, layout: dict) -> None:
+        """Collective: write this rank's state and its peer's replica of it; remove the older iterations
+        once every rank has. CheckpointWriteError on every rank alike when a write failed anywhere (the
+        files of this iteration are removed, the previous local state is kept)."""
+        live = self.tensors()
+        staged = self.staging.stage([Piece(k, (), (), t) for k, t in live.items()], copy=False)
+        state = {"tensors": {p.key: p.tensor for p in staged}, "rng": rng.capture(self.rngs, self.topo.device),
+                 "common": common}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getbuffer()
+        header = {"iteration": iteration, "rank": self.rank, "run": self.run, "layout": layout,
+                  "signature": signature(live, layout), "bytes": len(payload), "crc32": zlib.crc32(payload)}
+        head = encode_header(header)
+        iter_dir = self._iter_dir(iteration)
+        written, problem = [], None
+        try:
+            os.makedirs(iter_dir, exist_ok=True)
+            path = os.path.join(iter_dir, file_name(OWN, self.rank))
+            written.append(path)
+            write_atomic(path, (head, payload))
+        except OSError as e:
+            problem = f"rank {self.rank}: {describe_write_error(e, self.dir)}"
+        received = self._exchange(bytearray(head) + payload if self.replicated else None)
+        for source, data in received.items():
+            if problem is None:
+                try:
+                    path = os.path.join(iter_dir, file_name(REPLICA, source))
+                    written.append(path)
+                    write_atomic(path, (data,))
+                except OSError as e:
+                    problem = f"rank {self.rank}: {describe_write_error(e, self.dir)}"
+        problems = [None] * self.world
+        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [p for p in problems if p]
+        if problems:
+            for path in written:
+                for p in (path, f"{path}.tmp"):
+                    if os.path.exists(p):
+                        os.remove(p)
+            more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
+            raise CheckpointWriteError(f"local save of iteration {iteration} to {self.dir} failed: {problems[0]}{more}; "
+                                       f"the previous local state is kept")
+        if self.topo.local_rank == 0:  # one rank per node, once every rank has written this iteration
+            self.remove(lambda it: it < iteration)
+
+    def _exchange(self, blob: bytearray | None) -> dict:
+        """Send ``blob`` (a whole file) to this rank's peer, receive those of the ranks whose peer this rank is."""
+        if blob is None:
+            return {}
+        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.sources}
+        ops = [dist.P2POp(dist.isend, torch.tensor([len(blob)], dtype=torch.int64), self.peer, self.group)]
+        ops += [dist.P2POp(dist.irecv, t, s, self.group) for s, t in sizes.items()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        out = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in sizes.items()}
+        ops = [dist.P2POp(dist.isend, torch.frombuffer(blob, dtype=torch.uint8), self.peer, self.group)]
+        ops += [dist.P2POp(dist.irecv, t, s, self.group) for s, t in out.items()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {s: t.numpy() for s, t in out.items()}
+
+    def remove(self, which) -> None:
+        """Remove this node's local iterations ``it`` for which ``which(it)``. Never those a save may be
+        writing: older ones after a save, newer ones than the state a run starts from before its first step."""
+        if not os.path.isdir(self.dir):
+            return
+        for name in os.listdir(self.dir):
+            if name.startswith("iter_") and name[5:].isdigit() and which(int(name[5:])):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------------- restore
+    def inventory(self) -> dict[int, dict[int, tuple[str, dict]]]:
+        """What this node's directory holds: iteration -> rank -> (file, header); a rank's own file is
+        preferred to a replica of it."""
+        found: dict[int, dict[int, tuple[str, dict]]] = {}
+        if not os.path.isdir(self.dir):
+            return found
+        for name in sorted(os.listdir(self.dir)):
+            if not (name.startswith("iter_") and name[5:].isdigit()):
+                continue
+            for entry in sorted(os.listdir(os.path.join(self.dir, name))):
+                if not entry.endswith(".pt"):
+                    continue
+                path = os.path.join(self.dir, name, entry)
+                header = read_header(path)
+                if header is None or header["file_bytes"] != header["payload_at"] + header["bytes"]:
+                    continue  # not a complete file of this tier
+                held = found.setdefault(int(header["iteration"]), {})
+                if header["rank"] not in held or entry.startswith(OWN):
+                    held[header["rank"]] = (path, header)
+        return found
+
+    def plan(self, shared_iteration: int, layout: dict) -> tuple[dict | None, list[str]]:
+        """Collective: ``(plan, notes)``. The plan of the newest complete local iteration matching this run
+        and at least as new as ``shared_iteration`` (None: load the shared tier): its ``iteration`` and, for
+        each rank, the rank that reads its state (``source``) and the file's header. ``notes``: one line
+        for each newer local iteration passed over, and why."""
+        mine = {it: {r: (path, {k: h[k] for k in ("run", "layout", "signature", "bytes", "crc32", "payload_at")})
+                     for r, (path, h) in held.items()} for it, held in self.inventory().items()}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        expected = [None] * self.world
+        dist.all_gather_object(expected, signature(self.tensors(), layout), group=self.group)
+        notes = []
+        for iteration in sorted({it for inv in everyone for it in inv}, reverse=True):
+            if iteration < shared_iteration:
+                notes.append(f"the shared tier's iteration {shared_iteration} is newer than the local tier's {iteration}")
+                break
+            holders = {}  # rank -> (reading rank, path, header): the rank itself when its node kept it
+            for reader, inv in enumerate(everyone):
+                for r, (path, h) in inv.get(iteration, {}).items():
+                    if r not in holders or reader == r:
+                        holders[r] = (reader, path, h)
+            lost = [r for r in range(self.world) if r not in holders]
+            if lost:
+                notes.append(f"local iteration {iteration} is incomplete: the state of rank(s) {_ranks(lost)} "
+                             f"survives on no node (neither its own file nor its replica)")
+                continue
+            headers = [holders[r][2] for r in range(self.world)]
+            if any(h["run"] != self.run for h in headers):
+                notes.append(f"local iteration {iteration} belongs to another run (saved to {headers[0]['run']})")
+                continue
+            if any(h["layout"] != layout for h in headers):
+                saved = next(h["layout"] for h in headers if h["layout"] != layout)
+                notes.append(f"local iteration {iteration} was saved at layout {_layout(saved)}, this run is "
+                             f"{_layout(layout)}: the local tier restores only at the same layout")
+                continue
+            differ = [r for r in range(self.world) if headers[r]["signature"] != expected[r]]
+            if differ:
+                notes.append(f"local iteration {iteration} holds other tensors than this run on rank(s) "
+                             f"{_ranks(differ)} (another sharding level, precision or model)")
+                continue
+            return {"iteration": iteration, "sources": {r: holders[r][:2] for r in range(self.world)},
+                    "headers": headers}, notes
+        return None, notes
+
+    def restore(self, plan: dict) -> LocalRestore:
+        """Collective: read and send every rank's state as ``plan`` says, load this rank's in place. A file
+        that cannot be read or fails its checksum raises CheckpointError on every rank alike, before any
+        tensor is changed."""
+        from megand.core.checkpointing.files import CheckpointError
+
+        start = time.perf_counter()
+        sources, headers = plan["sources"], plan["headers"]
+        reads, problem, nbytes = {}, None, 0
+        for r in range(self.world):
+            reader, path = sources[r]
+            if reader != self.rank:
+                continue
+            h = headers[r]
+            try:
+                with open(path, "rb") as f:
+                    f.seek(h["payload_at"])
+                    data = f.read(h["bytes"])
+                nbytes += len(data)
+                if zlib.crc32(data) != h["crc32"]:
+                    raise CheckpointError(f"{path}: corrupted: checksum differs from the one recorded at save time")
+                reads[r] = data
+            except (OSError, CheckpointError) as e:
+                problem = str(e)
+        problems = [None] * self.world
+        dist.all_gather_object(problems, problem, group=self.group)
+        if any(problems):
+            raise CheckpointError(next(p for p in problems if p))
+        ops, incoming = [], None
+        for r, data in reads.items():
+            if r != self.rank:
+                ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(data), dtype=torch.uint8), r, self.group))
+        reader = sources[self.rank][0]
+        if reader != self.rank:
+            incoming = torch.empty(headers[self.rank]["bytes"], dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, incoming, reader, self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        data = reads[self.rank] if incoming is None else incoming.numpy().tobytes()
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        live = self.tensors()
+        with torch.no_grad():
+            for key, t in live.items():
+                t.copy_(state["tensors"][key])
+        notice = rng.restore(state["rng"], self.rngs, self.topo.device)
+        box = [state["common"]]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        total = torch.tensor([nbytes], dtype=torch.int64)
+        dist.all_reduce(total, group=self.group)
+        lost = [r for r in range(self.world) if sources[r][1].rsplit("/", 1)[-1].startswith(REPLICA)]
+        return LocalRestore(plan["iteration"], box[0], notice, notice is None, int(total.item()),
+                            time.perf_counter() - start, lost)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _layout(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
