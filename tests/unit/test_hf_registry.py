@@ -21,6 +21,12 @@ MOE = dict(num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
 NEXT = dict(layer_types=["linear_attention", "attention"], attention_output_gate=True, norm_unit_offset=True,
             partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8)
+# Gemma 3 (sandwich and (1 + w) norms, GeGLU, scaled embeddings, a local RoPE base), OLMo 3 (norms on the branch
+# outputs, q/k norms over the whole projections), SmolLM3 (a NoPE layer)
+GEMMA3 = dict(activation="geglu", norm_placement="sandwich", norm_unit_offset=True, embedding_scale=True, qk_norm=True,
+              sliding_window=[8, None], rope_local_theta=10000.0, rope_theta=1e6)
+OLMO3 = dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection", sliding_window=[8, None])
+SMOLLM3 = dict(no_rope=[False, True])
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -36,6 +42,9 @@ FAMILY_MODELS = {
                         moe_n_group=2, moe_topk_group=1, moe_first_k_dense_replace=1, mtp_layers=1),
     "qwen3_5_text": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32),
     "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
+    "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16.0),
+    "olmo3": dict(LLAMA, **OLMO3),
+    "smollm3": dict(LLAMA, **SMOLLM3),
 }
 
 
@@ -48,7 +57,7 @@ def grid():
     axes = [[BASE, LLAMA], [{}, {"num_query_groups": 4}, {"head_dim": 24}], [{}, {"qkv_bias": True}],
             [{}, {"qk_norm": True}], [{}, {"sliding_window": 8}, {"sliding_window": [None, 8]},
                                       {"sliding_window": [4, 8]}],
-            moe, [{}, LATENT], [{}, NEXT]]
+            moe, [{}, LATENT], [{}, NEXT], [{}, GEMMA3, OLMO3, SMOLLM3]]
     for parts in itertools.product(*axes):
         m = {}
         for part in parts:
