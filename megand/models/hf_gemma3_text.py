@@ -61,7 +61,7 @@ def model_config(config) -> dict:
     out = dict(llama_like_config(plain), **lg.rope(config), activation="geglu", qk_norm=True, norm_unit_offset=True,
                embedding_scale=True, norm_placement="sandwich", sliding_window=lg.windows(config))
     head_dim = config.head_dim
-    out["query_pre_attn_scalar"] = None if config.query_pre_attn_scalar == head_dim else float(config.query_pre_attn_scalar)
+    out["query_pre_attn_scalar"] = None if config.query_pre_attn_scalar == head_dim else int(config.query_pre_attn_scalar)
     return out
 
 

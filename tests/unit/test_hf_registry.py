@@ -42,7 +42,7 @@ FAMILY_MODELS = {
                         moe_n_group=2, moe_topk_group=1, moe_first_k_dense_replace=1, mtp_layers=1),
     "qwen3_5_text": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32),
     "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
-    "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16.0),
+    "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16),
     "olmo3": dict(LLAMA, **OLMO3),
     "smollm3": dict(LLAMA, **SMOLLM3),
 }
@@ -57,8 +57,11 @@ def grid():
     axes = [[BASE, LLAMA], [{}, {"num_query_groups": 4}, {"head_dim": 24}], [{}, {"qkv_bias": True}],
             [{}, {"qk_norm": True}], [{}, {"sliding_window": 8}, {"sliding_window": [None, 8]},
                                       {"sliding_window": [4, 8]}],
-            moe, [{}, LATENT], [{}, NEXT], [{}, GEMMA3, OLMO3, SMOLLM3]]
-    for parts in itertools.product(*axes):
+            moe, [{}, LATENT], [{}, NEXT]]
+    # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
+    # and linear attention (each MoE variant again would multiply the grid's size)
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3]]
+    for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
         m = {}
         for part in parts:
             m.update(part)

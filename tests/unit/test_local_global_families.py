@@ -18,7 +18,7 @@ LLAMA = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, num
              tie_embeddings=False)
 # windows as long as the sequence: transformers' eager attention computes every score, as megand counts them then
 GEMMA3 = dict(LLAMA, activation="geglu", norm_placement="sandwich", norm_unit_offset=True, embedding_scale=True,
-              qk_norm=True, head_dim=24, query_pre_attn_scalar=16.0, sliding_window=[32, 32, 32, None],
+              qk_norm=True, head_dim=24, query_pre_attn_scalar=16, sliding_window=[32, 32, 32, None],
               rope_local_theta=10000.0, rope_theta=1e6, tie_embeddings=True)
 OLMO3 = dict(LLAMA, norm_placement="post", qk_norm=True, qk_norm_scope="projection", sliding_window=[32, 32, 32, None])
 SMOLLM3 = dict(LLAMA, no_rope=[False, False, False, True])

@@ -52,7 +52,7 @@ class TransformerConfig:
     embedding_scale: bool = False  # multiply the word embeddings by sqrt(hidden_size), rounded to the parameters' dtype (Gemma); the tied output layer reads the unscaled table
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, which take no rope_scaling (Gemma 3's local base, OLMo 3's local layers); null: one RoPE for every layer
     no_rope: tuple | None = None  # per layer: true where the layer applies no RoPE (NoPE; SmolLM3: every fourth); null: RoPE on every layer
-    query_pre_attn_scalar: float | None = None  # attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma); null: head_dim
+    query_pre_attn_scalar: int | None = None  # attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma); null: head_dim
     qk_norm_scope: str = "head"  # what model.qk_norm normalises: head (each query/key head, Qwen3, Gemma 3) | projection (all query heads together, all key heads together, one weight per channel: OLMo 2/3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + w): their weights are stored as the difference from 1, zero at init (Qwen3-Next, Qwen3.5)
     layer_types: tuple | None = None  # the token mixer of each layer: a list of attention | linear_attention (Gated DeltaNet), one per layer; null: attention everywhere
