@@ -96,6 +96,8 @@ class Shape:
         return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
     qkv_bias: bool = False     # biases on Q, K, V only (Qwen-style; implied by linear_bias)
     qk_norm: bool = False      # an RMSNorm weight [head_dim] over each query and each key head (Qwen3)
+    qk_norm_projection: bool = False  # the q/k norms over the whole projections: weights [q], [kv] (OLMo 2/3)
+    layer_norms: int = 2       # norms of the hidden width per layer (sandwich placement: 4)
     # Mixture of Experts (experts == 0: every layer dense)
     experts: int = 0           # routed experts E of a MoE layer
     top_k: int = 0             # experts per token
@@ -217,7 +219,7 @@ class Shape:
             groups=attention.query_groups,
             seq=int(_get(model, "seq_length")),
             vocab=int(_get(model, "vocab_size")),
-            swiglu=_get(model, "activation") == "swiglu",
+            swiglu=_get(model, "activation") in ("swiglu", "geglu"),  # gated: gate, up, down (GeGLU alike)
             layernorm=_get(model, "norm") == "layernorm",
             linear_bias=arch == "gpt",
             learned_positions=_get(model, "position_embedding") == "learned",
@@ -225,6 +227,8 @@ class Shape:
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
             qk_norm=bool(_get(model, "qk_norm", False)),
+            qk_norm_projection=_get(model, "qk_norm_scope", "head") == "projection",
+            layer_norms=4 if _get(model, "norm_placement", "pre") == "sandwich" else 2,
             head_dim=attention.head_dim,
             **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),
@@ -257,7 +261,7 @@ class FrozenModel(dict):
 
 # the model keys that shape the attention heads
 _ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "position_embedding",
-                   "qk_norm", "qkv_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                   "qk_norm", "qk_norm_scope", "qkv_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                    "v_head_dim")
 
 
@@ -375,7 +379,7 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
         qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
         proj_bias=h if bias else 0,
-        norms=2 * norm_params(shape) + (2 * shape.head_dim if shape.qk_norm else 0),
+        norms=shape.layer_norms * norm_params(shape) + (qk_norm_params(shape) if shape.qk_norm else 0),
         kv_part=2 * kv * (h + (1 if bias or shape.qkv_bias else 0)), kv_heads=shape.groups,
     )
     if shape.kv_lora:
@@ -415,6 +419,11 @@ def _latent_params(shape: Shape) -> dict:
     down = (h * r_q + r_q if r_q else 0) + h * (r_kv + shape.qk_rope) + r_kv
     return dict(qkv_weight=up, qkv_bias=0, proj_weight=shape.value_dim * h, proj_bias=0, attention_replicated=down,
                 kv_part=0, kv_heads=0)
+
+
+def qk_norm_params(shape: Shape) -> int:
+    """The q and k norms' weights: one per head width, or one per channel of the whole projections."""
+    return shape.q_dim + shape.kv_dim if shape.qk_norm_projection else 2 * shape.head_dim
 
 
 def norm_params(shape: Shape) -> int:

@@ -54,16 +54,22 @@ class Embedding(torch.nn.Module):
                              input_split=split_by_tokens(cfg.sequence_parallel), role=EMBEDDING)
             self.position = tag(torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device)), meta)
 
+    def scale(self, x):
+        """Gemma's embedding scale: times sqrt(hidden), a factor rounded to the table's dtype as Gemma rounds it."""
+        if not self.cfg.embedding_scale:
+            return x
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.word.weight.dtype, device=x.device)
+
     def forward(self, input_ids, positions):
         if self.cfg.sequence_parallel:
             # each tp rank's lookup is partial (its vocab rows): reduce-scatter the sum over the sequence
             # (no all-reduce of the full sequence then a split)
-            x = reduce_scatter_to_sp(seq_first(self.word(input_ids)), self.tp_group)  # [s/tp, b, h]
+            x = self.scale(reduce_scatter_to_sp(seq_first(self.word(input_ids)), self.tp_group))  # [s/tp, b, h]
             if self.position is not None:
                 local = positions.chunk(dist.get_world_size(self.tp_group))[dist.get_rank(self.tp_group)]
                 x = x + self.position[local].unsqueeze(1)
         else:
-            x = reduce_from_tp(self.word(input_ids), self.tp_group)  # [b, s, h]
+            x = self.scale(reduce_from_tp(self.word(input_ids), self.tp_group))  # [b, s, h]
             if self.position is not None:
                 x = x + self.position[positions]
             x = seq_first(x)  # [s, b, h]
@@ -158,9 +164,15 @@ class GPTModel(torch.nn.Module):
                                       fuse_wgrad=False)
 
     def rope(self, positions):
-        if self.cfg.position_embedding != "rope":
+        """The RoPE tables by kind, ``{"global": (cos, sin)}`` and with a local base ``"local"`` too (each layer
+        reads its own: :meth:`TransformerConfig.layer_rope`); None without rotary embedding."""
+        cfg = self.cfg
+        if cfg.position_embedding != "rope":
             return None
-        return rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        tables = {"global": rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)}
+        if cfg.rope_local_theta is not None:  # the sliding-window layers' own base, without scaling
+            tables["local"] = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_local_theta)
+        return tables
 
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.

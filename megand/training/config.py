@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from megand.core.tensor_parallel.fp8_recipes import RECIPES as FP8_RECIPES
+from megand.core.transformer.config import NORM_PLACEMENTS, QK_NORM_SCOPES
 from megand.data.source import DATA_KINDS, STREAM
 from megand.training.model_schema import ModelConfig  # the model group: generated from core's TransformerConfig
 
@@ -169,7 +170,9 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 CHOICES = {
     "model.arch": ("gpt", "llama"),
     "model.norm": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
+    "model.activation": ("gelu", "swiglu", "geglu"),
+    "model.norm_placement": NORM_PLACEMENTS,
+    "model.qk_norm_scope": QK_NORM_SCOPES,
     "model.position_embedding": ("learned", "rope"),
     "model.moe_router": ("softmax", "sigmoid"),
     "parallel.cp_comm": ("p2p", "all_gather", "a2a"),

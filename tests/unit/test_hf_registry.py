@@ -22,6 +22,12 @@ NEXT = dict(layer_types=["linear_attention", "attention"], attention_output_gate
             partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8)
 GLM = dict(partial_rotary_factor=0.5)  # GLM-4.5: RoPE on half of each head
+# Gemma 3 (sandwich and (1 + w) norms, GeGLU, scaled embeddings, a local RoPE base), OLMo 3 (norms on the branch
+# outputs, q/k norms over the whole projections), SmolLM3 (a NoPE layer)
+GEMMA3 = dict(activation="geglu", norm_placement="sandwich", norm_unit_offset=True, embedding_scale=True, qk_norm=True,
+              sliding_window=[8, None], rope_local_theta=10000.0, rope_theta=1e6)
+OLMO3 = dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection", sliding_window=[8, None])
+SMOLLM3 = dict(no_rope=[False, True])
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -39,6 +45,9 @@ FAMILY_MODELS = {
     "qwen3_next": dict(LLAMA, **NEXT, qk_norm=True, head_dim=32, **MOE, moe_shared_experts=2, moe_shared_expert_gate=True),
     "glm4_moe": dict(LLAMA, **GLM, qkv_bias=True, qk_norm=True, head_dim=24, **MOE, moe_router="sigmoid",
                      moe_shared_experts=1, moe_first_k_dense_replace=1, moe_routed_scaling_factor=2.5),
+    "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16),
+    "olmo3": dict(LLAMA, **OLMO3),
+    "smollm3": dict(LLAMA, **SMOLLM3),
 }
 
 
@@ -52,7 +61,10 @@ def grid():
             [{}, {"qk_norm": True}], [{}, {"sliding_window": 8}, {"sliding_window": [None, 8]},
                                       {"sliding_window": [4, 8]}],
             moe, [{}, LATENT], [{}, NEXT, GLM]]
-    for parts in itertools.product(*axes):
+    # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
+    # and linear attention (each MoE variant again would multiply the grid's size)
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3]]
+    for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
         m = {}
         for part in parts:
             m.update(part)

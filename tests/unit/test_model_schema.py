@@ -161,7 +161,7 @@ def test_flops_shape_reads_every_preset_as_the_model_is_built(preset):
         assert (shape.head_dim, shape.q_dim, shape.kv_dim) == (cfg.head_dim, cfg.query_width, cfg.kv_width)
         assert shape.groups == (cfg.num_query_groups or cfg.num_attention_heads)
         assert (shape.swiglu, shape.layernorm, shape.learned_positions, shape.tied) == (
-            cfg.activation == "swiglu", cfg.norm == "layernorm", cfg.position_embedding == "learned",
+            cfg.activation in ("swiglu", "geglu"), cfg.norm == "layernorm", cfg.position_embedding == "learned",
             cfg.tie_embeddings)
         assert (shape.qkv_bias, shape.qk_norm, shape.experts, shape.mtp_layers) == (
             cfg.qkv_bias, cfg.qk_norm, cfg.num_experts or 0, cfg.mtp_layers)

@@ -89,6 +89,20 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class AllReduceBoth(torch.autograd.Function):
+    """All-reduce forward and backward: a sum over tp of rank-local parts that every rank reads into outputs of
+    its own (the sum of squares of a norm over a tp-split width): each part's gradient sums all ranks' reads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
 class GatherFromTensorParallel(torch.autograd.Function):
     """All-gather the last dim forward, keep this rank's slice backward."""
 
@@ -155,6 +169,10 @@ def reduce_from_tp(x, group):
     if dist.get_world_size(group) == 1:  # nothing to sum: skip the autograd node and its copy
         return x
     return ReduceFromTensorParallel.apply(x, group)
+
+
+def all_reduce_both(x, group):
+    return AllReduceBoth.apply(x, group)
 
 
 def gather_from_tp(x, group):

@@ -23,7 +23,7 @@ from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear,
 from megand.core.tensor_parallel.gemm import DEFAULT, use_policy
 from megand.core.tensor_parallel.layers import _param, column_parallel_linear, divide
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
-from megand.core.transformer.norms import Norm
+from megand.core.transformer.norms import Norm, SplitRMSNorm
 from megand.core.transformer.rope import apply_rope
 
 
@@ -163,11 +163,22 @@ class Attention(AttentionCore):
         self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
                                       init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # over all heads: split with them over tp
+            if tp > cfg.query_groups or cfg.norm_unit_offset:
+                raise ValueError(f"model.qk_norm_scope=projection with model.num_query_groups={cfg.query_groups} < "
+                                 f"parallel.tp={tp} or model.norm_unit_offset={cfg.norm_unit_offset}: not supported")
+            norm = dict(eps=cfg.norm_eps, tp_group=topo.tp_group if tp > 1 else None, tp_rank=topo.tp_rank,
+                        tp_size=tp, dtype=cfg.params_dtype, device=common["device"])
+            self.q_norm, self.k_norm = SplitRMSNorm(cfg.query_width, **norm), SplitRMSNorm(cfg.kv_width, **norm)
+        elif cfg.qk_norm:  # replicated over tp, while each tp rank normalises its own heads: partial gradients
             norm = dict(eps=cfg.norm_eps, input_split=HEADS, tp_rank=topo.tp_rank, tp_size=tp,
                         dtype=cfg.params_dtype, device=common["device"])
             norm["unit_offset"] = cfg.norm_unit_offset
             self.q_norm, self.k_norm = Norm("rmsnorm", cfg.head_dim, **norm), Norm("rmsnorm", cfg.head_dim, **norm)
+        # query_pre_attn_scalar: the scores' scale folded into the queries (every attention path, cp included,
+        # then keeps its own 1/sqrt(head_dim))
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = 1.0 if scalar is None else (cfg.head_dim / scalar) ** 0.5
 
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         s, b = x.shape[0], x.shape[1]  # under sequence parallelism qkv gathers the full local sequence
@@ -181,6 +192,8 @@ class Attention(AttentionCore):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
             out = cached_attention(q, *cache.append(k, v), window=self.window)

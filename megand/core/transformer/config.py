@@ -8,6 +8,8 @@ import torch
 from megand.core.transformer.rope import RopeScaling, yarn_mscale
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
+NORM_PLACEMENTS = ("pre", "sandwich", "post")  # model.norm_placement
+QK_NORM_SCOPES = ("head", "projection")  # model.qk_norm_scope
 LAYER_TYPES = ("attention", "linear_attention")  # model.layer_types: the token mixers a layer may have
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +40,7 @@ class TransformerConfig:
     make_vocab_size_divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY  # the embedding and output layer are padded to a multiple of this x tp rows (aligned logits GEMM); padding is never predicted nor saved
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5  # epsilon of every norm (Qwen's published models use 1e-6)
-    activation: str = "gelu"  # gelu | swiglu
+    activation: str = "gelu"  # gelu | swiglu | geglu (gelu-tanh gate times up, the fused layout of swiglu; Gemma)
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
     rope_scaling: RopeScaling | None = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
@@ -46,6 +48,12 @@ class TransformerConfig:
     sliding_window: int | tuple | None = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     attention_output_gate: bool = False  # scale each attention head's output by sigmoid of a gate projected with its query (Qwen3-Next, Qwen3.5)
     partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each query/key head (its first dims; Qwen3-Next: 0.25)
+    norm_placement: str = "pre"  # pre: a norm before attention and before the MLP | sandwich: also one on each branch's output before the residual add (Gemma 2/3) | post: only the norms on the branch outputs (OLMo 2/3)
+    embedding_scale: bool = False  # multiply the word embeddings by sqrt(hidden_size), rounded to the parameters' dtype (Gemma); the tied output layer reads the unscaled table
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, which take no rope_scaling (Gemma 3's local base, OLMo 3's local layers); null: one RoPE for every layer
+    no_rope: tuple | None = None  # per layer: true where the layer applies no RoPE (NoPE; SmolLM3: every fourth); null: RoPE on every layer
+    query_pre_attn_scalar: int | None = None  # attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma); null: head_dim
+    qk_norm_scope: str = "head"  # what model.qk_norm normalises: head (each query/key head, Qwen3, Gemma 3) | projection (all query heads together, all key heads together, one weight per channel: OLMo 2/3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + w): their weights are stored as the difference from 1, zero at init (Qwen3-Next, Qwen3.5)
     layer_types: tuple | None = None  # the token mixer of each layer: a list of attention | linear_attention (Gated DeltaNet), one per layer; null: attention everywhere
     linear_num_key_heads: int = 4  # Gated DeltaNet: query/key heads
@@ -128,6 +136,7 @@ class TransformerConfig:
             self._check_groups()
         if self.layer_types is not None:
             self._check_layer_types()
+        self._check_block_variants()
         if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ValueError(f"model.mtp_layers={self.mtp_layers!r}: expected an int >= 0 (0: no multi-token prediction)")
         if isinstance(self.rope_scaling, Mapping):
@@ -153,6 +162,41 @@ class TransformerConfig:
                 raise ValueError(f"Gated DeltaNet layers need positive {', '.join(f'model.{k}={v}' for k, v in widths.items())} "
                                  f"(value heads a multiple of key heads) and model.linear_conv_kernel="
                                  f"{self.linear_conv_kernel} >= 2")
+
+    def _check_block_variants(self):
+        """One line naming the values for the norm placement, GeGLU, NoPE layers, the local RoPE base, the
+        query scalar and the q/k norm's scope."""
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"model.norm_placement={self.norm_placement!r}: expected one of {', '.join(NORM_PLACEMENTS)}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope!r}: expected one of {', '.join(QK_NORM_SCOPES)}")
+        if self.activation == "geglu" and self.num_experts is not None:
+            raise ValueError(f"model.activation=geglu with model.num_experts={self.num_experts}: the routed experts "
+                             f"have gelu or swiglu")
+        if self.embedding_scale and self.mtp_layers:
+            raise ValueError(f"model.embedding_scale with model.mtp_layers={self.mtp_layers}: the depths' embeddings "
+                             f"are not scaled")
+        if self.no_rope is not None:
+            object.__setattr__(self, "no_rope", tuple(self.no_rope))
+            if len(self.no_rope) != self.num_layers or any(not isinstance(v, bool) for v in self.no_rope):
+                raise ValueError(f"model.no_rope={list(self.no_rope)}: expected one true/false per layer "
+                                 f"(model.num_layers={self.num_layers})")
+        if (self.no_rope is not None or self.rope_local_theta is not None) and self.position_embedding != "rope":
+            raise ValueError(f"model.no_rope / model.rope_local_theta are set but model.position_embedding="
+                             f"{self.position_embedding} has no rotary embedding")
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(f"model.rope_local_theta={self.rope_local_theta}: expected > 0 (null: one RoPE base)")
+        if self.query_pre_attn_scalar is not None and (self.multi_latent or not self.query_pre_attn_scalar > 0):
+            raise ValueError(f"model.query_pre_attn_scalar={self.query_pre_attn_scalar}: expected > 0, with standard "
+                             f"attention (null: head_dim)")
+
+    def layer_rope(self, layer_id: int) -> str | None:
+        """Which RoPE layer ``layer_id`` applies: None (NoPE, or no rotary embedding), ``local`` (a
+        sliding-window layer with its own base, model.rope_local_theta) or ``global``."""
+        if self.position_embedding != "rope" or (self.no_rope is not None and
+                                                 self.no_rope[min(layer_id, self.num_layers - 1)]):
+            return None
+        return "local" if self.rope_local_theta is not None and self.window(layer_id) is not None else "global"
 
     def is_linear_attention(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` mixes tokens with Gated DeltaNet (a multi-token prediction layer, beyond
@@ -216,7 +260,8 @@ class TransformerConfig:
     def softmax_scale(self) -> float:
         """The attention scores' factor: 1/sqrt(query head width), times DeepSeek's yarn temperature
         ``mscale(factor, mscale_all_dim)**2`` under latent attention with yarn scaling (as transformers does)."""
-        return self.head_dim ** -0.5 * self.attention_temperature
+        scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return scalar ** -0.5 * self.attention_temperature
 
     @property
     def attention_temperature(self) -> float:
@@ -302,6 +347,10 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
         inert.add("moe_shared_expert_gate")
     if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":
         inert.add("rope_theta")
+    if not m.get("qk_norm"):
+        inert.add("qk_norm_scope")
+    if m.get("no_rope") is not None and not any(m["no_rope"]):
+        inert.add("no_rope")
     if m.get("kv_lora_rank") is None:
         inert |= _LATENT
     if "linear_attention" not in (m.get("layer_types") or ()):
@@ -316,7 +365,7 @@ def comparable(model: Mapping[str, Any]) -> dict:
     if "hidden_size" in out and "num_attention_heads" in out:
         out["head_dim"] = resolve_head_dim(out["hidden_size"], out["num_attention_heads"], out.get("head_dim"))
         out["num_query_groups"] = out.get("num_query_groups") or out["num_attention_heads"]
-    for key in ("sliding_window", "layer_types"):
+    for key in ("sliding_window", "layer_types", "no_rope"):
         if isinstance(out.get(key), (list, tuple)):
             out[key] = tuple(out[key])
     if isinstance(out.get("rope_scaling"), Mapping):

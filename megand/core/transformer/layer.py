@@ -1,4 +1,5 @@
-"""A pre-norm transformer layer."""
+"""A transformer layer: its norms placed before each branch (pre-norm), on each branch's output (post:
+OLMo 2/3) or both (sandwich: Gemma 2/3), as ``model.norm_placement`` says."""
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +23,18 @@ class TransformerLayer(torch.nn.Module):
         self.cfg, self.rng = cfg, rng
         norm = dict(eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel), tp_rank=topo.tp_rank,
                     tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device, unit_offset=cfg.norm_unit_offset)
-        self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
+        pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
+        self.input_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if pre else None
         # the token mixer: Gated DeltaNet where model.layer_types says so, else (latent) attention
         attention = (GatedDeltaNet if cfg.is_linear_attention(layer_id) else
                      LatentAttention if cfg.multi_latent else Attention)
         self.attention = attention(cfg, topo, rng, device, layer_id)
-        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm)
+        # the norms on the branch outputs (before the residual add)
+        self.attention_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
+        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if pre else None  # the MLP's input norm
         self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
+        self.mlp_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
+        self.rope_kind = cfg.layer_rope(layer_id)  # which of the model's RoPE tables this layer reads (None: NoPE)
         self.compiled = None  # the compiled body (compile_body), else the body runs eagerly
 
     def compile_body(self, compiler, eager) -> None:
@@ -49,13 +55,22 @@ class TransformerLayer(torch.nn.Module):
                 return F.dropout(x, self.cfg.hidden_dropout)
         return F.dropout(x, self.cfg.hidden_dropout)
 
+    @staticmethod
+    def _norm(norm, x):
+        return x if norm is None else norm(x)
+
     def _forward(self, x, rope, cache=None, documents=None):
-        x = x + self.dropout(self.attention(self.input_norm(x), rope, cache, documents))
-        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+        h = self.attention(self._norm(self.input_norm, x), rope, cache, documents)
+        x = x + self.dropout(self._norm(self.attention_output_norm, h))
+        h = self.mlp(self._norm(self.post_attention_norm, x))
+        return x + self.dropout(self._norm(self.mlp_output_norm, h))
 
     def forward(self, x, rope=None, cache=None, documents=None):
         """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation);
-        ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents)."""
+        ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents);
+        ``rope``: the model's RoPE tables by kind (``{"global": (cos, sin), "local": ...}``), of which the layer
+        reads its own."""
+        rope = None if rope is None or self.rope_kind is None else rope[self.rope_kind]
         if cache is not None:
             return self._forward(x, rope, cache)
         body = self._forward if self.compiled is None else self.compiled

@@ -1,4 +1,4 @@
-"""The feed-forward block: GELU (GPT-2) or SwiGLU (LLaMA), column- then row-parallel."""
+"""The feed-forward block: GELU (GPT-2), SwiGLU (LLaMA) or GeGLU (Gemma), column- then row-parallel."""
 
 import torch
 import torch.nn.functional as F
@@ -114,27 +114,30 @@ class SwiGLUColumnParallelLinear(ColumnParallelLinear):
 
 
 class MLP(torch.nn.Module):
-    """For SwiGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows interleaved,
-    see :func:`fuse_swiglu`), so an even split across tp gives each rank matching gate and up rows whatever
-    tp is."""
+    """For SwiGLU and GeGLU the fused input weight is laid out ``[ffn, 2, hidden]`` (gate and up rows
+    interleaved, see :func:`fuse_swiglu`), so an even split across tp gives each rank matching gate and up
+    rows whatever tp is."""
 
     def __init__(self, cfg, topo, device=None):
         super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
-        if cfg.activation not in ("gelu", "swiglu"):
-            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
+        self.swiglu, self.geglu = cfg.activation == "swiglu", cfg.activation == "geglu"
+        if cfg.activation not in ("gelu", "swiglu", "geglu"):
+            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu, swiglu or geglu")
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
-        fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu else 1)
+        fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu or self.geglu else 1)
         fc1 = SwiGLUColumnParallelLinear if self.swiglu else ColumnParallelLinear
         self.fc1 = fc1(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
-        if self.swiglu:  # rows alternate gate, up
+        if self.swiglu or self.geglu:  # rows alternate gate, up
             retag(self.fc1.weight, fused_rows=(1, 1))
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
 
     def forward(self, x):
         h = self.fc1(x)  # SwiGLU: already activated
-        if not self.swiglu:
+        if self.geglu:  # [..., f, 2]: gate, up
+            pairs = h.unflatten(-1, (-1, 2))
+            h = F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
+        elif not self.swiglu:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)

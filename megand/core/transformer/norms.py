@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.sharding import NORM, ParamMeta, tag
+from megand.core.tensor_parallel.mappings import all_reduce_both
 
 
 class Norm(torch.nn.Module):
@@ -38,3 +39,25 @@ class Norm(torch.nn.Module):
         if self.unit_offset:  # as transformers: normalised in fp32, times (1 + w) in fp32, then the input's dtype
             return (F.rms_norm(x.float(), self.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class SplitRMSNorm(torch.nn.Module):
+    """An RMSNorm over a width split over tp (OLMo 2/3's q/k norm over all query heads, all key heads): each rank
+    holds its slice of the weight ``[width / tp]`` (its heads' channels) and the mean of squares sums the
+    ranks' parts (all-reduced, its gradient too). As transformers: normalised in fp32, times the weight in
+    fp32, then the input's dtype."""
+
+    def __init__(self, width, *, eps, tp_group, tp_rank=0, tp_size=1, dtype=torch.float32, device=None):
+        super().__init__()
+        self.width, self.eps, self.tp_group = width, eps, tp_group
+        meta = ParamMeta((width,), 0, tp_rank, tp_size, init="ones", role=NORM)
+        self.weight = tag(torch.nn.Parameter(torch.empty((width // tp_size,), dtype=dtype, device=device)), meta)
+
+    def forward(self, x):
+        """``x [..., heads_local, d]``: this rank's heads."""
+        flat = x.flatten(-2).float()
+        squares = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp_group is not None:
+            squares = all_reduce_both(squares, self.tp_group)
+        out = self.weight.float() * (flat * torch.rsqrt(squares / self.width + self.eps))
+        return out.to(x.dtype).view_as(x)
