@@ -69,7 +69,12 @@ class NullTokenizer(Tokenizer):
         self.bos_id = self.eos_id = self.eod_id = self.vocab_size - 1
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:  # raw text reached a run that set no tokenizer (e.g. data=stream without one)
+            raise DataError(f"data.tokenizer is null, so text is read as whitespace-separated token ids, but the data "
+                            f"holds {' '.join(text.split())[:40]!r}: set data.tokenizer (a sentencepiece .model, "
+                            f"tokenizer.json or .tiktoken file)") from None
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)

@@ -3,7 +3,8 @@
     python tools/convert_checkpoint.py export --load ckpts/run --out hf/run [--dtype fp32] [--max-shard-size 5GB]
         megand checkpoint (a save dir with `latest`, or an iter_NNNNNNN dir) -> the one Hugging Face family
         that expresses every architecture key the model sets ({families}): safetensors shards
-        (+ model.safetensors.index.json when there are several) and config.json; a key no family expresses,
+        (+ model.safetensors.index.json when there are several) and config.json, and the run's tokenizer
+        (data.tokenizer, or --tokenizer) as tokenizer.json + tokenizer_config.json; a key no family expresses,
         or a tensor the family's rules do not cover, is refused before anything is written
     python tools/convert_checkpoint.py import --hf hf/run --save ckpts/imported [--dtype fp32]
         local transformers directory (safetensors) whose config.json's model_type is a family above (or a name
@@ -34,6 +35,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from megand.tools.hf_tokenizer import WRITTEN as TOKENIZER_FILES
+from megand.tools.hf_tokenizer import write_hf_tokenizer
 from megand.tools.progress import heartbeat
 
 from megand.core.checkpointing import CheckpointError, files, offline
@@ -62,12 +65,30 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None else t.to(dtype)
 
 
+def run_tokenizer(load: str, run_cfg, given: str | None) -> tuple[str | None, str | None]:
+    """``(path, kind)`` of the tokenizer to write beside the export: ``--tokenizer`` when given, else the
+    run's ``data.tokenizer`` found from here (``(None, None)`` when the run set none)."""
+    from megand.tools.generate import stored_tokenizer_path
+
+    if given:
+        if not os.path.isfile(given):
+            raise ValueError(f"--tokenizer {given}: no such file")
+        return given, None
+    try:
+        path = stored_tokenizer_path(load, run_cfg)
+    except FileNotFoundError as e:
+        raise ValueError(f"{e} (or --no-tokenizer to export the model alone)") from None
+    return path, (run_cfg.get("data", {}) or {}).get("tokenizer_type") if path else None
+
+
 def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_shard_bytes: int | None = None,
-           force: bool = False) -> None:
+           force: bool = False, tokenizer: str | None = None, with_tokenizer: bool = True) -> None:
     max_shard_bytes = max_shard_bytes or parse_size(DEFAULT_MAX_SHARD)
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"--out {out}: directory is not empty (use --force to write into it)")
-    model_cfg = OmegaConf.to_container(full.read_config(load).model, resolve=True)
+    run_cfg = full.read_config(load)
+    tok_path, tok_kind = run_tokenizer(load, run_cfg, tokenizer) if with_tokenizer else (None, None)
+    model_cfg = OmegaConf.to_container(run_cfg.model, resolve=True)
     adapter = family_for_model(model_cfg)
     rules = adapter.rules(model_cfg)
     stored = offline.tensor_shapes(load)
@@ -86,7 +107,7 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
                                   f"config gives {expected[rule.megand]}")
     if force and os.path.isdir(out):  # stale shards of an earlier export would mix with the new ones
         for name in os.listdir(out):
-            if name == "config.json" or (name.startswith("model") and (name.endswith(".safetensors") or name == INDEX)):
+            if name in ("config.json", *TOKENIZER_FILES) or (name.startswith("model") and (name.endswith(".safetensors") or name == INDEX)):
                 os.remove(os.path.join(out, name))
 
     entries = [(name, shape, dtype or stored[rule.megand][1]) for rule in rules
@@ -103,9 +124,14 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
     if len(written) == 1:
         config.dtype = written.pop()
     config.save_pretrained(out)
+    written_kind = write_hf_tokenizer(tok_path, tok_kind, out) if tok_path else None
     n_params = sum(torch.Size(stored[r.megand][0]).numel() for r in rules)
     print(f"exported {load} ({adapter.model_type}, {n_params:,} parameters, {writer.total_bytes / 2**30:.2f} GiB "
           f"in {len([s for s in shards if s != INDEX])} safetensors file(s)) to {out}")
+    if written_kind:
+        print(f"tokenizer: {tok_path} ({written_kind}) -> {os.path.join(out, TOKENIZER_FILES[0])}")
+    elif tok_path:
+        print(f"not exported: the tokenizer {tok_path} (a tiktoken file has no faithful tokenizer.json here)")
     for o in left_out:
         print(f"not exported: the {model_cfg[o.key]} {o.what} ({o.prefix}*, model.{o.key}): {adapter.model_type} "
               f"has no such module; the main model's next-token predictions are complete without them")
@@ -268,6 +294,9 @@ def main(argv=None) -> int:
     e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
                    help=f"largest safetensors file, e.g. 500MB, 5GB (default {DEFAULT_MAX_SHARD})")
     e.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    e.add_argument("--tokenizer", help="tokenizer file to write beside the model as tokenizer.json (default: the "
+                                       "run's data.tokenizer, when it set one)")
+    e.add_argument("--no-tokenizer", action="store_true", help="export the model without tokenizer files")
     i = sub.add_parser("import", help="Hugging Face directory -> megand checkpoint")
     i.add_argument("--hf", required=True, help=f"local transformers directory ({family_names()}; safetensors)")
     i.add_argument("--save", required=True, help="megand save dir to create (iter_0000000 + latest)")
@@ -281,7 +310,8 @@ def main(argv=None) -> int:
     try:
         with heartbeat(f"convert_checkpoint {args.command}"):  # a line every few seconds in logs (no tty bar)
             if args.command == "export":
-                export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force)
+                export(args.load, args.out, dtype, parse_size(args.max_shard_size), args.force, args.tokenizer,
+                       not args.no_tokenizer)
             elif args.command == "upgrade-rng":
                 upgrade_rng(args.load)
             else:

@@ -12,7 +12,7 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -36,6 +36,16 @@ def parse_size(text: str | int) -> int:
     return int(number * scale)
 
 
+def _open(path: str):
+    """``safe_open``, with a file that is not a whole safetensors file (truncated, or another format) as one
+    ValueError naming it."""
+    try:
+        return safe_open(path, "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a complete safetensors file ({' '.join(str(e).split())}): truncated or "
+                         f"damaged in transfer? download it again") from None
+
+
 class SafetensorsReader:
     """The tensors of a transformers directory, by name, read only when asked for."""
 
@@ -46,7 +56,7 @@ class SafetensorsReader:
             with open(index) as f:
                 self.file_of = dict(json.load(f)["weight_map"])
         elif os.path.isfile(os.path.join(directory, SINGLE)):
-            with safe_open(os.path.join(directory, SINGLE), "pt") as f:
+            with _open(os.path.join(directory, SINGLE)) as f:
                 self.file_of = {name: SINGLE for name in f.keys()}
         else:
             raise FileNotFoundError(f"{directory}: neither {SINGLE} nor {INDEX} (only safetensors weights are read)")
@@ -55,7 +65,7 @@ class SafetensorsReader:
             path = os.path.join(directory, file)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path}: listed in {INDEX} but missing")
-            with safe_open(path, "pt") as f:
+            with _open(path) as f:
                 for name in f.keys():
                     piece = f.get_slice(name)
                     self._meta[name] = (tuple(piece.get_shape()), piece.get_dtype())
@@ -74,7 +84,7 @@ class SafetensorsReader:
         return known[code]
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(os.path.join(self.directory, self.file_of[name]), "pt") as f:
+        with _open(os.path.join(self.directory, self.file_of[name])) as f:
             return f.get_tensor(name)
 
 

@@ -196,3 +196,39 @@ def test_export_of_a_model_with_mtp_writes_the_main_model_and_says_what_it_left(
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert names == {n for r in hf_families.family_for_model(LLAMA).rules(LLAMA) for n in r.hf}
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])  # cut in the tensors, and in the header
+def test_import_of_a_truncated_safetensors_file_is_one_line_naming_it(tmp_path, capsys, keep):
+    full.save_random_model(str(tmp_path / "ckpt"), LLAMA)
+    assert run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))[0] == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep))  # a download cut short
+    rc, err = run(capsys, "import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "back"))
+    assert rc == 2 and len(err) == 1, err
+    assert f"{weights}: not a complete safetensors file" in err[0]
+    assert not (tmp_path / "back" / "latest").exists()
+
+
+def test_export_writes_the_tokenizer_and_autotokenizer_encodes_like_megand(tmp_path, capsys):
+    """The exported directory's tokenizer files load with AutoTokenizer and give megand's ids: leading and
+    repeated spaces, newlines, indentation, non-ASCII (byte fallback) and special-token strings as text."""
+    from transformers import AutoTokenizer
+
+    from megand.data.quickstart import quickstart_documents
+    from megand.data.spm_train import train_sentencepiece
+    from megand.data.tokenizer import load_tokenizer
+
+    model = train_sentencepiece(quickstart_documents()[:300], str(tmp_path / "tok"), 400)
+    full.save_random_model(str(tmp_path / "ckpt"), LLAMA)
+    assert run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"),
+               "--tokenizer", model)[0] == 0
+    ours, theirs = load_tokenizer(model), AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    texts = ["def f(x):\n    return x", "  two leading spaces", " one", "x  \n\t y  ", "ü ✓ 漢字 Ünïcödé",
+             "a\n\nb", "</s> <s> <unk> x", ""]
+    for text in texts:
+        assert theirs.encode(text) == ours.encode(text), text
+        assert theirs.decode(ours.encode(text)) == text
+    rc, err = run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"),
+                  "--tokenizer", str(tmp_path / "missing.model"))
+    assert rc == 2 and len(err) == 1 and "missing.model: no such file" in err[0] and not (tmp_path / "hf2").exists()

@@ -137,6 +137,20 @@ def test_a_file_that_cannot_be_decompressed_is_named(tmp_path):
         read(readers([[1.0, str(tmp_path / "c")]], 1), 40)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_raw_text_without_a_tokenizer_names_the_key(tmp_path, workers):
+    """No data.tokenizer means the null tokenizer (text is token ids): words are one line naming the key, in
+    the reader and from a tokenizer worker process alike (was a ValueError traceback from int())."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.jsonl").write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(20)))
+    s = stream([[1.0, str(tmp_path / "t")]], workers=workers).open(LANES, 0, LANES)
+    try:
+        with pytest.raises(DataError, match=r"data.tokenizer is null, .* holds 'hello world \d+': set data.tokenizer"):
+            read([s], 1)
+    finally:
+        s.close()
+
+
 def test_empty_stream_and_foreign_tokens_fail_with_one_line(tmp_path):
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "a.jsonl").write_text("\n")
