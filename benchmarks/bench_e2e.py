@@ -12,8 +12,9 @@ transformers' Trainer by default: ``max_grad_norm=1.0``); ``--no-baseline-clip``
         train.micro_batch_size=4
     OMP_NUM_THREADS=1 python benchmarks/bench_e2e.py --profile model=llama_50m train.micro_batch_size=4
 
-``--profile``: instead, one step of megand's Trainer and one of the transformers loop under
-``torch.profiler``, the operators that take the most CPU time side by side.
+``--profile``: instead, one step of megand's Trainer (eager and compiled) and one of the transformers loop
+under ``torch.profiler``, each in a process of its own, the operators that take the most CPU time side by
+side, with each one's user and system CPU time.
 """
 
 import argparse
@@ -79,53 +80,77 @@ def transformers_run(overrides, iters, warmup, clip: bool) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def profile(overrides, clip: bool, top: int = 30) -> None:
+PROFILED = ("megand", "megand_compiled", "transformers")  # the sides of --profile, each in a process of its own
+
+
+def profile_side(side, overrides, clip: bool) -> dict:
+    """One step of ``side`` (after two) under ``torch.profiler``, in this process: its user and system CPU time
+    and each operator's self time (ms) and calls."""
     import torch
     from omegaconf import OmegaConf
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from megand.models.hf import build_hf_model
     from megand.tools.benchmark_megand import benchmark_config
-    from megand.training.pretrain import Trainer
 
-    cfg = benchmark_config(overrides, 2, 0, cuda=False)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    trainer = Trainer(cfg)
-    model = build_hf_model(OmegaConf.to_container(cfg.model, resolve=True), attn_implementation="sdpa")
-    o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    batch, seq, vocab = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
+    cfg = benchmark_config(overrides, 3, 0, cuda=False)
+    if side == "transformers":
+        from megand.models.hf import build_hf_model
 
-    def hf_step():
-        tokens = torch.randint(0, vocab, (batch, seq))
-        opt.zero_grad(set_to_none=True)
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        if clip and o.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        opt.step()
+        torch.manual_seed(cfg.train.seed)
+        model = build_hf_model(OmegaConf.to_container(cfg.model, resolve=True), attn_implementation="sdpa")
+        model.train()
+        o = cfg.optim
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                weight_decay=o.weight_decay)
+        batch, seq, vocab = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size
 
-    ops, cpu = {}, {}
-    for name, step in (("megand", trainer.iterate), ("transformers", hf_step)):  # iterate: the step and its log
-        step()  # warm-up
+        def step():
+            tokens = torch.randint(0, vocab, (batch, seq))
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            if clip and o.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+            opt.step()
+            loss.item()
+    else:
+        from megand.training.pretrain import Trainer
+
+        cfg.train.compile = side == "megand_compiled"
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        step = Trainer(cfg).iterate  # the step and its log line, as pretrain_gpt.py runs it
+    step()  # warm-up (and compilation)
+    step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = os.times()
         step()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = os.times()
-            step()
-            end = os.times()
-        cpu[name] = (end.user - start.user, end.system - start.system)
-        ops[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
-    trainer.close()
+        end = os.times()
+    return {"user": end.user - start.user, "system": end.system - start.system,
+            "ops": {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}}
+
+
+def profile(overrides, clip: bool, top: int = 30) -> None:
+    """Each side profiled in a process of its own (in one process the second side's step runs on the first
+    one's heap, which changes its page faults and its time), then their operators side by side."""
+    got = {}
+    for side in PROFILED:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-side", side, *overrides,
+                              *([] if clip else ["--no-baseline-clip"])],
+                             check=True, capture_output=True, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)})  # megand from this tree
+        got[side] = json.loads(out.stdout.strip().splitlines()[-1])
     # the process's CPU time (user + system: page faults of fresh allocations are system time) and each
-    # operator's self time, side by side, the largest differences first
-    for name, (user, system) in cpu.items():
-        print(f"{name:12s} cpu {user + system:.3f} s (user {user:.3f}, system {system:.3f}); operators' self time "
-              f"{sum(t for t, _ in ops[name].values()) / 1e3:.3f} s")
-    m, h = ops["megand"], ops["transformers"]
-    keys = sorted(set(m) | set(h), key=lambda k: -abs(m.get(k, (0, 0))[0] - h.get(k, (0, 0))[0]))
-    print(f"{'operator':50s} {'megand ms':>10s} {'calls':>6s} {'transformers ms':>16s} {'calls':>6s}")
+    # operator's self time, side by side, the largest first
+    for side, g in got.items():
+        print(f"{side:16s} cpu {g['user'] + g['system']:.3f} s (user {g['user']:.3f}, system {g['system']:.3f}); "
+              f"operators' self time {sum(t for t, _ in g['ops'].values()) / 1e3:.3f} s")
+    keys = sorted(set().union(*(g["ops"] for g in got.values())),
+                  key=lambda k: -max(g["ops"].get(k, (0, 0))[0] for g in got.values()))
+    print(f"{'operator':48s}" + "".join(f" {side + ' ms':>22s}" for side in got))
     for k in keys[:top]:
-        (a, na), (b, nb) = m.get(k, (0.0, 0)), h.get(k, (0.0, 0))
-        print(f"{k[:50]:50s} {a:10.1f} {na:6d} {b:16.1f} {nb:6d}")
+        cells = [g["ops"].get(k, (0.0, 0)) for g in got.values()]
+        print(f"{k[:48]:48s}" + "".join(f" {t:15.1f} ({n:4d})" for t, n in cells))
 
 
 def main():
@@ -135,6 +160,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="first iterations left out of the median")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one step of each side instead")
+    p.add_argument("--profile-side", choices=PROFILED, help=argparse.SUPPRESS)  # one side of --profile
     p.add_argument("--no-baseline-clip", dest="clip", action="store_false",
                    help="the transformers loop without gradient clipping (megand clips at optim.clip_grad)")
     args = p.parse_intermixed_args()
@@ -142,6 +168,8 @@ def main():
     if not any(o.startswith("train.global_batch_size=") for o in overrides):  # one micro-batch per step
         micro = [o.split("=", 1)[1] for o in overrides if o.startswith("train.micro_batch_size=")]
         overrides.append(f"train.global_batch_size={micro[-1] if micro else 1}")
+    if args.profile_side:
+        return print(json.dumps(profile_side(args.profile_side, overrides, args.clip)))
     if args.profile:
         return profile(overrides, args.clip)
     results = {"megand": [], "megand_compiled": [], "transformers": []}
