@@ -9,6 +9,7 @@ against the schema and conf/ exactly as ``pretrain_gpt.py`` composes them. A she
 
 is also run for real in the default suite (the overrides after ``with`` are appended to each training
 command, to keep it tiny), one preceded by ``<!-- docs-test: slow-run ... -->`` only under ``-m slow``.
+Every other shell block of commands says why it does not run: ``<!-- docs-test: not-run (reason) -->``.
 """
 
 from __future__ import annotations

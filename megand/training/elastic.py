@@ -10,8 +10,7 @@ such a restart may change:
   accumulate more micro-batches into the same global batch. The samples of every step and their order do
   not depend on dp (megand/training/batches.py), nor does the learning rate of a step, so the run goes on
   where it was; only fp32 summation order changes (the correctness protocol's layout tolerances).
-- **may not change:** the model-parallel sizes and the schedule (``parallel.tp/pp/cp/vpp/ep/etp``,
-  ``pp_schedule``, ``pipeline_layout``), the batch (``train.global_batch_size``, ``micro_batch_size``,
+- **may not change:** the batch (``train.global_batch_size``, ``micro_batch_size``,
   ``rampup_batch_size``), ``train.seed`` and ``precision``, the data (``data.*``), the optimizer and its
   learning-rate schedule (``optim.*`` but its sharding level), and the model (checked on every load).
   Changing one of them is a new run: load the checkpoint into a new ``checkpoint.save`` and ``run_dir``.
@@ -19,7 +18,10 @@ such a restart may change:
   ``parallel.dp_microbatches`` (one share per replica of one width).
 
 :func:`check_continuation` applies it before any work: to a run that loads the latest checkpoint of its
-own save directory, written at another world size. The new world size's own divisibility (by tp*pp*cp, the
+own save directory, written at another world size with the same model-parallel layout (``parallel.tp/pp/
+cp/vpp/ep/etp``, ``pp_schedule``, ``pipeline_layout``): an elastic restart repeats its command, so those stay.
+A run that changes one of them in place is a deliberate reshard (megand loads any layout exactly), as it
+always was, and is not an elastic continuation. The new world size's own divisibility (by tp*pp*cp, the
 global batch by micro-batch x dp, the schedule's micro-batch rule) is :func:`validate`'s, which names it.
 """
 
@@ -34,9 +36,10 @@ from megand.training.config import ConfigError
 from megand.training.resume import load_path
 
 # the keys an elastic restart keeps from the checkpoint it continues (a group name: all its keys)
-FIXED_KEYS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.vpp", "parallel.ep", "parallel.etp",
-              "parallel.pp_schedule", "parallel.pipeline_layout", "train.global_batch_size",
-              "train.micro_batch_size", "train.rampup_batch_size", "train.seed", "train.precision", "data", "optim")
+FIXED_KEYS = ("train.global_batch_size", "train.micro_batch_size", "train.rampup_batch_size", "train.seed",
+              "train.precision", "data", "optim")
+# the model-parallel layout: an elastic restart keeps it (the same command); a run that changes it reshards
+LAYOUT_KEYS = ("tp", "pp", "cp", "vpp", "ep", "etp", "pp_schedule", "pipeline_layout")
 # keys of a fixed group that may change all the same: where state lives, not the arithmetic
 FREE_KEYS = ("optim.sharding", "optim.reshard_after_forward", "optim.overlap_grad_reduce", "optim.overlap_param_gather",
              "data.cache_dir")
@@ -109,6 +112,8 @@ def check_continuation(cfg, world_size: int) -> str | None:
         return None
     saved = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
     current = OmegaConf.to_container(cfg, resolve=True)
+    if any(saved.get("parallel", {}).get(k) != current.get("parallel", {}).get(k) for k in LAYOUT_KEYS):
+        return None  # a reshard in place, not an elastic restart
     error = continuation_error(saved, current, saved_world, world_size)
     if error:
         raise ConfigError(error)

@@ -5,6 +5,7 @@ the troubleshooting messages are the ones the code raises. See tests/docs_manual
 
 import glob
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -169,6 +170,22 @@ def run_block(block, tmp_path):
 def marked_blocks(kind):
     return [b for rel in manual.manual_files() for b in manual.blocks(rel)
             if b.marker and b.marker.split()[0] == kind]
+
+
+def test_every_command_block_runs_or_says_why_not():
+    """A shell block of commands either runs here (``run``, or ``slow-run`` under ``-m slow``) or carries
+    ``not-run (why)``: no documented command is left unchecked without a stated reason."""
+    unmarked = []
+    for rel in manual.manual_files():
+        for b in manual.blocks(rel):
+            if b.lang not in manual.SHELL or not manual.block_commands(b):
+                continue
+            kind = (b.marker or "").split(" ", 1)[0]
+            if kind in ("run", "slow-run") or re.fullmatch(r"not-run \(.{10,}\)", b.marker or ""):
+                continue
+            unmarked.append(f"{b.path}:{b.line} ({b.marker or 'no docs-test marker'})")
+    assert not unmarked, ("command blocks that neither run in the docs test nor say why not "
+                          "(<!-- docs-test: run -->, slow-run, or not-run (reason)):\n" + "\n".join(unmarked))
 
 
 @pytest.mark.parametrize("block", marked_blocks("run"), ids=lambda b: f"{b.path}:{b.line}")

@@ -38,9 +38,11 @@ def test_elastic_restart_changes_dp_only(tmp_path):
     assert check_continuation(run_config(save, ["optim.sharding=optim"]), 2)  # where state lives may change
     assert check_continuation(run_config(save), 4) is None  # the same world size: an ordinary resume
     assert check_continuation(run_config(save, [f"checkpoint.save={tmp_path}/new"]), 2) is None  # a branch
+    # a new model-parallel layout in place is a deliberate reshard (as before elastic runs existed), not refused
+    assert check_continuation(run_config(save, ["parallel.tp=2"]), 2) is None
+    assert check_continuation(run_config(save, ["parallel.pp=2", "train.seed=7"]), 2) is None
 
     for overrides, named in ((["train.global_batch_size=16"], "train.global_batch_size=16 (checkpoint: 8)"),
-                             (["parallel.tp=2"], "parallel.tp=2 (checkpoint: 1)"),
                              (["optim.lr=0.01"], "optim.lr=0.01 (checkpoint: 0.001)"),
                              (["train.seed=7"], "train.seed=7 (checkpoint:"),
                              (["parallel.dp=2"], "parallel.dp=2 is fixed"),

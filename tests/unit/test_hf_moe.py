@@ -148,6 +148,7 @@ def test_export_of_a_moe_model_no_family_expresses_is_one_line(tmp_path, capsys)
     m = dict(BASE, num_experts=4, moe_top_k=2, moe_router="sigmoid", moe_shared_experts=1)
     full.save_random_model(str(tmp_path / "ckpt"), m)
     rc, err = run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
-    assert rc == 2 and len(err) == 1 and "model.moe_router=sigmoid" in err[0]
-    assert "needs model.moe_shared_expert_gate" in err[0]
+    # the nearest family is GLM-4.5's (a sigmoid router with ungated shared experts), which rotates part of each head
+    assert rc == 2 and len(err) == 1 and "no Hugging Face family expresses" in err[0]
+    assert "nearest: glm4_moe (needs model.partial_rotary_factor)" in err[0]
     assert not (tmp_path / "hf").exists()
