@@ -1,11 +1,15 @@
-"""Checks shared by the Hugging Face family tests: a checkpoint imported from transformers' files trains
-its first step with transformers' own loss."""
+"""Checks shared by the Hugging Face family tests, on a tiny model written by transformers itself: it
+imports, generates greedily as transformers does, exports back to the same tensors, and the imported
+checkpoint trains its first step with transformers' own loss."""
 
 import torch
 import torch.nn.functional as F
+import transformers
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from megand.core.checkpointing import offline
+from megand.tools import convert_checkpoint, generate
 from tests.harness import read_metrics, run_pretrain
 
 
@@ -32,3 +36,24 @@ def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int
     print(f"{name}: first-step loss {loss:.8f}, transformers {expected:.8f}")
     assert abs(loss - expected) / expected <= 1e-5, (loss, expected)
     return tokens, record
+
+
+def assert_generation_and_export_equal(theirs, hf_dir, ckpt, out, capsys, prompt=None):
+    """Greedy generation of 20 tokens from an 8-token prompt equals transformers'; the fp32 export to ``out``
+    holds exactly the tensors of the files transformers wrote. -> the exported config."""
+    if prompt is None:
+        prompt = torch.randint(0, 251, (8,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                   pad_token_id=0)[0].tolist()
+    capsys.readouterr()
+    assert generate.main(["--load", ckpt, "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in expected]
+
+    assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
+    # the tensors of the files transformers wrote (a MoE model's experts are fused in its state dict, one
+    # tensor per expert and projection in its files)
+    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    return transformers.AutoConfig.from_pretrained(out)

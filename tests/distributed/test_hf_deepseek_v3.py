@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from megand.core.checkpointing import offline
 from megand.models import full
-from megand.tools import convert_checkpoint, generate
-from tests.hf_checks import first_step_loss_equals_transformers
+from megand.tools import convert_checkpoint
+from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -54,20 +54,9 @@ def test_logits_generation_and_export_equal_transformers(imported, tmp_path, cap
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
 
-    prompt = ids[0, :8].tolist()
-    with torch.no_grad():
-        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                   pad_token_id=0)[0].tolist()
-    capsys.readouterr()
-    assert generate.main(["--load", ckpt, "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in expected]
-
-    out = str(tmp_path / "back")
-    assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
-    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    assert transformers.AutoConfig.from_pretrained(out).rope_parameters == theirs.config.rope_parameters
+    config = assert_generation_and_export_equal(theirs, hf_dir, ckpt, str(tmp_path / "back"), capsys,
+                                                prompt=ids[0, :8].tolist())
+    assert config.rope_parameters == theirs.config.rope_parameters
 
 
 @pytest.mark.parametrize("changes, needle", [({"attention_bias": True}, "attention_bias=true"),

@@ -8,13 +8,12 @@ exported back, every tensor equals the files'; FLOPs equal ``FlopCounterMode`` o
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from megand.models import flops, full
 from megand.models.hf import build_hf_model
-from megand.tools import convert_checkpoint, generate
-from tests.hf_checks import first_step_loss_equals_transformers
+from megand.tools import convert_checkpoint
+from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
 
 
 def config(**changes):
@@ -49,20 +48,7 @@ def test_generation_and_export_equal_transformers(imported, tmp_path, capsys):
     m = full.read_config(ckpt).model
     assert (m.partial_rotary_factor, m.qkv_bias, m.qk_norm, m.moe_router, m.mtp_layers) == (0.5, True, True,
                                                                                             "sigmoid", 0)
-    prompt = torch.randint(0, 251, (8,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                   pad_token_id=0)[0].tolist()
-    capsys.readouterr()
-    assert generate.main(["--load", ckpt, "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in expected]
-
-    out = str(tmp_path / "back")
-    assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
-    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    back = transformers.AutoConfig.from_pretrained(out)
+    back = assert_generation_and_export_equal(theirs, hf_dir, ckpt, str(tmp_path / "back"), capsys)
     assert type(back) is transformers.Glm4MoeConfig and back.rope_parameters == theirs.config.rope_parameters
     assert (back.attention_bias, back.use_qk_norm, back.first_k_dense_replace) == (True, True, 1)
 

@@ -12,11 +12,10 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from megand.models import full
-from megand.tools import convert_checkpoint, generate
-from tests.hf_checks import first_step_loss_equals_transformers
+from megand.tools import convert_checkpoint
+from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0,
         "beta_fast": 1.0, "beta_slow": 1.0}  # Kimi-K2's block (factor 32 from 4096 there)
@@ -61,20 +60,7 @@ def test_imports_as_deepseek_v3_generates_and_exports_back(imported, tmp_path, c
     m = full.read_config(ckpt).model
     assert (m.kv_lora_rank, m.moe_n_group, m.moe_routed_scaling_factor, m.rope_scaling.rope_type) == (16, None, 2.827,
                                                                                                       "yarn")
-    prompt = torch.randint(0, 251, (8,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                   pad_token_id=0)[0].tolist()
-    capsys.readouterr()
-    assert generate.main(["--load", ckpt, "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in expected]
-
-    out = str(tmp_path / "back")
-    assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
-    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    config = transformers.AutoConfig.from_pretrained(out)
+    config = assert_generation_and_export_equal(theirs, hf_dir, ckpt, str(tmp_path / "back"), capsys)
     # export writes yarn's optional keys where they differ from their defaults (Kimi's beta_slow is yarn's 1)
     written = {k: v for k, v in theirs.config.rope_parameters.items() if (k, v) != ("beta_slow", 1.0)}
     assert config.model_type == "deepseek_v3" and config.rope_parameters == written

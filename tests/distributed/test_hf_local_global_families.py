@@ -14,10 +14,9 @@ back, every weight equals the files transformers wrote.
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
-from megand.tools import convert_checkpoint, generate
-from tests.hf_checks import first_step_loss_equals_transformers
+from megand.tools import convert_checkpoint
+from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
 
 COMMON = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -58,20 +57,7 @@ def imported(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_and_export_equal_transformers(family, imported, tmp_path, capsys):
     theirs, hf_dir, ckpt = imported(family)
-    prompt = torch.randint(0, 251, (8,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():  # 20 new tokens: past the sliding window of 8
-        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                   pad_token_id=0)[0].tolist()
-    capsys.readouterr()
-    assert generate.main(["--load", ckpt, "--ids", *map(str, prompt), "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in expected]
-
-    out = str(tmp_path / "back")
-    assert convert_checkpoint.main(["export", "--load", ckpt, "--out", out, "--dtype", "fp32"]) == 0
-    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{hf_dir}/model.safetensors")
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-    config = transformers.AutoConfig.from_pretrained(out)
+    config = assert_generation_and_export_equal(theirs, hf_dir, ckpt, str(tmp_path / "back"), capsys)
     assert type(config) is type(theirs.config)
     for key in ("rope_parameters", "sliding_window", "layer_types", "no_rope_layers", "query_pre_attn_scalar"):
         if hasattr(theirs.config, key):
