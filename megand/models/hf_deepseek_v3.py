@@ -109,8 +109,14 @@ def model_config(config) -> dict:
              tie_embeddings=bool(config.tie_word_embeddings), init_std=config.initializer_range,
              hidden_dropout=0.0, attention_dropout=0.0,
              mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0))
+    return with_sigmoid_moe(m, config)
+
+
+def with_sigmoid_moe(m: dict, config) -> dict:
+    """``m`` with the MoE keys of a DeepSeek-V3-style config (a sigmoid router with a correction bias, groups,
+    shared experts, the first layers dense); ``m`` as is when every layer is dense."""
     first_dense = config.first_k_dense_replace or 0
-    if first_dense >= L:  # every layer dense
+    if first_dense >= config.num_hidden_layers:  # every layer dense
         return m
     grouped = (config.n_group or 1) > 1
     return dict(m, num_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import types
 
 from megand.models.hf import Family, When, dims, equals, norm_eps
-from megand.models.hf_deepseek_v3 import DEEPSEEK_MOE, deepseek_moe_rules, mtp_marker, mtp_model_rules
+from megand.models.hf_deepseek_v3 import (DEEPSEEK_MOE, deepseek_moe_rules, mtp_marker, mtp_model_rules,
+                                         with_sigmoid_moe)
 from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, attention_rules,
                                     llama_like_config, mlp_rules, rope_parameters)
 
@@ -58,19 +59,9 @@ def model_config(config) -> dict:
     # the LLaMA-family keys, the partial rotary taken off (megand has it as its own key)
     plain = types.SimpleNamespace(**{**config.to_dict(), "rope_parameters": rope, "partial_rotary_factor": None,
                                      "use_sliding_window": False})
-    L = config.num_hidden_layers
     m = dict(llama_like_config(plain), qkv_bias=bool(config.attention_bias), qk_norm=bool(config.use_qk_norm),
              partial_rotary_factor=partial, mtp_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0))
-    first_dense = config.first_k_dense_replace or 0
-    if first_dense >= L:  # every layer dense
-        return m
-    grouped = (config.n_group or 1) > 1
-    return dict(m, num_experts=config.n_routed_experts, moe_top_k=config.num_experts_per_tok,
-                moe_ffn_hidden_size=config.moe_intermediate_size, moe_shared_experts=config.n_shared_experts,
-                moe_router="sigmoid", moe_norm_topk_prob=bool(config.norm_topk_prob),
-                moe_n_group=config.n_group if grouped else None, moe_topk_group=config.topk_group if grouped else None,
-                moe_routed_scaling_factor=float(config.routed_scaling_factor),
-                moe_first_k_dense_replace=first_dense, moe_layer_freq=1, moe_aux_loss_coeff=0.0)
+    return with_sigmoid_moe(m, config)
 
 
 def rules(m: dict) -> list:
