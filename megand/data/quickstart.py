@@ -20,14 +20,27 @@ def quickstart_documents() -> list[str]:
     return [p for name in sorted(topics) for p in topics[name].split("\n\n") if p.strip()]
 
 
+_TOKENIZER = "tokenizer.model"
+
+
+def _root(cache_dir, vocab_size: int) -> str:
+    return os.path.join(str(cache_dir), f"quickstart-v{_VERSION}-vocab{vocab_size}")
+
+
+def quickstart_tokenizer(data_cfg, vocab_size: int) -> str:
+    """The tokenizer a quickstart run trained on (its ``data.tokenizer`` is null: the source brings its own),
+    as the run's ``data.cache_dir`` names it (relative to the launch directory when that was relative)."""
+    return os.path.join(_root(data_cfg.get("cache_dir"), vocab_size), _TOKENIZER)
+
+
 def prepare_quickstart_corpus(cache_dir: str, vocab_size: int = 4096) -> tuple[str, str]:
     """Build once and return ``(dataset prefix, tokenizer model path)`` under ``cache_dir``.
 
     Safe when several ranks call it at once: each builds in a private temporary directory and renames
     it into place; whoever loses the race discards its copy and uses the winner's.
     """
-    root = os.path.join(str(cache_dir), f"quickstart-v{_VERSION}-vocab{vocab_size}")
-    prefix_rel, model_rel = output_prefix_for("pydoc", "text"), "tokenizer.model"
+    root = _root(cache_dir, vocab_size)
+    prefix_rel, model_rel = output_prefix_for("pydoc", "text"), _TOKENIZER
     if not os.path.isdir(root):
         os.makedirs(cache_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".quickstart-", dir=cache_dir)

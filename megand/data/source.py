@@ -31,17 +31,28 @@ class DataKind:
     builder: str  # "module:function", (data_cfg, seq_length, vocab_size, seed, num_samples) -> (train, valid, test)
     access: str  # RANDOM_ACCESS: dataset[j] is sample j; STREAM: a StreamSource, read in order lane by lane
     paths: str | None = None  # what X names in a data.paths entry [weight, X]; None: data.paths is not read
+    # "module:function", (data_cfg, vocab_size) -> the tokenizer file a source brings itself when
+    # data.tokenizer is null (what export and generation use as the run's tokenizer); None: it brings none
+    own_tokenizer: str | None = None
 
     def build(self, data_cfg, seq_length: int, vocab_size: int, seed: int, num_samples: tuple[int, int, int]):
         """``(train, valid, test)``; a split asked for 0 samples is ``None``."""
         module, function = self.builder.split(":")
         return getattr(importlib.import_module(module), function)(data_cfg, seq_length, vocab_size, seed, num_samples)
 
+    def tokenizer_of(self, data_cfg, vocab_size: int) -> str | None:
+        """The tokenizer file this source brought itself to a run of ``data_cfg`` (None when it brings none)."""
+        if self.own_tokenizer is None:
+            return None
+        module, function = self.own_tokenizer.split(":")
+        return getattr(importlib.import_module(module), function)(data_cfg, vocab_size)
+
 
 DATA_KINDS: dict[str, DataKind] = {kind.name: kind for kind in (
     DataKind("mock", "megand.data.builder:build_mock", RANDOM_ACCESS),
     DataKind("indexed", "megand.data.builder:build_indexed", RANDOM_ACCESS, "prefix"),
-    DataKind("quickstart", "megand.data.builder:build_quickstart", RANDOM_ACCESS),
+    DataKind("quickstart", "megand.data.builder:build_quickstart", RANDOM_ACCESS,
+             own_tokenizer="megand.data.quickstart:quickstart_tokenizer"),
     DataKind("stream", "megand.data.stream:build_stream", STREAM, "directory or glob"),
     DataKind("hf_disk", "megand.data.hf_disk:build_hf_disk", STREAM, "directory written by save_to_disk"),
 )}

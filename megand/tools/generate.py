@@ -66,12 +66,18 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.
 
 
 def stored_tokenizer_path(load: str, run_cfg) -> str | None:
-    """The run's ``data.tokenizer``, as a path that exists from here.
+    """The run's ``data.tokenizer`` (or, when that is null, the tokenizer its data source brought itself:
+    the quickstart's), as a path that exists from here.
 
     A relative path was relative to the directory the run was launched from. ``checkpoint.save`` was given
     from that same directory, so the launch directory is what remains of the checkpoint's absolute path
     once that relative ``checkpoint.save`` is taken off its end."""
-    stored = (run_cfg.get("data", {}) or {}).get("tokenizer")
+    from megand.data.source import DATA_KINDS
+
+    data = run_cfg.get("data", {}) or {}
+    stored = data.get("tokenizer")
+    if not stored and data.get("kind") in DATA_KINDS:
+        stored = DATA_KINDS[data["kind"]].tokenizer_of(data, (run_cfg.get("model", {}) or {}).get("vocab_size"))
     if not stored or os.path.isabs(stored):
         return stored
     candidates = []

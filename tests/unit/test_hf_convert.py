@@ -232,3 +232,19 @@ def test_export_writes_the_tokenizer_and_autotokenizer_encodes_like_megand(tmp_p
     rc, err = run(capsys, "export", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"),
                   "--tokenizer", str(tmp_path / "missing.model"))
     assert rc == 2 and len(err) == 1 and "missing.model: no such file" in err[0] and not (tmp_path / "hf2").exists()
+
+
+def test_a_quickstart_run_exports_the_tokenizer_its_source_built(tmp_path):
+    """A quickstart run sets no data.tokenizer (the source trains its own): export and generation take that one."""
+    from omegaconf import OmegaConf
+
+    from megand.data.quickstart import quickstart_tokenizer
+    from megand.tools.generate import stored_tokenizer_path
+
+    cfg = OmegaConf.create({"data": {"kind": "quickstart", "tokenizer": None, "cache_dir": str(tmp_path / "cache")},
+                            "model": {"vocab_size": 2048}, "checkpoint": {"save": None}})
+    built = quickstart_tokenizer(cfg.data, 2048)
+    assert built.startswith(str(tmp_path / "cache")) and built.endswith("vocab2048/tokenizer.model")
+    assert stored_tokenizer_path(str(tmp_path / "ckpt"), cfg) == built
+    cfg.data.kind = "mock"
+    assert stored_tokenizer_path(str(tmp_path / "ckpt"), cfg) is None
