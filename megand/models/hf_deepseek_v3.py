@@ -62,18 +62,25 @@ def _rope_rule(megand: str, hf: str, unit: int, rope: int) -> Rule:
                 lambda t: _reorder_rope_rows(t, unit, rope, inverse=False))
 
 
+def sigmoid_moe_hf_keys(m: dict) -> dict:
+    """The transformers config arguments of a DeepSeek-V3-style MoE (the inverse of :func:`with_sigmoid_moe`);
+    for a dense model, one routed expert and every layer dense (the other values are the configs' defaults)."""
+    if not m.get("num_experts"):
+        return dict(n_routed_experts=1, num_experts_per_tok=1, n_shared_experts=1, n_group=1, topk_group=1,
+                    first_k_dense_replace=m["num_layers"])
+    return dict(n_routed_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),
+                moe_intermediate_size=m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"],
+                n_shared_experts=m["moe_shared_experts"], n_group=m.get("moe_n_group") or 1,
+                topk_group=m.get("moe_topk_group") or 1,
+                routed_scaling_factor=float(m.get("moe_routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(m.get("moe_norm_topk_prob", True)),
+                first_k_dense_replace=int(m.get("moe_first_k_dense_replace") or 0))
+
+
 def hf_config(m: dict):
     from transformers import DeepseekV3Config
 
-    moe = bool(m.get("num_experts"))
-    routing = dict(n_routed_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),
-                   moe_intermediate_size=m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"],
-                   n_shared_experts=m["moe_shared_experts"], n_group=m.get("moe_n_group") or 1,
-                   topk_group=m.get("moe_topk_group") or 1,
-                   routed_scaling_factor=float(m.get("moe_routed_scaling_factor", 1.0)),
-                   norm_topk_prob=bool(m.get("moe_norm_topk_prob", True)),
-                   first_k_dense_replace=int(m.get("moe_first_k_dense_replace") or 0)) if moe else dict(
-        n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=m["num_layers"])
+    routing = sigmoid_moe_hf_keys(m)
     return DeepseekV3Config(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
                             intermediate_size=m["ffn_hidden_size"], num_hidden_layers=m["num_layers"],
                             num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_attention_heads"],

@@ -16,7 +16,7 @@ import types
 
 from megand.models.hf import Family, When, dims, equals, norm_eps
 from megand.models.hf_deepseek_v3 import (DEEPSEEK_MOE, deepseek_moe_rules, mtp_marker, mtp_model_rules,
-                                         with_sigmoid_moe)
+                                         sigmoid_moe_hf_keys, with_sigmoid_moe)
 from megand.models.hf_llama import (ATTENTION, DROPOUT, LLAMA_LIKE_READS, LLAMA_MARKS, LLAMA_SHAPE, attention_rules,
                                     llama_like_config, mlp_rules, rope_parameters)
 
@@ -33,14 +33,7 @@ def hf_config(m: dict):
     from transformers import Glm4MoeConfig
 
     h, heads, groups, hd = dims(m)
-    routing = dict(n_routed_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),
-                   moe_intermediate_size=m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"],
-                   n_shared_experts=m["moe_shared_experts"], n_group=m.get("moe_n_group") or 1,
-                   topk_group=m.get("moe_topk_group") or 1,
-                   routed_scaling_factor=float(m.get("moe_routed_scaling_factor", 1.0)),
-                   norm_topk_prob=bool(m.get("moe_norm_topk_prob", True)),
-                   first_k_dense_replace=int(m.get("moe_first_k_dense_replace") or 0)) if m.get("num_experts") else dict(
-        n_routed_experts=1, num_experts_per_tok=1, n_shared_experts=1, first_k_dense_replace=m["num_layers"])
+    routing = sigmoid_moe_hf_keys(m)
     rope = dict(rope_parameters(m), partial_rotary_factor=float(m["partial_rotary_factor"]))
     return Glm4MoeConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=m["ffn_hidden_size"],
                          num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
