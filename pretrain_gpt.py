@@ -18,17 +18,24 @@ def report(e: BaseException, what: str) -> None:
         print(f"megand: {what}: {e}", file=sys.stderr, flush=True)
 
 
-def adopt_model(cfg) -> None:
-    """With checkpoint.load and no model given, train the checkpoint's model (see training/checkpoint_model.py)."""
+def model_adoption(cfg):
+    """With checkpoint.load and no model given, train the checkpoint's model (see training/checkpoint_model.py):
+    the step the trainer runs once it knows which state the run starts from (Hydra's record of what the
+    command line set is read here, where it exists)."""
     from hydra.core.hydra_config import HydraConfig
 
     from megand.training.checkpoint_model import adopt_checkpoint_model
 
     hydra_cfg = HydraConfig.get()
-    taken = adopt_checkpoint_model(cfg, list(hydra_cfg.overrides.task), hydra_cfg.runtime.choices.get("model"))
-    if taken and int(os.environ.get("RANK", "0")) == 0:
-        print(f" model from checkpoint {cfg.checkpoint.load}: "
-              + ", ".join(f"{k}={cfg.model[k]}" for k in taken), flush=True)
+    overrides, choice = list(hydra_cfg.overrides.task), hydra_cfg.runtime.choices.get("model")
+
+    def adopt(saved: dict | None) -> None:
+        taken = adopt_checkpoint_model(cfg, overrides, choice, saved)
+        if taken and int(os.environ.get("RANK", "0")) == 0:
+            print(f" model from checkpoint {cfg.checkpoint.load}: "
+                  + ", ".join(f"{k}={cfg.model[k]}" for k in taken), flush=True)
+
+    return adopt
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -41,8 +48,7 @@ def main(cfg) -> None:
 
     # every user-facing failure is one line and exit code 2; anything else is a bug, with its traceback
     try:
-        adopt_model(cfg)
-        pretrain(cfg)
+        pretrain(cfg, adopt_model=model_adoption(cfg))
     except ConfigError as e:
         report(e, "invalid configuration")
         sys.exit(2)

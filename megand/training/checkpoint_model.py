@@ -75,13 +75,16 @@ def contradictions(saved: dict, model: dict, keys) -> list[str]:
     return out
 
 
-def adopt_checkpoint_model(cfg, overrides: list[str], model_choice: str | None) -> list[str]:
+def adopt_checkpoint_model(cfg, overrides: list[str], model_choice: str | None, saved: dict | None = None) -> list[str]:
     """Make ``cfg.model`` the model of the checkpoint ``checkpoint.load`` names, with the run's own training
     keys on top; ConfigError naming every architectural key the run sets against it. Returns the keys
-    taken from the checkpoint (empty: nothing to load, or the run names its whole model)."""
+    taken from the checkpoint (empty: nothing to load, or the run names its whole model). ``saved``: the
+    model section of the state the run starts from when it is not read from ``checkpoint.load`` (a state
+    of the node-local tier, which restores without reading the shared tier)."""
     if not cfg.checkpoint.get("load"):
         return []
-    saved = saved_model(cfg.checkpoint.load)
+    if saved is None:
+        saved = saved_model(cfg.checkpoint.load)
     if saved is None:
         return []
     unknown = sorted(set(saved) - MODEL_FIELDS)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megand.core.checkpointing import StopOnSignal
+from megand.core.checkpointing import CheckpointError, StopOnSignal
 from megand.core.distributed import DataParallel
 from megand.core.metrics import MAX, RANKS, Metric, reduce_metrics
 from megand.core.optimizer import Optimizer
@@ -42,7 +42,7 @@ from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import loss_token_count, mtp_token_counts
 from megand.training.compile import compile_layers
-from megand.training.config import backend_timeout_s, collective_timeout_s, validate
+from megand.training.config import backend_timeout_s, collective_timeout_s, save_timeout_s, validate, validate_fault_keys
 from megand.training.elastic import check_continuation
 from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
@@ -53,6 +53,7 @@ from megand.training.schedule_continuity import check_no_rewarm
 from megand.training.output_dirs import check_output_dirs, check_run_dir_reuse
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import ConstantBatch, batch_ramp
+from megand.training.resume import open_local_tier
 from megand.training.save_failures import SaveFailures
 from megand.training.wandb_logger import WandbLogger
 
@@ -143,15 +144,25 @@ class Trainer:
     resumed run continue the same wandb run.
     """
 
-    def __init__(self, cfg, wandb_run_id: str | None = None):
+    def __init__(self, cfg, wandb_run_id: str | None = None, adopt_model=None):
+        """``adopt_model(saved)``: makes ``cfg.model`` the model of the checkpoint the run starts from
+        (``saved``: its model section when it is a state of the local tier; None: read ``checkpoint.load``)."""
         self.cfg = cfg
         # the collective timeout reaches the backend (NCCL's own 10-minute default would fire first), a
         # little after the watchdog's, which reports where each rank is
         enable_recorder(cfg.train.hang_report_ops)  # before the first process group: the hang report's record
         device = init_distributed(backend_timeout_s(collective_timeout_s(cfg, choose_device_and_backend()[0])))
+        # the node-local tier and the local state a restart starts from, chosen first: the run's model may be
+        # that state's, and a restore from the local tier reads nothing of the shared tier but `latest`
+        on_every_rank(lambda: validate_fault_keys(cfg))
+        self.local_tier, self.local_start, self.local_notes = open_local_tier(
+            cfg.checkpoint, backend_timeout_s(save_timeout_s(cfg)))
+        if adopt_model is not None:
+            on_every_rank(lambda: adopt_model(self.local_start.meta.get("model") if self.local_start else None))
         # before any work: the values, then the directories the run must be able to write
-        # an elastic restart (its own checkpoint, another world size) changes only dp (megand/training/elastic.py)
-        elastic = on_every_rank(lambda: check_continuation(cfg, dist.get_world_size()))
+        # an elastic restart (its own checkpoint, another world size) changes only dp (megand/training/elastic.py);
+        # a local state is of this world size (LocalTier.choose), so it is never one
+        elastic = None if self.local_start else on_every_rank(lambda: check_continuation(cfg, dist.get_world_size()))
         on_every_rank(lambda: validate(cfg, dist.get_world_size()))
         if elastic and dist.get_rank() == 0:
             print(elastic, flush=True)
@@ -254,7 +265,8 @@ class Trainer:
         from megand.core.checkpointing import Checkpointer
 
         return Checkpointer(self.configs.checkpoint, self.topo, self.named_params, self.optimizer, self.chunks,
-                            OmegaConf.to_yaml(cfg, resolve=True), OmegaConf.to_container(cfg.model, resolve=True))
+                            OmegaConf.to_yaml(cfg, resolve=True), OmegaConf.to_container(cfg.model, resolve=True),
+                            local=self.local_tier)
 
     def _open_logs(self):
         """metrics.jsonl (appended to after a resume), the MFU denominator and the run's config file."""
@@ -293,14 +305,18 @@ class Trainer:
         """Collective: start from the newest state of ``checkpoint.load``, or of the node-local tier when this
         run resumes itself (``checkpoint.load`` = ``checkpoint.save``) and the tier holds a complete state at
         least as new (see megand/core/checkpointing/local_tier.py); otherwise as the requeue idiom says."""
-        from megand.training.resume import load_path, resumes_itself
+        from megand.training.resume import load_path
 
         c = self.cfg.checkpoint
         path, notice = load_path(c)
-        local = self.checkpointer.local is not None and resumes_itself(c)
-        restored, notes = self.checkpointer.restore_local(c.save) if local else (None, [])
+        restored, notes = self.checkpointer.restore_local(self.local_start) if self.local_start else (None, [])
+        if self.local_start and restored is None and not path:
+            error = CheckpointError(f"checkpoint.local_dir: {(self.local_notes + notes)[-1]}, and {c.save} holds "
+                                    f"no checkpoint to load instead")
+            error.every_rank = True  # every rank agreed on the restore's outcome
+            raise error
         if self.topo.is_logging_rank:
-            for note in notes:
+            for note in self.local_notes + notes:
                 print(f" checkpoint.local_dir: {note}" + ("; loading the shared tier" if path and not restored else ""),
                       flush=True)
             if notice and restored is None:
@@ -331,7 +347,10 @@ class Trainer:
         if notice and self.topo.is_logging_rank:
             print(f" {loaded.path} {notice}", flush=True)
         if self.loaded_iteration is None:  # the run's first load (a rollback reloads under the same schedule)
-            check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps)
+            # a local state carries its config (the shared tier's is its config.yaml); the checkpoints of a
+            # schedule's stable phase to extend from are the shared tier's
+            check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps, saved_config=loaded.config,
+                            stable_dir=self.cfg.checkpoint.save if loaded.tier == "local" else None)
         # a state restored from the local tier only is saved to the shared tier at the end all the same
         self.loaded_iteration = loaded.iteration if loaded.tier == "shared" else None
         self.iteration = loaded.iteration
@@ -880,9 +899,10 @@ def final_summary(trainer, seconds: float, best_val: float) -> str:
     return human + "\n" + machine
 
 
-def pretrain(cfg) -> None:
+def pretrain(cfg, adopt_model=None) -> None:
+    """Train as ``cfg`` says (``adopt_model``: :class:`Trainer`'s)."""
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, adopt_model=adopt_model)
         trainer.run()
         dist.barrier()
     except USER_ERRORS:

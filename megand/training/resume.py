@@ -38,3 +38,22 @@ def resumes_itself(checkpoint_cfg) -> bool:
     """The requeue idiom: the run loads from its own save directory (so its node-local tier is its own too)."""
     load, save = checkpoint_cfg.load, checkpoint_cfg.save
     return bool(load and save) and os.path.abspath(load) == os.path.abspath(save)
+
+
+def open_local_tier(checkpoint_cfg, timeout_s: float):
+    """Collective, before the model exists: ``(tier, choice, notes)``: the node-local tier (None without
+    ``checkpoint.local_dir``) and, when this run resumes itself, the local state it starts from (None: the
+    shared tier's, if any; the rule is LocalTier.choose's) with the lines saying why newer local states
+    were passed over."""
+    c = checkpoint_cfg
+    if not c.get("local_dir"):
+        return None, None, []
+    from datetime import timedelta
+
+    from megand.core.checkpointing.local_tier import LocalTier
+
+    tier = LocalTier(str(c.local_dir), os.path.abspath(str(c.save)), timedelta(seconds=timeout_s))
+    if not resumes_itself(c):
+        return tier, None, []
+    choice, notes = tier.choose(str(c.save))
+    return tier, choice, notes

@@ -22,9 +22,8 @@ def schedule_of(cfg) -> LRSchedule:
                       o.get("decay_style", "1-sqrt"), o.get("decay_fraction", 0.2), o.get("decay_start"))
 
 
-def stable_checkpoints(path: str, last_stable_step: int) -> list[str]:
-    """``iter_N`` directories next to the loaded one with N within the stable phase."""
-    parent = os.path.dirname(os.path.normpath(path))
+def stable_checkpoints(parent: str, last_stable_step: int) -> list[str]:
+    """``iter_N`` directories in ``parent`` with N within the stable phase."""
     found = []
     for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         m = re.fullmatch(r"iter_(\d+)", name)
@@ -33,13 +32,21 @@ def stable_checkpoints(path: str, last_stable_step: int) -> list[str]:
     return found
 
 
-def check_no_rewarm(cfg, checkpoint_path: str, steps: int) -> None:
+def check_no_rewarm(cfg, checkpoint_path: str, steps: int, saved_config: str | None = None,
+                    stable_dir: str | None = None) -> None:
     """ConfigError when this run's schedule raises the learning rate of a checkpoint saved in its decay.
-    ``steps``: the optimizer steps the checkpoint has taken (the schedule's position)."""
-    saved_config = os.path.join(checkpoint_path, "config.yaml")
-    if steps <= 0 or not os.path.isfile(saved_config):
+    ``steps``: the optimizer steps the checkpoint has taken (the schedule's position). ``saved_config``: the
+    checkpoint's run config (YAML) when it is not ``checkpoint_path/config.yaml`` (a state of the node-local
+    tier); ``stable_dir``: where the checkpoints to extend from are (default: next to ``checkpoint_path``)."""
+    if steps <= 0:
         return
-    saved_cfg = OmegaConf.load(saved_config)
+    if saved_config is None:
+        path = os.path.join(checkpoint_path, "config.yaml")
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            saved_config = f.read()
+    saved_cfg = OmegaConf.create(saved_config)
     try:
         saved = schedule_of(saved_cfg)
     except Exception:  # noqa: BLE001 - a checkpoint of an older schema: nothing to compare with
@@ -51,7 +58,7 @@ def check_no_rewarm(cfg, checkpoint_path: str, steps: int) -> None:
     in_decay = saved.kind == "wsd" and steps > saved.decay_start and was < saved.lr * (1 - _REL)
     if not in_decay or now <= was * (1 + _REL):
         return
-    stable = stable_checkpoints(checkpoint_path, saved.decay_start)
+    stable = stable_checkpoints(stable_dir or os.path.dirname(os.path.normpath(checkpoint_path)), saved.decay_start)
     hint = (f"extend from a checkpoint of the stable phase instead, e.g. checkpoint.load={stable[-1]} with a new "
             f"checkpoint.save and run_dir" if stable else
             "no checkpoint of its stable phase is next to it to extend from")

@@ -2,7 +2,8 @@
 save to the local tier every iteration and to the shared tier every 4. One agent is SIGKILLed and its local
 directory deleted, and every file of the shared tier's checkpoints is overwritten with zeros (from outside:
 reading any of them would fail). The restarted job restores from the local tier, node 1's ranks from their
-replicas on node 0, and ends with the losses and the final tensors of an uninterrupted run."""
+replicas on node 0, reading nothing of the shared tier but its `latest` pointer (watched from outside the
+job with inotify), and ends with the losses and the final tensors of an uninterrupted run."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from megand.tools.compare_checkpoints import compare
 from tests.distributed.torchrun_jobs import Job
+from tests.file_reads import FileReads
 from tests.harness import read_metrics, run_pretrain
 
 ITERS = 24
@@ -52,11 +54,10 @@ def final_losses(run_dir) -> dict[int, float]:
 
 def zero_shared_checkpoints(save) -> None:
     """Overwrite every file of every checkpoint of the shared tier with zeros: the tensor data, DCP's metadata,
-    the RNG states. Kept: `latest`, and each checkpoint's `common.pt` and `manifest.json`, which the entry
-    script reads before any work (the checkpoint's model section, to check the run's model against it)."""
+    the RNG states, the scalars and model section (`common.pt`), the config and the manifest. Kept: `latest`."""
     for name in os.listdir(save):
         for root, _, names in os.walk(os.path.join(save, name)):
-            for n in set(names) - {"common.pt", "manifest.json"}:
+            for n in names:
                 path = os.path.join(root, n)
                 size = os.path.getsize(path)
                 with open(path, "r+b") as f:
@@ -93,8 +94,13 @@ def test_lost_node_restores_from_its_peer_without_the_shared_tier(tmp_path, unin
     assert newest > published(save)
     zero_shared_checkpoints(save)
 
+    watch = FileReads(save)  # the shared tier's files as they are now; the job's own new saves are not counted
     job = two_nodes(run_dir, save, locals_)
     assert job.wait() == 0, job.output[-4000:]
+    read = watch.files()
+    latest = os.path.join(save, "latest")
+    assert read <= {latest}, sorted(read - {latest})  # nothing of the shared tier but its pointer
+    print(f"shared tier read by the restart: {sorted(read)}, at most {os.path.getsize(latest)} bytes")
     (restored,) = events(run_dir, "checkpoint_restored")
     assert restored["tier"] == "local" and restored["iter"] == newest, restored
     assert restored["from_replica"] == [2, 3]  # node 1's ranks, from node 0's replicas

@@ -66,6 +66,7 @@ class LoadedState:
     bytes_read: dict | None = None  # tier -> bytes read from it by all ranks together
     seconds: float = 0.0
     from_replica: tuple[int, ...] = ()  # local tier: the ranks whose state came from a peer's replica
+    config: str | None = None  # local tier: the saved run's config (YAML; the shared tier's is its config.yaml)
 
 
 def layout_of(topo) -> dict:
@@ -104,7 +105,8 @@ class _Save:
 
 class Checkpointer:
     def __init__(self, config: CheckpointConfig, topo, named_params, optimizer, chunks, config_yaml: str,
-                 model_cfg: dict):
+                 model_cfg: dict, local=None):
+        """``local``: the node-local tier (a LocalTier, opened before the model exists), or None."""
         self.cfg, self.topo, self.optimizer = config, topo, optimizer
         self.named_params = list(named_params)
         self.named_buffers = sharded.state_buffers(chunks)
@@ -121,13 +123,7 @@ class Checkpointer:
         self.staging = HostStaging()
         self.last_saved = None
         self.last_stall_s = 0.0
-        self.local = None
-        if config.local_dir:
-            from megand.core.checkpointing.local_tier import LocalTier, rank_tensors
-
-            self.local = LocalTier(config.local_dir, os.path.abspath(config.save), topo,
-                                   lambda: rank_tensors(self.named_params, optimizer, self.named_buffers), self.rngs,
-                                   timedelta(seconds=config.timeout_s))
+        self.local = local
         if hasattr(signal, "SIGXFSZ"):  # over a file-size limit a write must fail (EFBIG), not kill the rank
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
@@ -170,33 +166,48 @@ class Checkpointer:
                 "run_id": run_id, "layout": layout_of(self.topo), "model": self.model_cfg,
                 "extra": extra_state} if self.rank == 0 else None
 
+    def _local_tensors(self) -> dict:
+        from megand.core.checkpointing.local_tier import rank_tensors
+
+        return rank_tensors(self.named_params, self.optimizer, self.named_buffers)
+
     def save_local(self, iteration: int, consumed_samples: int, run_id: str | None = None, global_batch_size=None,
                    extra_state: dict | None = None) -> None:
         """Collective: a save to the node-local tier (synchronous; :meth:`save`'s arguments). Raises
         CheckpointWriteError on every rank alike when a write failed anywhere."""
         self.optimizer.ddp.finish_param_sync()
-        self.local.save(iteration, self._common(iteration, consumed_samples, run_id, global_batch_size, extra_state),
-                        layout_of(self.topo))
+        common = self._common(iteration, consumed_samples, run_id, global_batch_size, extra_state)
+        meta = {"model": self.model_cfg, "config": self.config_yaml} if self.rank == 0 else None
+        self.local.save(iteration, self._local_tensors(), rng.capture(self.rngs, self.topo.device), common,
+                        layout_of(self.topo), meta)
 
-    def restore_local(self, shared_path: str | None) -> tuple[LoadedState | None, list[str]]:
-        """Collective: the newest complete state of the local tier if it is at least as new as the shared
-        tier's ``latest`` in ``shared_path`` (None: the shared tier holds none), loaded; else None. And the
-        notes saying why newer local iterations were passed over. Every rank alike."""
-        box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        shared_iteration, shared_bytes = box[0] or (0, 0)
-        plan, notes = self.local.plan(shared_iteration, layout_of(self.topo))
-        if plan is None:
-            return None, notes
+    def restore_local(self, choice) -> tuple[LoadedState | None, list[str]]:
+        """Collective: the local tier's state ``choice`` (LocalTier.choose's) loaded, or None when it holds
+        other tensors or another layout than this run, or when some rank's state has no intact copy left;
+        and the lines saying why. Every rank alike; nothing is changed unless it is loaded."""
+        from megand.core.checkpointing.local_tier import signature
+
+        layout = layout_of(self.topo)
         self.optimizer.ddp.finish_param_sync()
-        got = self.local.restore(plan)
+        live = self._local_tensors()
+        mismatch = self.local.verify(choice, layout, signature(live, layout))
+        if mismatch:
+            return None, [mismatch]
+        got, notes = self.local.restore(choice)
+        if got is None:
+            return None, notes
+        with torch.no_grad():
+            for key, t in live.items():
+                t.copy_(got.state["tensors"][key])
+        rng_notice = rng.restore(got.state["rng"], self.rngs, self.topo.device)
         common = got.common
         self.optimizer.load_scalar_state(common["optimizer"])
         loaded = LoadedState(int(common["iteration"]), int(common.get("consumed_samples", 0)), common.get("run_id"),
-                             os.path.join(self.local.dir, files.iter_dir_name(got.iteration)), True, got.rng_restored,
-                             extra_state=common.get("extra"), rng_notice=got.rng_notice, tier="local",
-                             bytes_read={"local": got.bytes_read, "shared": shared_bytes},  # shared: ``latest``
-                             seconds=got.seconds, from_replica=tuple(got.from_replica))
+                             os.path.join(self.local.dir, files.iter_dir_name(got.iteration)), True, rng_notice is None,
+                             extra_state=common.get("extra"), rng_notice=rng_notice, tier="local",
+                             bytes_read={"local": got.bytes_read, "shared": choice.shared_bytes},  # shared: ``latest``
+                             seconds=got.seconds, from_replica=tuple(got.from_replica),
+                             config=choice.meta.get("config"))
         return loaded, notes
 
     def _write(self, save: _Save, state, rng_state, common) -> None:

@@ -17,11 +17,15 @@ A file is written to ``*.tmp`` and renamed once complete (and flushed), so a cra
 that looks complete; older iterations are removed only after every rank has written (and replicated)
 the new one: the last complete local state is never destroyed by a save that fails or dies half-way.
 
-Restore is collective: every rank lists what its node's directory holds (the headers only), the lists are
-gathered, and the newest iteration for which every rank's state is held somewhere (as its own file or a
-replica) wins over the shared tier when it is at least as new as the shared ``latest``. Each rank's state
-is read where it is (by the rank itself when its node kept it) and sent to it over the tier's own process
-group.
+Restore is collective and reads nothing of the shared tier but its ``latest`` pointer (see
+:meth:`LocalTier.choose`). Before the model exists, every rank lists what its node's directory holds (the
+headers only), the lists are gathered, and the newest iteration for which every rank's state is held
+somewhere (as its own file or a replica) wins over the shared tier when it is at least as new as the shared
+``latest``; rank 0's header gives what the run needs before it builds its model. Once the model exists the
+layout and every tensor's signature are checked, then each rank's state is read where it is (by the rank
+itself when its node kept it) and sent to it over the tier's own process group. A copy that fails its
+checksum (or cannot be read) is passed over for the replica of the same state, and when neither is
+intact the run loads the shared tier, each with a line saying so.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megand.core.checkpointing import files, rng
+from megand.core.checkpointing import files
 from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
 from megand.core.checkpointing.pieces import Piece
 from megand.core.checkpointing.staging import HostStaging
@@ -114,24 +118,36 @@ def read_header(path: str) -> dict | None:
 
 
 @dataclass
-class LocalRestore:
-    """What a restore from the local tier did: the iteration, where each rank's state came from, the bytes
-    read from the local disks (all ranks together), the seconds it took."""
+class Choice:
+    """The local iteration a restart restores, chosen before the model exists (the run may take its model
+    from it): for each rank the copies of its state that survive, its own file first, then its replica;
+    the run's metadata (model section, config) recorded with rank 0's state."""
 
     iteration: int
+    copies: dict[int, list[tuple[int, str, dict]]]  # rank -> [(the rank that reads it, path, header)]
+    meta: dict
+    shared_bytes: int  # read from the shared tier to choose: its ``latest`` pointer
+
+
+@dataclass
+class LocalRestore:
+    """What a restore from the local tier read: this rank's state (tensors, random streams, and on every rank
+    rank 0's scalars), the bytes read from the local disks (all ranks together), the seconds it took."""
+
+    iteration: int
+    state: dict
     common: dict
-    rng_notice: str | None
-    rng_restored: bool
     bytes_read: int
     seconds: float
-    from_replica: list[int] = field(default_factory=list)  # ranks whose own file was lost
+    from_replica: list[int] = field(default_factory=list)  # ranks whose own file was lost or damaged
 
 
 class LocalTier:
-    def __init__(self, local_dir: str, run: str, topo, tensors, rngs, timeout):
-        """``run``: what identifies the run the tier belongs to (its shared save directory); ``tensors()``: this
-        rank's :func:`rank_tensors`. Collective (a process group of its own, and the ranks' nodes)."""
-        self.dir, self.run, self.topo, self.tensors, self.rngs = local_dir, run, topo, tensors, rngs
+    def __init__(self, local_dir: str, run: str, timeout):
+        """``run``: what identifies the run the tier belongs to (its shared save directory). Collective (a
+        process group of its own, and the ranks' nodes). The state itself is the caller's: the tier stores,
+        replicates, finds and reads bytes, and knows no model."""
+        self.dir, self.run = local_dir, run
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         nodes = [None] * self.world
@@ -139,6 +155,7 @@ class LocalTier:
         members = {n: [r for r in range(self.world) if nodes[r] == n] for n in sorted(set(nodes))}
         order = sorted(members)
         self.nodes = len(order)
+        self.first_on_node = members[nodes[self.rank]][0] == self.rank
 
         def peer(r: int) -> int:  # the same local index on the next node
             mine = members[nodes[r]]
@@ -157,19 +174,22 @@ class LocalTier:
         return os.path.join(self.dir, files.iter_dir_name(iteration))
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, iteration: int, common: dict | None, layout: dict) -> None:
-        """Collective: write this rank's state and its peer's replica of it; remove the older iterations
-        once every rank has. CheckpointWriteError on every rank alike when a write failed anywhere (the
-        files of this iteration are removed, the previous local state is kept)."""
-        live = self.tensors()
-        staged = self.staging.stage([Piece(k, (), (), t) for k, t in live.items()], copy=False)
-        state = {"tensors": {p.key: p.tensor for p in staged}, "rng": rng.capture(self.rngs, self.topo.device),
-                 "common": common}
+    def save(self, iteration: int, tensors: dict[str, torch.Tensor], rng_state: dict, common: dict | None,
+             layout: dict, meta: dict | None) -> None:
+        """Collective: write this rank's state (``tensors``: :func:`rank_tensors`) and its peer's replica of it;
+        remove the older iterations once every rank has. ``meta`` (rank 0): what a restart needs to know
+        before it builds its model (the model section, the run's config), kept in the file's header.
+        CheckpointWriteError on every rank alike when a write failed anywhere (the files of this iteration
+        are removed, the previous local state is kept)."""
+        staged = self.staging.stage([Piece(k, (), (), t) for k, t in tensors.items()], copy=False)
+        state = {"tensors": {p.key: p.tensor for p in staged}, "rng": rng_state, "common": common}
         buffer = io.BytesIO()
         torch.save(state, buffer)
         payload = buffer.getbuffer()
         header = {"iteration": iteration, "rank": self.rank, "run": self.run, "layout": layout,
-                  "signature": signature(live, layout), "bytes": len(payload), "crc32": zlib.crc32(payload)}
+                  "signature": signature(tensors, layout), "bytes": len(payload), "crc32": zlib.crc32(payload)}
+        if meta is not None:
+            header["meta"] = meta
         head = encode_header(header)
         iter_dir = self._iter_dir(iteration)
         written, problem = [], None
@@ -200,7 +220,7 @@ class LocalTier:
             more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
             raise CheckpointWriteError(f"local save of iteration {iteration} to {self.dir} failed: {problems[0]}{more}; "
                                        f"the previous local state is kept")
-        if self.topo.local_rank == 0:  # one rank per node, once every rank has written this iteration
+        if self.first_on_node:  # one rank per node, once every rank has written this iteration
             self.remove(lambda it: it < iteration)
 
     def _exchange(self, blob: bytearray | None) -> dict:
@@ -230,8 +250,8 @@ class LocalTier:
 
     # ----------------------------------------------------------------------------------------- restore
     def inventory(self) -> dict[int, dict[int, tuple[str, dict]]]:
-        """What this node's directory holds: iteration -> rank -> (file, header); a rank's own file is
-        preferred to a replica of it."""
+        """What this node's directory holds: iteration -> rank -> (file, header). A node holds at most one
+        copy of a rank's state: its own file on its own node, its replica on its peer's."""
         found: dict[int, dict[int, tuple[str, dict]]] = {}
         if not os.path.isdir(self.dir):
             return found
@@ -250,103 +270,138 @@ class LocalTier:
                     held[header["rank"]] = (path, header)
         return found
 
-    def plan(self, shared_iteration: int, layout: dict) -> tuple[dict | None, list[str]]:
-        """Collective: ``(plan, notes)``. The plan of the newest complete local iteration matching this run
-        and at least as new as ``shared_iteration`` (None: load the shared tier): its ``iteration`` and, for
-        each rank, the rank that reads its state (``source``) and the file's header. ``notes``: one line
-        for each newer local iteration passed over, and why."""
-        mine = {it: {r: (path, {k: h[k] for k in ("run", "layout", "signature", "bytes", "crc32", "payload_at")})
-                     for r, (path, h) in held.items()} for it, held in self.inventory().items()}
+    def choose(self, shared_path: str | None) -> tuple[Choice | None, list[str]]:
+        """Collective, before the model exists: the newest local iteration of this run, at this world size,
+        for which every rank's state survives somewhere, if it is at least as new as the shared tier's
+        ``latest`` (None: start from the shared tier). And one note for each newer local iteration passed over.
+
+        The rule, and what it reads of the shared tier: rank 0 reads the shared ``latest`` pointer (a few
+        bytes), nothing else. It must: the shared tier can be ahead of every local state (a shared save
+        published by a process that wrote no local state at that iteration: a local save that failed, a
+        ``local_interval`` that ``interval`` is not a multiple of, a launch without ``checkpoint.local_dir``),
+        and the pointer is its one authority. The local tier is taken when it is at least as new (equal:
+        the local read is the cheap one). What the run needs before it has a model (the model section it may
+        adopt, the config its schedule and world size are checked against) comes from the header of rank 0's
+        state in the local tier, not from the shared tier. The layout and the tensors themselves are checked
+        once the model exists (:meth:`verify`)."""
+        box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        shared_iteration, shared_bytes = box[0] or (0, 0)
+        keep = ("run", "layout", "signature", "bytes", "crc32", "payload_at")
+        inventory = self.inventory()
+        mine = {it: {r: (path, {k: h[k] for k in keep}) for r, (path, h) in held.items()}
+                for it, held in inventory.items()}
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
-        expected = [None] * self.world
-        dist.all_gather_object(expected, signature(self.tensors(), layout), group=self.group)
         notes = []
         for iteration in sorted({it for inv in everyone for it in inv}, reverse=True):
             if iteration < shared_iteration:
                 notes.append(f"the shared tier's iteration {shared_iteration} is newer than the local tier's {iteration}")
                 break
-            holders = {}  # rank -> (reading rank, path, header): the rank itself when its node kept it
+            own, replica = {}, {}  # rank -> (the rank that reads it, path, header)
             for reader, inv in enumerate(everyone):
                 for r, (path, h) in inv.get(iteration, {}).items():
-                    if r not in holders or reader == r:
-                        holders[r] = (reader, path, h)
-            lost = [r for r in range(self.world) if r not in holders]
+                    if os.path.basename(path).startswith(OWN):
+                        if reader == r:  # the rank reads its own file; the other ranks of its node see it too
+                            own[r] = (reader, path, h)
+                    else:
+                        replica.setdefault(r, (reader, path, h))  # read by the first rank of the node holding it
+            copies = {r: [c for c in (own.get(r), replica.get(r)) if c] for r in range(self.world)}
+            lost = [r for r in range(self.world) if not copies.get(r)]
             if lost:
                 notes.append(f"local iteration {iteration} is incomplete: the state of rank(s) {_ranks(lost)} "
                              f"survives on no node (neither its own file nor its replica)")
                 continue
-            headers = [holders[r][2] for r in range(self.world)]
+            headers = [copies[r][0][2] for r in range(self.world)]
             if any(h["run"] != self.run for h in headers):
                 notes.append(f"local iteration {iteration} belongs to another run (saved to {headers[0]['run']})")
                 continue
-            if any(h["layout"] != layout for h in headers):
-                saved = next(h["layout"] for h in headers if h["layout"] != layout)
-                notes.append(f"local iteration {iteration} was saved at layout {_layout(saved)}, this run is "
-                             f"{_layout(layout)}: the local tier restores only at the same layout")
+            saved_world = headers[0]["layout"].get("world_size")
+            if saved_world != self.world:
+                notes.append(f"local iteration {iteration} was saved at world size {saved_world}, this run has "
+                             f"{self.world}: the local tier restores only at the same layout")
                 continue
-            differ = [r for r in range(self.world) if headers[r]["signature"] != expected[r]]
-            if differ:
-                notes.append(f"local iteration {iteration} holds other tensors than this run on rank(s) "
-                             f"{_ranks(differ)} (another sharding level, precision or model)")
-                continue
-            return {"iteration": iteration, "sources": {r: holders[r][:2] for r in range(self.world)},
-                    "headers": headers}, notes
+            # rank 0's header holds the metadata: whichever rank holds rank 0's first copy sends it
+            holder = copies[0][0][0]
+            box = [inventory[iteration][0][1].get("meta") if self.rank == holder else None]
+            dist.broadcast_object_list(box, src=holder, group=self.group)
+            return Choice(iteration, copies, box[0] or {}, shared_bytes), notes
         return None, notes
 
-    def restore(self, plan: dict) -> LocalRestore:
-        """Collective: read and send every rank's state as ``plan`` says, load this rank's in place. A file
-        that cannot be read or fails its checksum raises CheckpointError on every rank alike, before any
-        tensor is changed."""
-        from megand.core.checkpointing.files import CheckpointError
+    def verify(self, choice: Choice, layout: dict, expected: str) -> str | None:
+        """Collective, once the model exists: None when ``choice`` holds this run's tensors at this layout
+        (``expected``: this rank's :func:`signature`); else the line saying why not (every rank alike)."""
+        signatures = [None] * self.world
+        dist.all_gather_object(signatures, expected, group=self.group)
+        headers = [choice.copies[r][0][2] for r in range(self.world)]
+        if any(h["layout"] != layout for h in headers):
+            saved = next(h["layout"] for h in headers if h["layout"] != layout)
+            return (f"local iteration {choice.iteration} was saved at layout {_layout(saved)}, this run is "
+                    f"{_layout(layout)}: the local tier restores only at the same layout")
+        differ = [r for r in range(self.world) if headers[r]["signature"] != signatures[r]]
+        if differ:
+            return (f"local iteration {choice.iteration} holds other tensors than this run on rank(s) "
+                    f"{_ranks(differ)} (another sharding level, precision or model)")
+        return None
 
+    def restore(self, choice: Choice) -> tuple[LocalRestore | None, list[str]]:
+        """Collective: read every rank's state where ``choice`` says and send it to its rank. A copy that
+        cannot be read or fails its checksum is passed over for the next copy of the same state (its replica),
+        with a note; when no copy of some rank's state is intact, None (load the shared tier). Nothing is
+        loaded here: the caller copies ``state`` into its tensors, so a failure changes nothing."""
         start = time.perf_counter()
-        sources, headers = plan["sources"], plan["headers"]
-        reads, problem, nbytes = {}, None, 0
-        for r in range(self.world):
-            reader, path = sources[r]
-            if reader != self.rank:
-                continue
-            h = headers[r]
-            try:
-                with open(path, "rb") as f:
-                    f.seek(h["payload_at"])
-                    data = f.read(h["bytes"])
-                nbytes += len(data)
-                if zlib.crc32(data) != h["crc32"]:
-                    raise CheckpointError(f"{path}: corrupted: checksum differs from the one recorded at save time")
-                reads[r] = data
-            except (OSError, CheckpointError) as e:
-                problem = str(e)
-        problems = [None] * self.world
-        dist.all_gather_object(problems, problem, group=self.group)
-        if any(problems):
-            raise CheckpointError(next(p for p in problems if p))
+        using = {r: 0 for r in range(self.world)}  # rank -> the index of the copy of its state being read
+        reads, nbytes, notes = {}, 0, []
+        while True:
+            problems = {}
+            for r, at in using.items():
+                reader, path, h = choice.copies[r][at]
+                if reader != self.rank or r in reads:
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(h["payload_at"])
+                        data = f.read(h["bytes"])
+                    nbytes += len(data)
+                    if zlib.crc32(data) != h["crc32"]:
+                        raise ValueError("corrupted: its checksum differs from the one recorded at save time")
+                    reads[r] = data
+                except (OSError, ValueError) as e:
+                    problems[r] = f"{path} on node {node_rank()}: {e}"
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, problems, group=self.group)
+            failed = {r: p for g in gathered for r, p in g.items()}
+            if not failed:
+                break
+            for r, problem in sorted(failed.items()):
+                using[r] += 1
+                if using[r] < len(choice.copies[r]):
+                    notes.append(f"the local copy of rank {r}'s state {problem}; reading its replica instead")
+                else:
+                    notes.append(f"the local copy of rank {r}'s state {problem}, and no other copy of it survives: "
+                                 f"local iteration {choice.iteration} cannot be restored")
+                    return None, notes
         ops, incoming = [], None
         for r, data in reads.items():
             if r != self.rank:
                 ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(data), dtype=torch.uint8), r, self.group))
-        reader = sources[self.rank][0]
+        reader, _, header = choice.copies[self.rank][using[self.rank]]
         if reader != self.rank:
-            incoming = torch.empty(headers[self.rank]["bytes"], dtype=torch.uint8)
+            incoming = torch.empty(header["bytes"], dtype=torch.uint8)
             ops.append(dist.P2POp(dist.irecv, incoming, reader, self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         data = reads[self.rank] if incoming is None else incoming.numpy().tobytes()
         state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        live = self.tensors()
-        with torch.no_grad():
-            for key, t in live.items():
-                t.copy_(state["tensors"][key])
-        notice = rng.restore(state["rng"], self.rngs, self.topo.device)
         box = [state["common"]]
         dist.broadcast_object_list(box, src=0, group=self.group)
         total = torch.tensor([nbytes], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
-        lost = [r for r in range(self.world) if sources[r][1].rsplit("/", 1)[-1].startswith(REPLICA)]
-        return LocalRestore(plan["iteration"], box[0], notice, notice is None, int(total.item()),
-                            time.perf_counter() - start, lost)
+        replicas = [r for r in range(self.world)
+                    if os.path.basename(choice.copies[r][using[r]][1]).startswith(REPLICA)]
+        return LocalRestore(choice.iteration, state, box[0], int(total.item()), time.perf_counter() - start,
+                            replicas), notes
 
 
 def _ranks(ranks: list[int]) -> str:
