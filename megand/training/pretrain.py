@@ -316,9 +316,10 @@ class Trainer:
             error.every_rank = True  # every rank agreed on the restore's outcome
             raise error
         if self.topo.is_logging_rank:
-            for note in self.local_notes + notes:
-                print(f" checkpoint.local_dir: {note}" + ("; loading the shared tier" if path and not restored else ""),
-                      flush=True)
+            lines = self.local_notes + notes
+            for i, note in enumerate(lines):
+                last = i == len(lines) - 1 and path and not restored
+                print(f" checkpoint.local_dir: {note}" + ("; loading the shared tier" if last else ""), flush=True)
             if notice and restored is None:
                 print(notice, flush=True)
         if restored is not None:
@@ -350,7 +351,7 @@ class Trainer:
             # a local state carries its config (the shared tier's is its config.yaml); the checkpoints of a
             # schedule's stable phase to extend from are the shared tier's
             check_no_rewarm(self.cfg, loaded.path, self.optimizer.steps, saved_config=loaded.config,
-                            stable_dir=self.cfg.checkpoint.save if loaded.tier == "local" else None)
+                            save_dir=self.cfg.checkpoint.save if loaded.tier == "local" else None)
         # a state restored from the local tier only is saved to the shared tier at the end all the same
         self.loaded_iteration = loaded.iteration if loaded.tier == "shared" else None
         self.iteration = loaded.iteration

@@ -33,11 +33,12 @@ def stable_checkpoints(parent: str, last_stable_step: int) -> list[str]:
 
 
 def check_no_rewarm(cfg, checkpoint_path: str, steps: int, saved_config: str | None = None,
-                    stable_dir: str | None = None) -> None:
+                    save_dir: str | None = None) -> None:
     """ConfigError when this run's schedule raises the learning rate of a checkpoint saved in its decay.
     ``steps``: the optimizer steps the checkpoint has taken (the schedule's position). ``saved_config``: the
     checkpoint's run config (YAML) when it is not ``checkpoint_path/config.yaml`` (a state of the node-local
-    tier); ``stable_dir``: where the checkpoints to extend from are (default: next to ``checkpoint_path``)."""
+    tier); ``save_dir``: the shared save directory of such a state, where the checkpoints to extend from
+    are (default: next to ``checkpoint_path``)."""
     if steps <= 0:
         return
     if saved_config is None:
@@ -58,11 +59,13 @@ def check_no_rewarm(cfg, checkpoint_path: str, steps: int, saved_config: str | N
     in_decay = saved.kind == "wsd" and steps > saved.decay_start and was < saved.lr * (1 - _REL)
     if not in_decay or now <= was * (1 + _REL):
         return
-    stable = stable_checkpoints(stable_dir or os.path.dirname(os.path.normpath(checkpoint_path)), saved.decay_start)
+    stable = stable_checkpoints(save_dir or os.path.dirname(os.path.normpath(checkpoint_path)), saved.decay_start)
     hint = (f"extend from a checkpoint of the stable phase instead, e.g. checkpoint.load={stable[-1]} with a new "
             f"checkpoint.save and run_dir" if stable else
             "no checkpoint of its stable phase is next to it to extend from")
-    error = ConfigError(f"checkpoint.load={checkpoint_path} was saved at step {steps}, in the decay of its schedule "
+    what = (f"checkpoint.load={checkpoint_path}" if save_dir is None else
+            f"checkpoint.load={save_dir} (its newest state, in the node-local tier: {checkpoint_path})")
+    error = ConfigError(f"{what} was saved at step {steps}, in the decay of its schedule "
                         f"(lr {was:.3e} < optim.lr {saved.lr:.3e}, decay from step {saved.decay_start}); this run's "
                         f"schedule puts that step at lr {now:.3e}, which would re-warm a decayed model: {hint}")
     error.every_rank = True  # every rank reads the same files and raises alike

@@ -151,3 +151,37 @@ def test_one_node_restores_its_own_local_tier(tmp_path, uninterrupted):
     restored = events(run_dir, "checkpoint_restored")[-1]
     assert restored["tier"] == "local" and restored["iter"] == 6 and restored["from_replica"] == [], restored
     assert final_losses(run_dir) == losses
+
+
+def corrupt(path) -> None:
+    """Flip the last byte of a file (its payload's, past the header), from outside the job."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+def test_corrupted_local_copy_falls_back_to_its_replica_then_to_the_shared_tier(tmp_path, uninterrupted):
+    losses, _ = uninterrupted
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    locals_ = [str(tmp_path / "local0"), str(tmp_path / "local1")]
+    job = two_nodes(run_dir, save, locals_, "train.exit_interval=6")
+    assert job.wait() == 0, job.output[-4000:]
+    # rank 0's own file damaged: its replica on node 1 is read instead, with a line saying so
+    corrupt(os.path.join(locals_[0], "iter_0000006", "rank_00000.pt"))
+    job = two_nodes(run_dir, save, locals_, "train.exit_interval=8")
+    assert job.wait() == 0, job.output[-4000:]
+    assert "rank_00000.pt on node 0: corrupted" in job.output and "reading its replica instead" in job.output
+    restored = events(run_dir, "checkpoint_restored")[-1]
+    assert restored["tier"] == "local" and restored["iter"] == 6 and restored["from_replica"] == [0], restored
+    # both copies of rank 1's state damaged: the shared tier (iteration 8, saved at the stop) is loaded
+    corrupt(os.path.join(locals_[0], "iter_0000008", "rank_00001.pt"))
+    corrupt(os.path.join(locals_[1], "iter_0000008", "replica_00001.pt"))
+    job = two_nodes(run_dir, save, locals_, "train.exit_interval=10")
+    assert job.wait() == 0, job.output[-4000:]
+    assert "no other copy of it survives: local iteration 8 cannot be restored; loading the shared tier" in job.output
+    restored = events(run_dir, "checkpoint_restored")[-1]
+    assert restored["tier"] == "shared" and restored["iter"] == 8, restored
+    assert final_losses(run_dir) == {i: losses[i] for i in range(1, 11)}  # bit for bit, every iteration

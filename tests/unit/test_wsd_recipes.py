@@ -24,7 +24,8 @@ def lrs(run_dir):
 
 
 def test_extend_and_cooldown(tmp_path):
-    first = run(tmp_path, "train.iters=10", "checkpoint.save=ckpt", "checkpoint.load=ckpt", "run_dir=runs/stable")
+    local = ("checkpoint.local_dir=local", "checkpoint.local_interval=5")  # the node-local tier holds step 10 too
+    first = run(tmp_path, "train.iters=10", "checkpoint.save=ckpt", "checkpoint.load=ckpt", "run_dir=runs/stable", *local)
     assert first.returncode == 0, first.stderr[-3000:]
     peak = lrs(tmp_path / "runs/stable")[8]
     assert lrs(tmp_path / "runs/stable")[10] < peak  # decayed after step 8 = 10 - round(0.2 x 10)
@@ -35,6 +36,12 @@ def test_extend_and_cooldown(tmp_path):
     lines = rewarm.stderr.strip().splitlines()
     assert len(lines) == 1 and "would re-warm a decayed model" in lines[0] and "checkpoint.load=ckpt/iter_0000008" \
         in lines[0], rewarm.stderr
+    # the same relaunch restoring from the node-local tier (which never reads the shared tier's config): refused alike
+    rewarm = run(tmp_path, "train.iters=20", "checkpoint.save=ckpt", "checkpoint.load=ckpt", "run_dir=runs/stable", *local)
+    assert rewarm.returncode == 2, rewarm.stderr[-3000:]
+    lines = rewarm.stderr.strip().splitlines()
+    assert len(lines) == 1 and "in the node-local tier: local/iter_0000010" in lines[0] and \
+        "would re-warm a decayed model" in lines[0] and "checkpoint.load=ckpt/iter_0000008" in lines[0], rewarm.stderr
 
     # extending from the stable checkpoint: the peak goes on until the new decay (step 16), then decays
     extend = run(tmp_path, "train.iters=20", "checkpoint.load=ckpt/iter_0000008", "checkpoint.save=ckpt_extended",
