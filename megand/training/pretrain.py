@@ -42,7 +42,7 @@ from megand.models.gpt import GPTModel
 from megand.training.agreement import USER_ERRORS, on_every_rank, raise_agreed
 from megand.training.batches import loss_token_count, mtp_token_counts
 from megand.training.compile import compile_layers
-from megand.training.config import backend_timeout_s, collective_timeout_s, save_timeout_s, validate, validate_fault_keys
+from megand.training.config import backend_timeout_s, collective_timeout_s, validate, validate_fault_keys
 from megand.training.elastic import check_continuation
 from megand.training.core_configs import CoreConfigs, DatasetPlan, core_configs
 from megand.training.feeds import open_feed
@@ -155,8 +155,7 @@ class Trainer:
         # the node-local tier and the local state a restart starts from, chosen first: the run's model may be
         # that state's, and a restore from the local tier reads nothing of the shared tier but `latest`
         on_every_rank(lambda: validate_fault_keys(cfg))
-        self.local_tier, self.local_start, self.local_notes = open_local_tier(
-            cfg.checkpoint, backend_timeout_s(save_timeout_s(cfg)))
+        self.local_tier, self.local_start, self.local_notes = open_local_tier(cfg)
         if adopt_model is not None:
             on_every_rank(lambda: adopt_model(self.local_start.meta.get("model") if self.local_start else None))
         # before any work: the values, then the directories the run must be able to write

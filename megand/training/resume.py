@@ -40,20 +40,22 @@ def resumes_itself(checkpoint_cfg) -> bool:
     return bool(load and save) and os.path.abspath(load) == os.path.abspath(save)
 
 
-def open_local_tier(checkpoint_cfg, timeout_s: float):
+def open_local_tier(cfg):
     """Collective, before the model exists: ``(tier, choice, notes)``: the node-local tier (None without
     ``checkpoint.local_dir``) and, when this run resumes itself, the local state it starts from (None: the
     shared tier's, if any; the rule is LocalTier.choose's) with the lines saying why newer local states
     were passed over."""
-    c = checkpoint_cfg
-    if not c.get("local_dir"):
+    from megand.training.core_configs import checkpoint_config
+
+    c = checkpoint_config(cfg)
+    if not c.local_dir:
         return None, None, []
     from datetime import timedelta
 
     from megand.core.checkpointing.local_tier import LocalTier
 
-    tier = LocalTier(str(c.local_dir), os.path.abspath(str(c.save)), timedelta(seconds=timeout_s))
-    if not resumes_itself(c):
+    tier = LocalTier(c.local_dir, os.path.abspath(c.save), timedelta(seconds=c.timeout_s))
+    if not resumes_itself(cfg.checkpoint):
         return tier, None, []
-    choice, notes = tier.choose(str(c.save))
+    choice, notes = tier.choose(c.save)
     return tier, choice, notes

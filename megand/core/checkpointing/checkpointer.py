@@ -187,6 +187,7 @@ class Checkpointer:
         and the lines saying why. Every rank alike; nothing is changed unless it is loaded."""
         from megand.core.checkpointing.local_tier import signature
 
+        start = time.perf_counter()
         layout = layout_of(self.topo)
         self.optimizer.ddp.finish_param_sync()
         live = self._local_tensors()
@@ -206,7 +207,7 @@ class Checkpointer:
                              os.path.join(self.local.dir, files.iter_dir_name(got.iteration)), True, rng_notice is None,
                              extra_state=common.get("extra"), rng_notice=rng_notice, tier="local",
                              bytes_read={"local": got.bytes_read, "shared": choice.shared_bytes},  # shared: ``latest``
-                             seconds=got.seconds, from_replica=tuple(got.from_replica),
+                             seconds=choice.seconds + time.perf_counter() - start, from_replica=tuple(got.from_replica),
                              config=choice.meta.get("config"))
         return loaded, notes
 

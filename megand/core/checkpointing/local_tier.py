@@ -127,18 +127,18 @@ class Choice:
     copies: dict[int, list[tuple[int, str, dict]]]  # rank -> [(the rank that reads it, path, header)]
     meta: dict
     shared_bytes: int  # read from the shared tier to choose: its ``latest`` pointer
+    seconds: float  # spent choosing (part of the restore's time)
 
 
 @dataclass
 class LocalRestore:
     """What a restore from the local tier read: this rank's state (tensors, random streams, and on every rank
-    rank 0's scalars), the bytes read from the local disks (all ranks together), the seconds it took."""
+    rank 0's scalars), the bytes read from the local disks (all ranks together)."""
 
     iteration: int
     state: dict
     common: dict
     bytes_read: int
-    seconds: float
     from_replica: list[int] = field(default_factory=list)  # ranks whose own file was lost or damaged
 
 
@@ -284,6 +284,7 @@ class LocalTier:
         adopt, the config its schedule and world size are checked against) comes from the header of rank 0's
         state in the local tier, not from the shared tier. The layout and the tensors themselves are checked
         once the model exists (:meth:`verify`)."""
+        start = time.perf_counter()
         box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         shared_iteration, shared_bytes = box[0] or (0, 0)
@@ -325,7 +326,7 @@ class LocalTier:
             holder = copies[0][0][0]
             box = [inventory[iteration][0][1].get("meta") if self.rank == holder else None]
             dist.broadcast_object_list(box, src=holder, group=self.group)
-            return Choice(iteration, copies, box[0] or {}, shared_bytes), notes
+            return Choice(iteration, copies, box[0] or {}, shared_bytes, time.perf_counter() - start), notes
         return None, notes
 
     def verify(self, choice: Choice, layout: dict, expected: str) -> str | None:
@@ -349,7 +350,6 @@ class LocalTier:
         cannot be read or fails its checksum is passed over for the next copy of the same state (its replica),
         with a note; when no copy of some rank's state is intact, None (load the shared tier). Nothing is
         loaded here: the caller copies ``state`` into its tensors, so a failure changes nothing."""
-        start = time.perf_counter()
         using = {r: 0 for r in range(self.world)}  # rank -> the index of the copy of its state being read
         reads, nbytes, notes = {}, 0, []
         while True:
@@ -400,8 +400,7 @@ class LocalTier:
         dist.all_reduce(total, group=self.group)
         replicas = [r for r in range(self.world)
                     if os.path.basename(choice.copies[r][using[r]][1]).startswith(REPLICA)]
-        return LocalRestore(choice.iteration, state, box[0], int(total.item()), time.perf_counter() - start,
-                            replicas), notes
+        return LocalRestore(choice.iteration, state, box[0], int(total.item()), replicas), notes
 
 
 def _ranks(ranks: list[int]) -> str:
