@@ -155,7 +155,7 @@ class LocalTier:
         members = {n: [r for r in range(self.world) if nodes[r] == n] for n in sorted(set(nodes))}
         order = sorted(members)
         self.nodes = len(order)
-        self.first_on_node = members[nodes[self.rank]][0] == self.rank
+        self.node_of, self.first_on_node = nodes, members[nodes[self.rank]][0] == self.rank
 
         def peer(r: int) -> int:  # the same local index on the next node
             mine = members[nodes[r]]
@@ -299,15 +299,17 @@ class LocalTier:
             if iteration < shared_iteration:
                 notes.append(f"the shared tier's iteration {shared_iteration} is newer than the local tier's {iteration}")
                 break
-            own, replica = {}, {}  # rank -> (the rank that reads it, path, header)
+            # every file holding rank r's state, once per node (each rank of a node lists the same files), read
+            # by the rank itself when on its node, else by the node's first rank; its own file before its
+            # replica (and a file on its own node first: node ranks may change between launches)
+            found = {}  # rank -> {(node, path): (the rank that reads it, path, header)}
             for reader, inv in enumerate(everyone):
                 for r, (path, h) in inv.get(iteration, {}).items():
-                    if os.path.basename(path).startswith(OWN):
-                        if reader == r:  # the rank reads its own file; the other ranks of its node see it too
-                            own[r] = (reader, path, h)
-                    else:
-                        replica.setdefault(r, (reader, path, h))  # read by the first rank of the node holding it
-            copies = {r: [c for c in (own.get(r), replica.get(r)) if c] for r in range(self.world)}
+                    held = found.setdefault(r, {})
+                    if (self.node_of[reader], path) not in held or reader == r:
+                        held[self.node_of[reader], path] = (reader, path, h)
+            copies = {r: sorted(held.values(), key=lambda c, r=r: (c[0] != r, not _is_own(c[1])))
+                      for r, held in found.items()}
             lost = [r for r in range(self.world) if not copies.get(r)]
             if lost:
                 notes.append(f"local iteration {iteration} is incomplete: the state of rank(s) {_ranks(lost)} "
@@ -376,7 +378,8 @@ class LocalTier:
             for r, problem in sorted(failed.items()):
                 using[r] += 1
                 if using[r] < len(choice.copies[r]):
-                    notes.append(f"the local copy of rank {r}'s state {problem}; reading its replica instead")
+                    other = "another copy of it" if _is_own(choice.copies[r][using[r]][1]) else "its replica"
+                    notes.append(f"the local copy of rank {r}'s state {problem}; reading {other} instead")
                 else:
                     notes.append(f"the local copy of rank {r}'s state {problem}, and no other copy of it survives: "
                                  f"local iteration {choice.iteration} cannot be restored")
@@ -398,9 +401,13 @@ class LocalTier:
         dist.broadcast_object_list(box, src=0, group=self.group)
         total = torch.tensor([nbytes], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
-        replicas = [r for r in range(self.world)
-                    if os.path.basename(choice.copies[r][using[r]][1]).startswith(REPLICA)]
+        replicas = [r for r in range(self.world) if not _is_own(choice.copies[r][using[r]][1])]
         return LocalRestore(choice.iteration, state, box[0], int(total.item()), replicas), notes
+
+
+def _is_own(path: str) -> bool:
+    """Whether the local-tier file ``path`` is a rank's own (not a replica received from another node)."""
+    return os.path.basename(path).startswith(OWN)
 
 
 def _ranks(ranks: list[int]) -> str:
