@@ -321,6 +321,12 @@ class Trainer:
                 print(f" checkpoint.local_dir: {note}" + ("; loading the shared tier" if last else ""), flush=True)
             if notice and restored is None:
                 print(notice, flush=True)
+        if self.local_start and restored is None and path:
+            # the local state chosen before any work was passed over: the shared one is checked as usual (an
+            # elastic continuation's rule), late but before it is loaded
+            elastic = on_every_rank(lambda: check_continuation(self.cfg, dist.get_world_size()))
+            if elastic and self.topo.is_logging_rank:
+                print(elastic, flush=True)
         if restored is not None:
             self.load_checkpoint(None, restored)
         elif path:
