@@ -67,13 +67,13 @@ def model_config(config) -> dict:
             raise ValueError(f"{key}={getattr(config, key)}: megand has no {what}")
     if config.hidden_activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={config.hidden_activation!r}: megand's GeGLU uses gelu_pytorch_tanh")
-    for i in range(config.num_hidden_layers):  # global_head_dim / num_global_key_value_heads land here
-        layer = config.per_layer_config[i]
-        if (layer.head_dim, layer.num_key_value_heads) != (config.head_dim, config.num_key_value_heads):
-            raise ValueError(f"per_layer_config: layer {i} has head_dim={layer.head_dim} and num_key_value_heads="
-                             f"{layer.num_key_value_heads}, the others {config.head_dim} and "
-                             f"{config.num_key_value_heads}: megand's layers have one attention shape "
-                             f"(global_head_dim, num_global_key_value_heads)")
+    # global_head_dim / num_global_key_value_heads land in per_layer_config (the config's own head_dim is then
+    # ambiguous: read per layer)
+    layers = [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+    shapes = sorted({(layer.head_dim, layer.num_key_value_heads) for layer in layers})
+    if len(shapes) > 1:
+        raise ValueError(f"per_layer_config: the layers' (head_dim, num_key_value_heads) are {shapes}: megand's layers "
+                         f"have one attention shape (global_head_dim, num_global_key_value_heads)")
     plain = types.SimpleNamespace(**{**config.to_dict(), "hidden_act": "silu", "rope_parameters": None,
                                      "use_sliding_window": False})
     cap = config.final_logit_softcapping
@@ -95,7 +95,7 @@ FAMILY = Family("gemma4_text", "Gemma4ForCausalLM", expresses=EXPRESSES, marks=M
                 reads=frozenset({"hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                                  "head_dim", "hidden_activation", "intermediate_size", "vocab_size", "rms_norm_eps",
                                  "tie_word_embeddings", "initializer_range", "final_logit_softcapping",
-                                 "per_layer_config", *INERT})
+                                 "per_layer_config", "global_head_dim", "num_global_key_value_heads", *INERT})
                 | lg.READS,
                 # inert without the features refused above: the per-layer embeddings' vocabulary, the wide MLP of
                 # the key/value-sharing layers, the experts' shape; dropout is a training choice
