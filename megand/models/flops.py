@@ -98,6 +98,8 @@ class Shape:
     qk_norm: bool = False      # an RMSNorm weight [head_dim] over each query and each key head (Qwen3)
     qk_norm_projection: bool = False  # the q/k norms over the whole projections: weights [q], [kv] (OLMo 2/3)
     layer_norms: int = 2       # norms of the hidden width per layer (sandwich placement: 4)
+    v_norm: bool = False       # each value head normalised without a weight (Gemma 4): no parameter, no FLOPs counted
+    softcap: bool = False      # the logits soft-capped (a tanh over them: no FLOPs counted)
     # Mixture of Experts (experts == 0: every layer dense)
     experts: int = 0           # routed experts E of a MoE layer
     top_k: int = 0             # experts per token
@@ -229,6 +231,8 @@ class Shape:
             qk_norm=bool(_get(model, "qk_norm", False)),
             qk_norm_projection=_get(model, "qk_norm_scope", "head") == "projection",
             layer_norms=4 if _get(model, "norm_placement", "pre") == "sandwich" else 2,
+            v_norm=bool(_get(model, "v_norm", False)),
+            softcap=_get(model, "final_logit_softcapping") is not None,
             head_dim=attention.head_dim,
             **_latent_fields(model),
             windows=_windows(model, int(_get(model, "num_layers"))),

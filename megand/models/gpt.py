@@ -155,13 +155,17 @@ class GPTModel(torch.nn.Module):
         return reduce_from_tp(partial, self.topo.tp_group)
 
     def logits(self, x):
-        """This rank's vocab slice of the logits ``[s, b, V_local]``."""
+        """This rank's vocab slice of the logits ``[s, b, V_local]`` (soft-capped: ``model.final_logit_softcapping``,
+        elementwise, so each rank caps its own slice)."""
         if self.output_layer is not None:
-            return self.output_layer(x)
-        # tied to the word embedding on this stage: the same column-parallel product, on its weight (which
-        # the embedding's lookup reads too, so autograd sums the two gradients before they are accumulated)
-        return column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group, self.cfg.sequence_parallel,
-                                      fuse_wgrad=False)
+            logits = self.output_layer(x)
+        else:
+            # tied to the word embedding on this stage: the same column-parallel product, on its weight (which
+            # the embedding's lookup reads too, so autograd sums the two gradients before they are accumulated)
+            logits = column_parallel_linear(x, self.embedding.word.weight, None, self.topo.tp_group,
+                                            self.cfg.sequence_parallel, fuse_wgrad=False)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def rope(self, positions):
         """The RoPE tables by kind, ``{"global": (cos, sin)}`` and with a local base ``"local"`` too (each layer

@@ -94,6 +94,9 @@ class Family:
     # other ``model_type`` values whose config.json is this family's config under another name (Kimi-K2 publishes
     # DeepSeek-V3's architecture as ``kimi_k2``, for its own code): import reads them as this family's config
     aliases: frozenset[str] = frozenset()
+    # megand ``model`` -> the tensors of the files that hold no megand weight but a fixed value (Gemma 4's
+    # ``layer_scalar`` buffers): export writes them, import refuses a file whose values differ, by name
+    constants: Callable[..., dict[str, torch.Tensor]] | None = None
 
     def unexpressed(self, keys: Mapping[str, Any], m: Mapping[str, Any], optional=frozenset()) -> list[str]:
         """What keeps this family from expressing a model whose set architecture keys are ``keys`` (``m``: the

@@ -40,10 +40,13 @@ def rope_parameters(m) -> dict:
         scaling = scaling if isinstance(scaling, RopeScaling) else RopeScaling.from_dict(dict(scaling))
         required = {"linear": ("factor",),
                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                    "yarn": ("factor", "original_max_position_embeddings")}[scaling.rope_type]
+                    "yarn": ("factor", "original_max_position_embeddings"),
+                    "proportional": ("partial_rotary_factor",)}[scaling.rope_type]
         optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
         defaults = RopeScaling(scaling.rope_type, scaling.factor)
         out.update({k: getattr(scaling, k) for k in required}, rope_type=scaling.rope_type)
+        if scaling.rope_type == "proportional" and scaling.factor != 1.0:  # its factor is optional
+            out["factor"] = scaling.factor
         if scaling.rope_type == "yarn":  # the optional keys only where they differ from their defaults
             out.update({k: getattr(scaling, k) for k in optional if getattr(scaling, k) != getattr(defaults, k)})
     return out
@@ -56,6 +59,8 @@ def rope_keys(config) -> dict:
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
     partial = rope.pop("partial_rotary_factor", None) or getattr(config, "partial_rotary_factor", None) or 1.0
+    if kind == "proportional":  # its turning share is part of the frequencies (the whole head is rotated)
+        rope["partial_rotary_factor"], partial = partial, 1.0
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial}: megand rotates the whole head (1.0)")
     if kind == "default":

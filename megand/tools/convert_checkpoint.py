@@ -112,7 +112,11 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
 
     entries = [(name, shape, dtype or stored[rule.megand][1]) for rule in rules
                for name, shape in rule.hf_shapes(stored[rule.megand][0]).items()]
+    constants = adapter.constants(model_cfg) if adapter.constants else {}
+    entries = [(name, tuple(t.shape), dtype or t.dtype) for name, t in constants.items()] + entries  # written first
     writer = ShardWriter(out, entries, max_shard_bytes)
+    for name, tensor in constants.items():
+        writer.add(name, _cast(tensor, dtype))
     for rule in tqdm(rules, desc="tensors", unit="tensor", disable=None):
         tensor = offline.load_tensors(load, [rule.megand])[rule.megand]
         for name, piece in zip(rule.hf, rule.to_hf(tensor)):
@@ -222,6 +226,12 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
         # dequantized FP8 weights are kept in bf16 (as DeepSeek's own conversion writes them) unless --dtype
         shapes[rule.megand] = (expected[rule.megand], dtype or (torch.bfloat16 if reader.dtype(first) == FP8
                                                                   else reader.dtype(first)))
+    for name, value in (adapter.constants(model_cfg) if adapter.constants else {}).items():
+        held = reader.get(source_name(name))
+        if held.shape != value.shape or not torch.equal(held.to(value.dtype), value):
+            raise CheckpointError(f"--hf {hf_dir}: tensor {name} holds {held.flatten()[:4].tolist()}: megand's "
+                                  f"{adapter.model_type} model computes with {value.flatten()[:4].tolist()} there")
+        used.add(source_name(name))
     ignored = sorted(n for n in present - used
                      if not (n.endswith(IGNORABLE) or (model_cfg["tie_embeddings"] and n == "lm_head.weight")))
     if ignored:

@@ -19,12 +19,14 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
 
     per token, replicated over tp (divided by tp only with sequence parallelism):
         norm1 input e·h, QKV input e·h, norm2 input e·h, MLP input e·h,
+        sandwich norms (Gemma): the two branch-output norms' inputs, 2·e·h more,
         two dropout masks 1·h each (only when hidden_dropout > 0)                   10·h for GPT-2
     per token, split over tp:
         Q and K  e·(q + kv), V  e·kv        (q = heads·head_dim, = h unless head_dim is set apart;
-                                             GQA: kv = groups·head_dim; K/V assumed not expanded)
+                                             GQA: kv = groups·head_dim; K/V assumed not expanded;
+                                             model.v_norm: the value norm's input, e·kv more)
         attention output-projection input e·q
-        MLP: gelu  2·e·f (activation input, fc2 input) ; swiglu 3·e·f (gate, up, down input)
+        MLP: gelu  2·e·f (activation input, fc2 input) ; swiglu and geglu 3·e·f (gate, up, down input)
                                                                                     24·h for GPT-2
     attention core, split over tp, per token: a·s·(2e + 1) with attention dropout (softmax output,
         mask, dropout output), a·s·e without (the softmax output serves both)      5·a·s for GPT-2
@@ -74,7 +76,8 @@ Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_fre
         micro-batches of a step.
 
 Extras: the first stage stores the embedding-dropout mask, the last stage the final-norm and output-layer
-inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy); one micro-batch of
+inputs and the fp32 logits (4·V/tp bytes per token, vocab-parallel cross entropy; soft-capped logits keep
+their tanh's output too, e·V/tp); one micro-batch of
 those is alive on the last stage. Not counted: temporary buffers, communication buffers, allocator
 fragmentation, the CUDA context. The embedding, output layer and logits count the padded vocabulary
 (``model.make_vocab_size_divisible_by`` x tp rows: what is allocated); the parameter count in the report
@@ -355,8 +358,8 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     if recompute == "full":
         return tokens * e * h / seq_split
     masks = 2 * h if _dropout(model, "hidden_dropout") else 0
-    replicated = 4 * e * h + masks
-    split = e * (q + kv) + e * kv + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
+    replicated = (2 + shape.layer_norms) * e * h + masks  # sandwich: the two branch-output norms' inputs too
+    split = e * (q + kv) + e * kv * (2 if shape.v_norm else 1) + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
     core = a * s * ((2 * e + 1) if _dropout(model, "attention_dropout") else e)
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
@@ -586,8 +589,8 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
         # (one product with the main model's), its layer (one micro-batch: the last stage's only one in
         # flight) and its norms' and projection's inputs
         depths = shape.mtp_layers
-        extra += (1 + depths) * tokens * (2 * e * shape.hidden / seq_split
-                                          + (4 + e) * shape.padded_vocab(layout.tp) / layout.tp)
+        logits = (4 + e * (2 if shape.softcap else 1)) * shape.padded_vocab(layout.tp) / layout.tp
+        extra += (1 + depths) * tokens * (2 * e * shape.hidden / seq_split + logits)
         extra += sum(layer_activation_bytes(model, layout, moe=shape.is_moe(i)) for i in shape.mtp_layer_ids)
         extra += depths * tokens * 4 * e * shape.hidden / seq_split
     return extra

@@ -28,6 +28,9 @@ GEMMA3 = dict(activation="geglu", norm_placement="sandwich", norm_unit_offset=Tr
               sliding_window=[8, None], rope_local_theta=10000.0, rope_theta=1e6)
 OLMO3 = dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection", sliding_window=[8, None])
 SMOLLM3 = dict(no_rope=[False, True])
+# Gemma 4: Gemma 3's block with plain norms, value norms, unscaled scores, a proportional global RoPE, soft-capped logits
+GEMMA4 = dict(GEMMA3, norm_unit_offset=False, v_norm=True, query_pre_attn_scalar=1, final_logit_softcapping=30.0,
+              rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25})
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -48,6 +51,7 @@ FAMILY_MODELS = {
     "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16),
     "olmo3": dict(LLAMA, **OLMO3),
     "smollm3": dict(LLAMA, **SMOLLM3),
+    "gemma4_text": dict(LLAMA, **GEMMA4, head_dim=24),
 }
 
 
@@ -63,7 +67,7 @@ def grid():
             moe, [{}, LATENT], [{}, NEXT, GLM]]
     # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
     # and linear attention (each MoE variant again would multiply the grid's size)
-    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3]]
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GEMMA4]]
     for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
         m = {}
         for part in parts:
@@ -108,6 +112,7 @@ def test_rules_cover_the_model_and_write_the_files_transformers_writes(name, tmp
     assert sorted(r.megand for r in rules) == sorted(shapes)
     ours = {n: s for r in rules for n, s in r.hf_shapes(shapes[r.megand]).items()}
     assert len(ours) == sum(len(r.hf) for r in rules)
+    ours.update({n: tuple(t.shape) for n, t in (family.constants(m) if family.constants else {}).items()})
     model = hf.build_hf_model(m)
     assert type(model).__name__ == family.model_class
     model.save_pretrained(str(tmp_path))

@@ -190,6 +190,8 @@ class Attention(AttentionCore):
         k, v = qkv[:, :, :, self.q_rows], qkv[:, :, :, self.q_rows + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.v_norm:  # Gemma 4: each value head normalised, without a weight (before the KV cache)
+            v = torch.nn.functional.rms_norm(v, (v.shape[-1],), eps=self.cfg.norm_eps)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.q_scale != 1.0:

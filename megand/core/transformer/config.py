@@ -43,7 +43,7 @@ class TransformerConfig:
     activation: str = "gelu"  # gelu | swiglu | geglu (gelu-tanh gate times up, the fused layout of swiglu; Gemma)
     position_embedding: str = "learned"  # learned | rope
     rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: RopeScaling | None = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn, factor, original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
+    rope_scaling: RopeScaling | None = None  # RoPE frequency scaling with Hugging Face's keys: {rope_type: linear|llama3|yarn|proportional, factor, partial_rotary_factor (proportional), original_max_position_embeddings, low_freq_factor, high_freq_factor (llama3), beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor (yarn)}; null: none
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | tuple | None = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     attention_output_gate: bool = False  # scale each attention head's output by sigmoid of a gate projected with its query (Qwen3-Next, Qwen3.5)
@@ -53,6 +53,8 @@ class TransformerConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, which take no rope_scaling (Gemma 3's local base, OLMo 3's local layers); null: one RoPE for every layer
     no_rope: tuple | None = None  # per layer: true where the layer applies no RoPE (NoPE; SmolLM3: every fourth); null: RoPE on every layer
     query_pre_attn_scalar: int | None = None  # attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma); null: head_dim
+    v_norm: bool = False  # an RMSNorm without weight over each value head (Gemma 4)
+    final_logit_softcapping: float | None = None  # logits become c * tanh(logits / c) before the loss and generation (Gemma 2, Gemma 4: 30); null: none
     qk_norm_scope: str = "head"  # what model.qk_norm normalises: head (each query/key head, Qwen3, Gemma 3) | projection (all query heads together, all key heads together, one weight per channel: OLMo 2/3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + w): their weights are stored as the difference from 1, zero at init (Qwen3-Next, Qwen3.5)
     layer_types: tuple | None = None  # the token mixer of each layer: a list of attention | linear_attention (Gated DeltaNet), one per layer; null: attention everywhere
@@ -186,6 +188,13 @@ class TransformerConfig:
                              f"{self.position_embedding} has no rotary embedding")
         if self.rope_local_theta is not None and not self.rope_local_theta > 0:
             raise ValueError(f"model.rope_local_theta={self.rope_local_theta}: expected > 0 (null: one RoPE base)")
+        cap = self.final_logit_softcapping
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or self.mtp_layers):
+            raise ValueError(f"model.final_logit_softcapping={cap} (model.mtp_layers={self.mtp_layers}): expected a "
+                             f"number > 0 without multi-token prediction (null: no soft-capping)")
+        if self.v_norm and self.multi_latent:
+            raise ValueError("model.v_norm with model.kv_lora_rank (latent attention): the value norm is standard "
+                             "attention's")
         if self.query_pre_attn_scalar is not None and (self.multi_latent or not self.query_pre_attn_scalar > 0):
             raise ValueError(f"model.query_pre_attn_scalar={self.query_pre_attn_scalar}: expected > 0, with standard "
                              f"attention (null: head_dim)")

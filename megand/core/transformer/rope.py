@@ -1,7 +1,9 @@
 """Rotary position embedding (the rotate-half convention of Hugging Face's Llama), with the frequency
 scalings that stretch a model's context: ``linear`` (position interpolation), ``llama3`` (Llama 3.1+: low
 frequencies divided by the factor, high ones kept, a smooth ramp between) and ``yarn`` (NTK-by-parts
-interpolation and an attention temperature folded into cos and sin)."""
+interpolation and an attention temperature folded into cos and sin), and ``proportional`` (Gemma 4's global
+layers: only the first ``partial_rotary_factor`` of the frequencies turn, each at the angle it has in the whole
+head; the others are zero, so their dimension pairs, ``i`` and ``i + head_dim / 2``, stay as they are)."""
 
 import math
 from dataclasses import dataclass, fields
@@ -9,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-ROPE_TYPES = ("linear", "llama3", "yarn")
+ROPE_TYPES = ("linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # mscale(factor, mscale_all_dim) when both are set
     attention_factor: float | None = None  # yarn: the temperature itself (null: from the factor)
     truncate: bool = True          # yarn: round the ramp's bounds to whole dimensions
+    partial_rotary_factor: float = 1.0  # proportional: the share of the frequencies that turn
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RopeScaling":
@@ -36,6 +39,8 @@ class RopeScaling:
         if unknown:
             raise ValueError(f"model.rope_scaling: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
         kind = values.get("rope_type")
+        if kind == "proportional":  # transformers' default factor for this type
+            values = {"factor": 1.0, **values}
         if kind not in ROPE_TYPES:
             raise ValueError(f"model.rope_scaling.rope_type={kind!r}: expected one of {', '.join(ROPE_TYPES)}")
         if values.get("factor") is None or not values["factor"] > 0:
@@ -43,6 +48,9 @@ class RopeScaling:
         if kind in ("llama3", "yarn") and not values.get("original_max_position_embeddings"):
             raise ValueError(f"model.rope_scaling.rope_type={kind} needs original_max_position_embeddings")
         scaling = cls(**values)
+        if not 0 <= scaling.partial_rotary_factor <= 1 or (scaling.partial_rotary_factor != 1 and kind != "proportional"):
+            raise ValueError(f"model.rope_scaling.partial_rotary_factor={scaling.partial_rotary_factor}: expected "
+                             f"0..1, with rope_type=proportional (got {kind})")
         if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor > 0:
             raise ValueError(f"model.rope_scaling: high_freq_factor={scaling.high_freq_factor} must exceed "
                              f"low_freq_factor={scaling.low_freq_factor} > 0 (rope_type=llama3)")
@@ -63,6 +71,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     factor = scaling.factor
     if scaling.rope_type == "linear":
         return inv_freq / factor, 1.0
+    if scaling.rope_type == "proportional":  # as transformers counts the turning frequencies
+        turning = int(scaling.partial_rotary_factor * head_dim // 2)
+        return torch.cat([inv_freq[:turning], torch.zeros_like(inv_freq[turning:])]) / factor, 1.0
     original = scaling.original_max_position_embeddings
     if scaling.rope_type == "llama3":
         low_wavelen, high_wavelen = original / scaling.low_freq_factor, original / scaling.high_freq_factor

@@ -1,0 +1,166 @@
+"""Gemma 4's pieces one at a time: its proportional RoPE equals transformers' frequencies; the analytic model
+(parameters, FLOPs) equals the transformers model's (``FlopCounterMode``); the estimator's terms for the sandwich
+norms, the value norm and the soft-capped logits equal the bytes megand's layer saves; what megand cannot express
+(per-layer input embeddings, key/value sharing, the MoE block, keys equal to values, a head width of its own for
+the full layers, a layer scalar other than 1) is refused in one line naming the key."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.utils.flop_counter import FlopCounterMode
+
+from megand.core.checkpointing.offline import single_process_topology
+from megand.core.tensor_parallel.random import TensorParallelRNG
+from megand.core.transformer import TransformerConfig
+from megand.core.transformer.rope import RopeScaling, inverse_frequencies
+from megand.models import flops
+from megand.models.hf import build_hf_model
+from megand.models.hf_families import FAMILIES
+from megand.tools import convert_checkpoint
+from megand.tools.estimate_memory import Layout, estimate_memory, layer_activation_bytes
+
+# windows as long as the sequence: transformers' eager attention computes every score, as megand counts them then
+GEMMA4 = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+              num_query_groups=2, head_dim=16, seq_length=32, vocab_size=256, norm="rmsnorm", activation="geglu",
+              position_embedding="rope", norm_placement="sandwich", embedding_scale=True, qk_norm=True, v_norm=True,
+              query_pre_attn_scalar=1, sliding_window=[32, 32, 32, None], rope_local_theta=10000.0, rope_theta=1e6,
+              rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+              final_logit_softcapping=30.0, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("share, factor", [(0.25, 1.0), (0.5, 2.0), (1.0, 1.0), (0.0, 1.0)])
+def test_proportional_rope_equals_transformers(share, factor):
+    from transformers import Gemma4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    full = {"rope_type": "proportional", "partial_rotary_factor": share, "rope_theta": 1e6, "factor": factor}
+    config = Gemma4TextConfig(head_dim=48, global_head_dim=48, num_hidden_layers=2,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"full_attention": full,
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    theirs, _ = ROPE_INIT_FUNCTIONS["proportional"](config, layer_type="full_attention")
+    ours, scale = inverse_frequencies(48, 1e6, RopeScaling.from_dict(
+        {"rope_type": "proportional", "partial_rotary_factor": share, "factor": factor}))
+    assert scale == 1.0 and torch.equal(ours, theirs)
+
+
+def test_param_counts_and_state_bytes_match_transformers():
+    model = build_hf_model(GEMMA4, attn_implementation="eager")
+    assert flops.param_counts(GEMMA4).total == sum(p.numel() for p in model.parameters())
+    assert estimate_memory(GEMMA4, Layout(precision="fp32")).stages[0].param_bytes == 4 * flops.param_counts(GEMMA4).total
+
+
+def test_flops_match_flop_counter():
+    model = build_hf_model(GEMMA4, attn_implementation="eager")
+    ids = torch.randint(0, GEMMA4["vocab_size"], (2, GEMMA4["seq_length"]), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert flops.flops_per_iteration(GEMMA4, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+
+
+@pytest.fixture(scope="module")
+def topo():
+    yield single_process_topology()
+    dist.destroy_process_group()
+
+
+def saved_bytes(model: dict, topo) -> int:
+    """Bytes of the distinct storages one megand layer saves for backward (fp32, one sample)."""
+    from megand.core.transformer.layer import TransformerLayer
+
+    cfg = TransformerConfig.from_model(model)
+    layer = TransformerLayer(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")), torch.device("cpu"))
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(cfg.seq_length, 1, cfg.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(storages.values())
+
+
+def test_sandwich_and_value_norm_activation_terms_equal_what_the_layer_saves(topo):
+    """The value norm's output (e·kv per token) and the two branch-output norms' inputs (2·e·h) are what the
+    estimator adds; measured on megand's layer within the norms' per-token statistics. On the CPU an RMSNorm with
+    a weight also keeps its normalised output for the weight's gradient (e·h more; a fused kernel keeps only
+    the input, as the estimator counts every norm), so the sandwich's norms measure twice their term."""
+    layout = Layout(precision="fp32")
+    no_v_norm, pre = dict(GEMMA4, v_norm=False), dict(GEMMA4, v_norm=False, norm_placement="pre")
+    v_term = layer_activation_bytes(GEMMA4, layout) - layer_activation_bytes(no_v_norm, layout)
+    sandwich_term = layer_activation_bytes(no_v_norm, layout) - layer_activation_bytes(pre, layout)
+    assert (v_term, sandwich_term) == (32 * 4 * 2 * 16, 32 * 4 * 2 * 64)
+    v_measured = saved_bytes(GEMMA4, topo) - saved_bytes(no_v_norm, topo)
+    sandwich_measured = saved_bytes(no_v_norm, topo) - saved_bytes(pre, topo)
+    assert abs(v_measured - v_term) <= 0.1 * v_term, (v_measured, v_term)
+    assert abs(sandwich_measured - 2 * sandwich_term) <= 0.05 * sandwich_term, (sandwich_measured, sandwich_term)
+
+
+def test_soft_capped_logits_keep_their_tanh_output():
+    layout = Layout.of(precision="bf16", tp=2)
+    uncapped = dict(GEMMA4, final_logit_softcapping=None)
+    extra = estimate_memory(GEMMA4, layout).stages[0].extra_activation_bytes
+    assert extra - estimate_memory(uncapped, layout).stages[0].extra_activation_bytes == 32 * 2 * 256 / 2
+
+
+def write_hf(tmp_path, shape=None, **changes):
+    """The files of a tiny Gemma 4 (its config built with ``shape``: keys its class turns into others) and its
+    config.json with ``changes``; its directory."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = FAMILIES["gemma4_text"].hf_config(dict(GEMMA4))
+    if shape:
+        keys = {k: v for k, v in config.to_dict().items() if k not in ("per_layer_config", "model_type", *shape)}
+        config = Gemma4TextConfig(**keys, **shape)
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(config).save_pretrained(str(tmp_path))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **changes)))
+    return tmp_path
+
+
+def refusal(hf_dir, tmp_path, capsys) -> str:
+    capsys.readouterr()
+    assert convert_checkpoint.main(["import", "--hf", str(hf_dir), "--save", str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and not (tmp_path / "out").exists(), err
+    return err[0]
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 16), ("num_kv_shared_layers", 2),
+                                        ("enable_moe_block", True), ("attention_k_eq_v", True),
+                                        ("use_bidirectional_attention", "all")])
+def test_what_megand_cannot_express_is_refused_in_one_line(key, value, tmp_path, capsys):
+    assert key in refusal(write_hf(tmp_path / "hf", **{key: value}), tmp_path, capsys)
+
+
+@pytest.mark.parametrize("shape", [dict(global_head_dim=32), dict(attention_k_eq_v=True, num_global_key_value_heads=1)])
+def test_full_layers_of_another_attention_shape_are_refused_in_one_line(shape, tmp_path, capsys):
+    """transformers writes a full layer's own head width or key/value heads into ``per_layer_config``."""
+    line = refusal(write_hf(tmp_path / "hf", shape, attention_k_eq_v=False), tmp_path, capsys)
+    assert "per_layer_config" in line and list(shape)[-1] in line
+
+
+def test_a_layer_scalar_other_than_one_is_refused_by_name(tmp_path, capsys):
+    hf_dir = write_hf(tmp_path / "hf")
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors["model.layers.2.layer_scalar"] = torch.tensor([0.5])
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert "model.layers.2.layer_scalar holds [0.5]" in refusal(hf_dir, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(final_logit_softcapping=-1.0), "model.final_logit_softcapping=-1.0"),
+    (dict(final_logit_softcapping=30.0, embedding_scale=False, mtp_layers=1), "model.final_logit_softcapping=30.0 (model.mtp_layers=1)"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "model.rope_scaling.partial_rotary_factor=0.5"),
+])
+def test_the_schema_refuses_bad_values_naming_them(changes, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        TransformerConfig.from_model(dict(GEMMA4, **changes))
