@@ -139,6 +139,15 @@ class ParallelLayout:
         """The first rank of pipeline rank ``stage`` (stages are consecutive runs of ranks, pp slowest)."""
         return sum(self.stage_tp_of(s) for s in range(stage)) * self.cp * self.dp
 
+    def stage_of(self, rank: int) -> int:
+        """The pipeline rank (stage) of global rank ``rank``."""
+        if self.stage_tp is None:
+            return self.coords(rank)["pp"]
+        stage = 0
+        while rank >= self.stage_offset(stage + 1):
+            stage += 1
+        return stage
+
     @classmethod
     def infer(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None,
               **options) -> "ParallelLayout":
@@ -146,14 +155,14 @@ class ParallelLayout:
         the stages' widths times cp with per-stage widths)."""
         check_sizes(tp=tp, pp=pp, cp=cp, dp=dp if dp is not None else 1)
         stage_tp = options.get("stage_tp")
-        widths = f"({'+'.join(map(str, stage_tp))})*cp = ({'+'.join(map(str, stage_tp))})*{cp}" if stage_tp else \
-            f"tp*pp*cp = {tp}*{pp}*{cp}"
+        named = f"(stage widths {'+'.join(map(str, stage_tp))})*cp" if stage_tp else "tp*pp*cp"
+        sizes = f"({'+'.join(map(str, stage_tp))})*{cp}" if stage_tp else f"{tp}*{pp}*{cp}"
         model_ranks = sum(stage_tp) * cp if stage_tp else tp * pp * cp
         if world_size % model_ranks:
-            raise LayoutError(f"world size {world_size} is not divisible by {widths} = {model_ranks}")
+            raise LayoutError(f"world size {world_size} is not divisible by {named} = {sizes} = {model_ranks}")
         inferred_dp = world_size // model_ranks
         if dp is not None and dp != inferred_dp:
-            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / ({widths} = {model_ranks}) = "
+            raise LayoutError(f"parallel.dp={dp} but world size {world_size} / ({named} = {model_ranks}) = "
                               f"{inferred_dp}")
         return cls(tp=tp, pp=pp, cp=cp, dp=inferred_dp, **options)
 
@@ -207,9 +216,7 @@ class ParallelLayout:
         """The grid coordinates of ``rank``: the first dimension of :attr:`order` varies fastest (with
         per-stage widths: the stage, then the coordinates in that stage's own grid)."""
         if self.stage_tp is not None:
-            stage = 0
-            while rank >= self.stage_offset(stage + 1):
-                stage += 1
+            stage = self.stage_of(rank)
             return {**self.for_stage(stage).with_(pp=1, vpp=None, pp_schedule=DEFAULT_SCHEDULE).coords(
                 rank - self.stage_offset(stage)), "pp": stage}
         coords = {}

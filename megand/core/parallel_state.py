@@ -408,9 +408,10 @@ class Topology:
 
         return StageHandOff(self.layout, self.rank)
 
-    def stage_of(self, rank: int) -> int:
-        """The pipeline rank (stage) of global rank ``rank``."""
-        return self.layout.coords(rank)["pp"]
+    @property
+    def stage_hand_off(self):
+        """:attr:`hand_off` where the stages have different widths, else None (the plain pipeline peers)."""
+        return self.hand_off if self.layout.heterogeneous else None
 
     def sequence_parallel(self, default: bool) -> bool:
         """Whether this rank's stage runs sequence parallelism (``default``: parallel.sequence_parallel,

@@ -43,6 +43,10 @@ class StageHandOff:
         self.stage, self.tp_index, self.fixed = c["pp"], c["tp"], c
         self.width = layout.stage_tp_of(self.stage)
 
+    def stage_of(self, rank: int) -> int:
+        """The pipeline rank (stage) of global rank ``rank``."""
+        return self.layout.stage_of(rank)
+
     def _sp(self, stage: int) -> bool:
         return self.layout.stage_sp_of(stage)
 

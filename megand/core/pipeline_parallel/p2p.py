@@ -54,7 +54,6 @@ receive is posted with the call that waits for it.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -141,11 +140,11 @@ class PipelineP2P:
     def __init__(self, topo, shape, dtype):
         self.prev, self.next = topo.pp_prev_rank, topo.pp_next_rank
         self.channel_groups = topo.pp_channel_groups
-        self.stage_of = lru_cache(maxsize=None)(topo.stage_of)  # global rank -> pipeline rank
+        self.pp_index = {rank: index for index, rank in enumerate(topo.ranks["pp"])}  # global -> pipeline rank
         self.me = topo.ranks["pp"][topo.pp_rank]
-        # stages of different widths: each send goes to the receivers it serves (hand_off.py)
-        self.hand_off = topo.hand_off if topo.layout.heterogeneous else None
-        self.tp_group = topo.tp_group
+        # stages of different widths: each send goes to the receivers it serves (hand_off.py); None: one width
+        self.hand_off = topo.stage_hand_off
+        self.tp_group = topo.tp_group if self.hand_off is not None else None
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
         self.timer = device_timer(self.device)
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
@@ -173,6 +172,10 @@ class PipelineP2P:
         and direction, so both ends name the same one."""
         lower = self.stage_of(receiver) < self.stage_of(sender)
         return self.channel_groups[2 * kind + lower]
+
+    def stage_of(self, rank):
+        """The pipeline rank of global rank ``rank`` (a peer, or a receiver a send of this rank serves)."""
+        return self.pp_index[rank] if self.hand_off is None else self.hand_off.stage_of(rank)
 
     def _op(self, op, tensor, peer, kind):
         sender, receiver = (self.me, peer) if op is dist.isend else (peer, self.me)
