@@ -42,3 +42,19 @@ def test_stage_widths_step_one_per_tensor(tmp_path, name):
     nproc, overrides = CASES[name]
     ref = _first_moments(tmp_path / "one", 1, ())
     assert_same_moments(_first_moments(tmp_path / name, nproc, overrides), ref)
+
+
+@pytest.mark.slow
+def test_resume_from_stage_widths_to_one_width_and_back(tmp_path, reference):
+    """Stopped at step 4 with stage widths [tp2, tp1] (ZeRO-1), resumed at one width (tp2 x pp2) until step 7,
+    then at [tp1, tp2+sp]: the ten steps equal the one-process run's (the checkpoints' shards, saved per
+    stage at each stage's own width, load at every other layout)."""
+    save = str(tmp_path / "ckpt")
+    common = ["+experiment=tiny_llama", f"checkpoint.save={save}", f"checkpoint.load={save}", "train.eval_iters=0",
+              "parallel.pp=2", "optim.sharding=optim"]
+    run_pretrain(tmp_path / "run", [*common, stages((2, 2, False), (2, 1, False)), "train.exit_interval=4"], nproc=3)
+    run_pretrain(tmp_path / "run", [*common, "parallel.tp=2", "train.exit_interval=7"], nproc=4)
+    run_pretrain(tmp_path / "run", [*common, stages((2, 1, False), (2, 2, True))], nproc=3)
+    steps = read_metrics(tmp_path / "run")
+    assert [r["iter"] for r in steps] == list(range(1, 11))  # each run went on from the last one's checkpoint
+    assert_parity(reference("tiny_llama"), steps)
