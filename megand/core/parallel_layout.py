@@ -156,10 +156,12 @@ class ParallelLayout:
         check_sizes(tp=tp, pp=pp, cp=cp, dp=dp if dp is not None else 1)
         stage_tp = options.get("stage_tp")
         named = f"(stage widths {'+'.join(map(str, stage_tp))})*cp" if stage_tp else "tp*pp*cp"
-        sizes = f"({'+'.join(map(str, stage_tp))})*{cp}" if stage_tp else f"{tp}*{pp}*{cp}"
         model_ranks = sum(stage_tp) * cp if stage_tp else tp * pp * cp
+        if world_size % model_ranks and stage_tp:
+            raise LayoutError(f"world size {world_size} is not divisible by {named} = ({'+'.join(map(str, stage_tp))})"
+                              f"*{cp} = {model_ranks}")
         if world_size % model_ranks:
-            raise LayoutError(f"world size {world_size} is not divisible by {named} = {sizes} = {model_ranks}")
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_ranks}")
         inferred_dp = world_size // model_ranks
         if dp is not None and dp != inferred_dp:
             raise LayoutError(f"parallel.dp={dp} but world size {world_size} / ({named} = {model_ranks}) = "
