@@ -25,6 +25,12 @@ CASES = {  # name: (processes, overrides)
                            stages((1, 2, True), (1, 1, False), (1, 2, True), (1, 1, False)))),
     "tp1_tp2sp_dp2_zero1": (6, ("parallel.pp=2", "optim.sharding=optim",
                                 stages((2, 1, False), (2, 2, True)))),
+    # a V: pipeline rank 0 holds virtual stages 0 and 3 (the loss), rank 1 stages 1 and 2
+    "tp2sp_tp1_zbv": (3, ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
+                          stages((1, 2, True), (1, 1, False), (1, 1, False), (1, 2, True)))),
+    # a middle stage wider than both neighbours
+    "tp1_tp2sp_tp1_pp3": (4, ("parallel.pp=3",
+                              stages((2, 1, False), (1, 2, True), (1, 1, False)))),
 }
 DEFAULT = {"tp2_tp1"}
 
