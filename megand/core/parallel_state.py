@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from megand.core.batch_shares import replica_rows
 from megand.core.parallel_layout import DEFAULT_ORDER, DIMS, LayoutError, ParallelLayout, parse_order
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
 
 # Every group a run needs, as the grid dimensions it spans.
 GROUP_DIMS = {
@@ -103,6 +105,8 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
     adjacent ranks: the shard groups) and ``dp_replica`` (the ranks at the same place of every shard
     group of one dp x cp group: the replicas of one shard).
     """
+    if layout.heterogeneous:
+        return stage_rank_groups(layout)
     dims = parse_order(layout.order)
     world = layout.world_size
     coords = [layout.coords(r) for r in range(world)]
@@ -119,13 +123,46 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
     return groups
 
 
+def stage_rank_groups(layout: ParallelLayout) -> dict[str, list[list[int]]]:
+    """:func:`rank_groups` of a layout whose pipeline stages have different tp widths (pure).
+
+    Each stage is its own grid of ``stage_tp[s]·cp·dp`` ranks (a run of consecutive ranks, pp slowest):
+    its groups of every kind that stays inside a stage (tp, cp, dp, dp x cp, shard, expert groups) are
+    those of that grid. The kinds that cross stages join the ranks of one (dp, cp) coordinate over every
+    stage: ``pp`` (the pipeline's point-to-point communicators: a rank talks to several ranks of a stage
+    of another width, megand/core/pipeline_parallel/hand_off.py) and ``mp`` (one full model replica,
+    for the grad norm). The embedding group pairs the first and the last stage by tp rank where their
+    widths agree (tied embeddings over stages of different widths are refused by the config check)."""
+    groups: dict[str, list[list[int]]] = {}
+    for stage in range(layout.pp):
+        grid = layout.for_stage(stage).with_(pp=1, vpp=None, pp_schedule=DEFAULT_SCHEDULE)
+        offset = layout.stage_offset(stage)
+        for kind, rank_lists in rank_groups(grid).items():
+            if kind not in ("pp", "mp", "embedding"):
+                groups.setdefault(kind, []).extend([offset + r for r in ranks] for ranks in rank_lists)
+    replica: dict[tuple, list[int]] = {}
+    coords = [layout.coords(r) for r in range(layout.world_size)]
+    for r, c in enumerate(coords):
+        replica.setdefault((c["dp"], c["cp"]), []).append(r)
+    groups["pp"] = groups["mp"] = sorted(replica.values())
+    first, last = layout.stage_tp[0], layout.stage_tp[-1]
+    if first == last:
+        where = {(c["pp"], c["tp"], c["cp"], c["dp"]): r for r, c in enumerate(coords)}
+        groups["embedding"] = sorted([where[(0, c["tp"], c["cp"], c["dp"])], r] for r, c in enumerate(coords)
+                                     if c["pp"] == layout.pp - 1)
+    return {kind: sorted(lists) for kind, lists in groups.items()}
+
+
 def tp_run_groups(tp_groups: list[list[int]]) -> dict[str, list[list[int]]]:
     """For each proper divisor ``n > 1`` of tp, kind ``tp_run<n>``: each tp group cut into runs of ``n``
     consecutive tp ranks (the ranks whose query heads share one key/value head; see ``ParamMeta.tp_replicas``).
-    Pure; none for tp <= 3."""
-    tp = len(tp_groups[0])
-    return {f"tp_run{n}": [g[i: i + n] for g in tp_groups for i in range(0, tp, n)]
-            for n in range(2, tp) if tp % n == 0}
+    Pure; none for tp <= 3. With stages of different widths, each tp group of a width ``n`` divides."""
+    runs: dict[str, list[list[int]]] = {}
+    for g in tp_groups:
+        for n in range(2, len(g)):
+            if len(g) % n == 0:
+                runs.setdefault(f"tp_run{n}", []).extend(g[i: i + n] for i in range(0, len(g), n))
+    return runs
 
 
 def shard_groups(dp_cp_groups: list[list[int]], shard: int):
@@ -301,10 +338,13 @@ class Topology:
         if self.world_size != self.layout.world_size:
             raise LayoutError(f"world size {self.world_size} != tp*cp*dp*pp of {self.layout}")
         self.coords = self.layout.coords(self.rank)
+        self.stage_layout = self.layout.for_stage(self.coords["pp"])  # this stage's own sizes (its tp)
         lists = rank_groups(self.layout)
         lists.update(tp_run_groups(lists["tp"]))
         self.ranks = {kind: mine for kind, rank_lists in lists.items()
                       for mine in rank_lists if self.rank in mine}
+        if self.layout.heterogeneous:  # the pipeline as this rank sees it: its source in each stage
+            self.ranks["pp"] = [self.hand_off.source(stage) for stage in range(self.pp_size)]
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.groups: dict[str, dist.ProcessGroup] = create_groups(lists, self.rank, timeout)
         self.pp_channel_groups = pipeline_channel_groups(lists["pp"], self.rank, self.groups["pp"], timeout)
@@ -314,12 +354,12 @@ class Topology:
     vpp = property(lambda self: self.layout.vpp)
     dp_shard = property(lambda self: self.layout.dp_shard)
     ep = property(lambda self: self.layout.ep)
-    etp = property(lambda self: self.layout.expert_tp)
+    etp = property(lambda self: self.stage_layout.expert_tp)
     pp_schedule = property(lambda self: self.layout.pp_schedule)
     dp_microbatches = property(lambda self: self.layout.dp_microbatches)  # None: equal shares (batch_shares.py)
 
     # sizes and ranks within each dimension
-    tp_size = property(lambda self: self.layout.tp)
+    tp_size = property(lambda self: self.stage_layout.tp)  # this rank's stage's width
     cp_size = property(lambda self: self.layout.cp)
     dp_size = property(lambda self: self.layout.dp)
     pp_size = property(lambda self: self.layout.pp)
@@ -359,6 +399,24 @@ class Topology:
     # or under uneven batch shares only the replica's own (cp): megand/core/batch_shares.py
     microbatch_group = property(lambda self: self.groups["cp" if self.layout.uneven_shares else "dp_cp"])
     microbatch_ranks = property(lambda self: self.cp_size if self.layout.uneven_shares else self.dp_cp_size)
+
+    @cached_property
+    def hand_off(self):
+        """Who this rank sends its activations and gradients to, and receives them from, in each stage
+        (megand/core/pipeline_parallel/hand_off.py; the plain pipeline peers with one width)."""
+        from megand.core.pipeline_parallel.hand_off import StageHandOff
+
+        return StageHandOff(self.layout, self.rank)
+
+    @property
+    def stage_hand_off(self):
+        """:attr:`hand_off` where the stages have different widths, else None (the plain pipeline peers)."""
+        return self.hand_off if self.layout.heterogeneous else None
+
+    def sequence_parallel(self, default: bool) -> bool:
+        """Whether this rank's stage runs sequence parallelism (``default``: parallel.sequence_parallel,
+        where the layout has no per-stage value)."""
+        return self.layout.stage_sp_of(self.pp_rank, default)
 
     def replica_rows(self, global_batch_size: int) -> tuple[int, int]:
         """``(first, count)``: the samples of a global batch that this rank's data-parallel replica reads."""

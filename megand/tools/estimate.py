@@ -63,7 +63,7 @@ def main(argv=None) -> int:
               f"{t.global_batch_size} (the ramp's smaller batches hold fewer micro-batches)", file=sys.stderr)
         t.rampup_batch_size = None
     try:
-        dp = ParallelLayout.infer(world, tp=p.tp, pp=p.pp, cp=p.cp).dp
+        dp = ParallelLayout.from_keys({**p, "dp": None}, world).dp
     except LayoutError:
         dp = None  # validate() below names the values
     fill_pipeline = dp is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0
@@ -76,7 +76,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return fail(f"invalid configuration for world size {world}: {e}")
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
+    try:
+        layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=world)
+    except LayoutError as e:  # stages of different widths: not estimated
+        return fail(e)
     if fill_pipeline:
         layout = dataclasses.replace(layout, num_microbatches=None)
     if args.fused_attention:

@@ -95,7 +95,7 @@ from functools import lru_cache, wraps
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
-from megand.core.parallel_layout import ParallelLayout
+from megand.core.parallel_layout import LayoutError, ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
@@ -152,6 +152,10 @@ class Layout:
                     world_size: Optional[int] = None) -> "Layout":
         """From the ``parallel``, ``train`` and ``optim`` config groups (``dp: null`` needs world_size)."""
         layout = ParallelLayout.from_keys(parallel, world_size)
+        if layout.heterogeneous:  # every term below takes one tp: a per-stage estimate is not written yet
+            raise LayoutError(f"parallel.pipeline_layout gives the stages different widths (tp {list(layout.stage_tp)}, "
+                              f"sequence parallel {list(layout.stage_sp)}): the estimate takes one width; estimate "
+                              f"each stage's width as its own layout (parallel.tp=w)")
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
         return cls(parallel=layout, sequence_parallel=bool(parallel.get("sequence_parallel", False)),

@@ -170,6 +170,9 @@ def prepare_config(args):
         layout = ParallelLayout.from_keys({**p, "dp": None}, world)  # a parallel.dp that disagrees: validate() below
     except LayoutError as e:
         raise SystemExit(f"rehearse: {e}")
+    if layout.heterogeneous:  # the rehearsal's bytes are set against the estimate, which takes one width
+        raise SystemExit(f"rehearse: parallel.pipeline_layout gives the stages different widths (tp "
+                         f"{list(layout.stage_tp)}): rehearse each stage's width as its own layout (parallel.tp=w)")
     if not 0 <= args.rank < world:
         raise SystemExit(f"rehearse: --rank {args.rank} is not in a world of {world} ranks")
     configured = layout.microbatches(t.global_batch_size, t.micro_batch_size)

@@ -32,7 +32,7 @@ class ParallelConfig:
     dp: Optional[int] = None  # null: world size / (tp*pp*cp)
     sequence_parallel: bool = False  # shard norms/dropout activations over tp along the sequence
     order: str = "tp-cp-dp-pp"  # fastest- to slowest-varying rank dimension
-    pipeline_layout: Optional[List[int]] = None  # layers per virtual stage; null: even
+    pipeline_layout: Optional[List[Any]] = None  # layers per virtual stage; null: even; or per virtual stage {layers: n, tp: w, sp: bool} (tp, sp default parallel.tp, parallel.sequence_parallel): stages of different tensor-parallel widths (the virtual stages of one pipeline rank share its width)
     cp_comm: str = "p2p"  # p2p (ring) | all_gather | a2a (Ulysses: heads re-sharded over cp)
     dp_shard: Optional[int] = None  # ranks of dp x cp in one shard group (optim.sharding != none); null: all; smaller: hybrid sharding (HSDP), replicas across groups
     ep: int = 1  # expert-parallel size: routed experts split over ep ranks carved out of dp x cp (divides dp*cp and model.num_experts); expert grads are reduced over the remaining expert-data-parallel ranks
@@ -261,6 +261,36 @@ def check_fp8_device(fp8, device) -> None:
                       f"{capability[0]}.{capability[1]}: use train.fp8={others} ({rec.needs_why})")
 
 
+def check_stage_widths(cfg, layout) -> None:
+    """Pipeline stages of different tensor-parallel widths (the per-stage ``parallel.pipeline_layout``):
+    every width divides what tp splits, and what they cannot run is refused, naming the values."""
+    if not layout.heterogeneous:
+        return
+    m, p = cfg.model, cfg.parallel
+    widths = list(layout.stage_tp)
+    groups = m.num_query_groups or m.num_attention_heads
+    for w in sorted(set(widths)):
+        for ok, what in ((m.num_attention_heads % w == 0, f"model.num_attention_heads={m.num_attention_heads}"),
+                         (groups % w == 0 or w % groups == 0, f"model.num_query_groups={groups} (or the reverse)"),
+                         (m.ffn_hidden_size % w == 0, f"model.ffn_hidden_size={m.ffn_hidden_size}")):
+            if not ok:
+                raise ConfigError(f"{what} is not divisible by the stage width tp={w} of parallel.pipeline_layout "
+                                  f"(stage widths {widths})")
+    if m.tie_embeddings and widths[0] != widths[-1]:
+        raise ConfigError(f"model.tie_embeddings with first and last stage widths tp={widths[0]} and tp={widths[-1]} "
+                          f"(parallel.pipeline_layout): the tied embedding's two copies must have one width")
+    unsupported = [(p.tp != 1 and p.tp not in widths, f"parallel.tp={p.tp} is none of the stage widths {widths}: "
+                                                       f"leave it 1 and give each stage its tp"),
+                   (m.get("num_experts") is not None, f"model.num_experts={m.get('num_experts')}: MoE"),
+                   (m.get("mtp_layers", 0), f"model.mtp_layers={m.get('mtp_layers')}: multi-token prediction"),
+                   (p.cp > 1 and p.cp_comm == "a2a", "parallel.cp_comm=a2a"),
+                   (cfg.train.get("fp8") is not None, f"train.fp8={cfg.train.get('fp8')}")]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"{what} with stages of different widths (parallel.pipeline_layout stage widths "
+                              f"{widths}) is not supported")
+
+
 def validate(cfg, world_size: int) -> None:
     """Check every value and divisibility; raise ConfigError naming the values."""
     from megand.core.parallel_layout import LayoutError, ParallelLayout
@@ -293,6 +323,7 @@ def validate(cfg, world_size: int) -> None:
     if cfg.optim.sharding == "none" and layout.shard_size != layout.dp_cp:
         raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards nothing with optim.sharding=none: set optim.sharding")
     check_expert_parallel(cfg, layout)
+    check_stage_widths(cfg, layout)
     groups = m.num_query_groups or m.num_attention_heads
     latent = m.kv_lora_rank is not None  # latent attention: its widths are checked by core's config
     head_dim = resolve_head_dim(m.hidden_size, m.num_attention_heads, m.head_dim)

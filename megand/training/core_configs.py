@@ -60,7 +60,7 @@ READ_ELSEWHERE = {
     "parallel": {
         "sequence_parallel": "TransformerConfig.sequence_parallel",
         "cp_comm": "TransformerConfig.cp_comm",
-        "pipeline_layout": "PipelinePlan.layers_per_stage",
+        "pipeline_layout": "PipelinePlan.layers_per_stage (and ParallelLayout.stage_tp, .stage_sp of its per-stage form)",
     },
 }
 
@@ -113,8 +113,11 @@ def _section(cfg, name: str) -> dict[str, Any]:
 
 def parallel_layout(cfg, world_size: int) -> ParallelLayout:
     """The ``parallel`` section on ``world_size`` ranks (``parallel.dp`` null: what the world leaves)."""
-    (keys,) = split_section("parallel", _section(cfg, "parallel"), ParallelLayout)
-    return ParallelLayout.from_keys(keys, world_size)
+    section = _section(cfg, "parallel")
+    (keys,) = split_section("parallel", section, ParallelLayout)
+    # the per-stage widths of a per-stage pipeline_layout (its tp and sp default to parallel.tp, .sequence_parallel)
+    stages = {k: section.get(k) for k in ("pipeline_layout", "sequence_parallel")}
+    return ParallelLayout.from_keys({**keys, **stages}, world_size)
 
 
 def pipeline_plan(cfg) -> PipelinePlan:

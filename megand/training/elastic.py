@@ -32,6 +32,7 @@ import os
 from omegaconf import OmegaConf
 
 from megand.core.checkpointing import files
+from megand.core.parallel_layout import ParallelLayout
 from megand.training.config import ConfigError
 from megand.training.resume import load_path
 
@@ -118,7 +119,7 @@ def check_continuation(cfg, world_size: int) -> str | None:
     if error:
         raise ConfigError(error)
     t, layout = cfg.train, common["layout"]
-    model_ranks = layout["tp"] * layout["pp"] * layout["cp"]
+    model_ranks = ParallelLayout.world_of({**saved["parallel"], "dp": None})  # tp·pp·cp, or the stages' widths·cp
     dp = world_size // model_ranks
     if not dp or world_size % model_ranks:
         return None  # validate() names what the new world size breaks

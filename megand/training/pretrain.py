@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import json
 import math
@@ -71,7 +72,8 @@ def build_model(configs: CoreConfigs, topo, device=None) -> list[GPTModel]:
     ``device``: default ``topo.device``. On ``torch.device("meta")`` nothing is allocated nor initialised:
     the data-parallel engine places the parameters in its buffers, then :func:`init_parameters` fills them
     (what :class:`Trainer` does, so no rank ever holds a second copy of its parameters)."""
-    model_cfg, fp8 = configs.model, configs.fp8
+    # sequence parallelism is per stage where the stages have their own widths (parallel.pipeline_layout)
+    model_cfg, fp8 = replace(configs.model, sequence_parallel=topo.sequence_parallel(configs.model.sequence_parallel)), configs.fp8
     rng = seed_random_streams(configs.seed, topo)
     chunks = []
     for spec in configs.pipeline.chunks(topo.pp_size, topo.pp_rank, topo.pp_schedule):

@@ -72,3 +72,24 @@ def test_without_communicator_splits_each_distinct_group_is_made_once(monkeypatc
     assert topo.groups["dp_shard"] is topo.groups["dp_cp"]
     for kind, group in topo.groups.items():
         assert group == ("group", tuple(topo.ranks[kind])), kind
+
+
+@pytest.mark.parametrize("rank", [0, 100, 191])
+def test_stages_of_different_widths_make_one_split_per_kind(monkeypatch, rank):
+    """Stage widths [8, 4] (cp 2, dp 8: 192 ranks): still one world-wide split per distinct kind; the
+    pipeline's communicators join one (dp, cp) coordinate over both stages, and the rank's pipeline view
+    (its source in each stage) lies inside them."""
+    layout = ParallelLayout(cp=2, dp=8, pp=2, stage_tp=(8, 4))
+    calls = Calls(monkeypatch, rank, splits=True)
+    calls.rank = rank
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: layout.world_size)
+    topo = Topology(layout)
+    lists = rank_groups(layout)
+    lists.update(tp_run_groups(lists["tp"]))
+    distinct = {tuple(map(tuple, v)) for v in lists.values()}
+    assert calls.new_group == [] and len(calls.split_group) == len(distinct) + PIPELINE_CHANNELS - 1
+    assert topo.tp_size == (8 if rank < 128 else 4) and topo.pp_rank == (rank >= 128)
+    for kind, group in topo.groups.items():
+        if kind != "pp":
+            assert group == ("group", tuple(topo.ranks[kind])), kind
+    assert set(topo.ranks["pp"]) <= set(topo.groups["pp"][1]) and topo.ranks["pp"][topo.pp_rank] == rank

@@ -1,5 +1,6 @@
 """Which layers each (virtual) pipeline stage holds."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megand.core.pipeline_parallel.actions import placement_for
@@ -10,8 +11,19 @@ class PipelineLayoutError(ValueError):
     """Layers that cannot be split as asked over the pipeline stages; the message names the values."""
 
 
+def stage_layers(layout) -> list | None:
+    """The layers of each entry of ``parallel.pipeline_layout``: its integers, or the ``layers`` of its
+    per-stage entries (``{layers, tp, sp}``: the widths are the parallel layout's,
+    megand/core/parallel_layout.py)."""
+    if layout is None:
+        return None
+    return [e["layers"] if isinstance(e, Mapping) else e for e in layout]
+
+
 def pipeline_layout(num_layers: int, pp: int, vpp: int | None, layout=None) -> list[int]:
-    """Layers per virtual stage (pp*vpp entries, in virtual-stage order); ``layout=None``: even."""
+    """Layers per virtual stage (pp*vpp entries, in virtual-stage order); ``layout=None``: even. Entries
+    may be per-stage descriptions (:func:`stage_layers`)."""
+    layout = stage_layers(layout)
     stages = pp * (vpp or 1)
     if layout is None:
         if num_layers % stages:

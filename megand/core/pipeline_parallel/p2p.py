@@ -27,6 +27,10 @@ for ever. Every rank therefore posts its messages in one global order (:func:`po
 by every rank from every rank's action list): a call posts what it asks for and, before it, every
 receive the order puts earlier (taken by later calls).
 
+Stages of different tensor-parallel widths (hand_off.py): a rank's pipeline peers are its sources in
+each stage (``Topology.ranks["pp"]``); a send becomes consecutive sends to the receivers it serves, each
+receiver takes its one message from its source, so the order above holds message by message.
+
 The pipeline wraps around (the last rank's next is the first rank): interleaved schedules pass the
 last rank's chunk ``c`` output to the first rank's chunk ``c+1``. A V placement (zbv, dualpipev) sends
 each way on both links (chunk 0's activations and chunk 1's gradients to the next rank, chunk 1's
@@ -138,6 +142,9 @@ class PipelineP2P:
         self.channel_groups = topo.pp_channel_groups
         self.pp_index = {rank: index for index, rank in enumerate(topo.ranks["pp"])}  # global -> pipeline rank
         self.me = topo.ranks["pp"][topo.pp_rank]
+        # stages of different widths: each send goes to the receivers it serves (hand_off.py); None: one width
+        self.hand_off = topo.stage_hand_off
+        self.tp_group = topo.tp_group if self.hand_off is not None else None
         self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
         self.timer = device_timer(self.device)
         self._in_flight = []  # (request, the tensor being sent, the activation to release once sent, or None)
@@ -163,8 +170,12 @@ class PipelineP2P:
     def group(self, sender, receiver, kind):
         """The group of a message of ``kind`` from ``sender`` to ``receiver`` (global ranks): one per kind
         and direction, so both ends name the same one."""
-        lower = self.pp_index[receiver] < self.pp_index[sender]
+        lower = self.stage_of(receiver) < self.stage_of(sender)
         return self.channel_groups[2 * kind + lower]
+
+    def stage_of(self, rank):
+        """The pipeline rank of global rank ``rank`` (a peer, or a receiver a send of this rank serves)."""
+        return self.pp_index[rank] if self.hand_off is None else self.hand_off.stage_of(rank)
 
     def _op(self, op, tensor, peer, kind):
         sender, receiver = (self.me, peer) if op is dist.isend else (peer, self.me)
@@ -235,10 +246,15 @@ class PipelineP2P:
         return received
 
     def _send(self, tensor, peer, kind):
-        """A send's operation (with the activation to release once sent: an activation's memory is
-        released once sent, as ``sent`` shares it when contiguous) or a receive's (with its channel)."""
+        """A send's operations (each with the activation to release once sent: an activation's memory is
+        released once sent, as ``sent`` shares it when contiguous): one to ``peer``, or with stages of
+        different widths one to each receiver this rank serves in ``peer``'s stage (hand_off.py)."""
+        checked = self._checked(tensor)
+        if self.hand_off is not None and not self.hand_off.direct(self.stage_of(peer)):
+            return [(self._op(dist.isend, message, receiver, kind), None)
+                    for receiver, message in self.hand_off.outgoing(checked, self.stage_of(peer), self.tp_group)]
         release = tensor if kind == ACTIVATION and tensor.is_contiguous() else None
-        return self._op(dist.isend, self._checked(tensor), peer, kind), release
+        return [(self._op(dist.isend, checked, peer, kind), release)]
 
     def _recv(self, peer, kind):
         if self._to_post.get((peer, kind)) is not None:
@@ -248,7 +264,7 @@ class PipelineP2P:
     def _unplanned(self, sends, asked):
         """The operations of one call without a plan: its sends, then the receives not yet posted, in
         the order of their groups (the same at every peer)."""
-        ops = [self._send(tensor, *channel) for channel, tensors in sends.items() for tensor in tensors]
+        ops = [op for channel, tensors in sends.items() for tensor in tensors for op in self._send(tensor, *channel)]
         for channel in dict.fromkeys(asked):
             ops += [self._recv(*channel) for _ in range(asked.count(channel) - len(self._prefetched[channel]))]
         return sorted(ops, key=lambda op: self.channel_groups.index(op[0].group))
@@ -277,7 +293,7 @@ class PipelineP2P:
             if op == "send":
                 if not sends[channel]:
                     raise RuntimeError(f"pipeline p2p: a send to {channel} is due before it is computed")
-                ops.append(self._send(sends[channel].popleft(), *channel))
+                ops.extend(self._send(sends[channel].popleft(), *channel))
             elif self._outside[channel]:  # posted already by prefetch
                 self._outside[channel] -= 1
             else:
