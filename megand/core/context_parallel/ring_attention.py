@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.attention_masks import visible as visible_keys
+from megand.core.attention_sinks import with_sinks
 from megand.core.context_parallel.block_kernels import blocks_for
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 
@@ -31,6 +32,19 @@ def _merge(out, lse, block_out, block_lse):
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+def _delta(dout, out, dlse):
+    """``rowsum(dout * out)`` of the blocks' backward, less the gradient of the returned log-sum-exp
+    (``d lse / d score`` is the probability: it enters where delta does; the attention sinks' step takes it)."""
+    delta = (dout.float() * out).sum(-1)
+    return delta if dlse is None else delta - dlse
+
+
+def _finish(out_lse, sinks):
+    """The attention's output, finished by the ``sinks`` when given (:mod:`megand.core.attention_sinks`)."""
+    out, lse = out_lse
+    return out if sinks is None else with_sinks(out, lse, sinks)
 
 
 def _check(q, k, v):
@@ -157,11 +171,12 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window = cp_group, scale, ids, visible, window
-        return out.to(q.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale, ids, visible, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
@@ -169,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
         blocks = blocks_for(q)
         qb, doutb = blocks.prepare(q), blocks.prepare(dout)
-        delta = (dout.float() * out).sum(-1)
+        delta = _delta(dout, out, dlse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         # Second ring: K/V travel as in forward; the gradient of each block (fp32) travels one step behind
@@ -208,23 +223,24 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
+def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None, sinks=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
     ``documents`` (anything with ``ids [b, s]``, the whole sequence's document ids): attention within documents.
-    ``window``: sliding-window attention (a query sees its ``window`` latest keys).
+    ``window``: sliding-window attention (a query sees its ``window`` latest keys). ``sinks [nh]``: each head's
+    sink logit in the softmax denominator, applied after the blocks are merged.
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if documents is None and window is None:
-        return _RingAttention.apply(q, k, v, cp_group, scale, None, None, None)
+        return _finish(_RingAttention.apply(q, k, v, cp_group, scale, None, None, None), sinks)
     cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
     visible = _memo(documents, ("ring", cp_rank, cp_size, half, window),
                     lambda: _ring_visibility(*_plan_ids(documents), cp_rank, cp_size, half, window))
     ids = None if documents is None else documents.ids
-    return _RingAttention.apply(q, k, v, cp_group, scale, ids, visible, window)
+    return _finish(_RingAttention.apply(q, k, v, cp_group, scale, ids, visible, window), sinks)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -283,18 +299,19 @@ class _AllGatherAttention(torch.autograd.Function):
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window = cp_group, scale, ids, plan, window
-        return out.to(q.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, scale, ids, plan, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
         qb, doutb = blocks.prepare(q), blocks.prepare(dout)
-        delta = (dout.float() * out).sum(-1)
+        delta = _delta(dout, out, dlse)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv_all = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=k.device)  # from this rank's queries
         for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
@@ -320,14 +337,14 @@ def _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
     return _document_pieces(pieces, ids, q_pos, k_pos, visible, window)
 
 
-def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
+def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None, sinks=None):
     """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if documents is None and window is None:
-        return _AllGatherAttention.apply(q, k, v, cp_group, scale, None, None, None)
+        return _finish(_AllGatherAttention.apply(q, k, v, cp_group, scale, None, None, None), sinks)
     cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
     plan = _memo(documents, ("all_gather", cp_rank, cp_size, half, window),
                  lambda: _all_gather_plan(*_plan_ids(documents), cp_rank, cp_size, half, window))
     ids = None if documents is None else documents.ids
-    return _AllGatherAttention.apply(q, k, v, cp_group, scale, ids, plan, window)
+    return _finish(_AllGatherAttention.apply(q, k, v, cp_group, scale, ids, plan, window), sinks)
