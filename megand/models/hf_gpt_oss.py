@@ -32,6 +32,9 @@ def hf_config(m: dict):
     from transformers import GptOssConfig
 
     h, heads, groups, hd = dims(m)
+    windows = lg.layer_types(m)
+    # transformers' model builds the sliding mask whatever the layers: a window no layer uses, the whole context
+    windows["sliding_window"] = windows["sliding_window"] or m["seq_length"]
     return GptOssConfig(vocab_size=m["vocab_size"], hidden_size=h, intermediate_size=expert_width(m),
                         num_hidden_layers=m["num_layers"], num_attention_heads=heads, num_key_value_heads=groups,
                         head_dim=hd, hidden_act="silu", max_position_embeddings=m["seq_length"],
@@ -40,7 +43,7 @@ def hf_config(m: dict):
                         attention_bias=bool(m.get("qkv_bias")), attention_dropout=m.get("attention_dropout", 0.0),
                         num_local_experts=m["num_experts"], num_experts_per_tok=m.get("moe_top_k", 2),
                         swiglu_limit=float(m["swiglu_limit"]), swiglu_alpha=float(m.get("swiglu_alpha", 1.702)),
-                        router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0), **lg.layer_types(m),
+                        router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0), **windows,
                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -48,7 +51,8 @@ def model_config(config) -> dict:
     """The megand ``model`` config of a ``GptOssConfig``; ValueError naming what megand does not implement."""
     if config.swiglu_limit is None:
         raise ValueError("swiglu_limit=None: megand's GPT-OSS experts have the clamped SwiGLU (a limit > 0)")
-    plain = types.SimpleNamespace(**{**config.to_dict(), "use_sliding_window": False})
+    # hidden_act: GPT-OSS's experts apply their own SwiGLU, whatever it says
+    plain = types.SimpleNamespace(**{**config.to_dict(), "use_sliding_window": False, "hidden_act": "silu"})
     bias = bool(config.attention_bias)
     return dict(llama_like_config(plain), sliding_window=lg.windows(config), attention_sinks=True, qkv_bias=bias,
                 attention_out_bias=bias, num_experts=config.num_local_experts, moe_top_k=config.num_experts_per_tok,

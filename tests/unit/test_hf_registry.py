@@ -28,6 +28,8 @@ GEMMA3 = dict(activation="geglu", norm_placement="sandwich", norm_unit_offset=Tr
               sliding_window=[8, None], rope_local_theta=10000.0, rope_theta=1e6)
 OLMO3 = dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection", sliding_window=[8, None])
 SMOLLM3 = dict(no_rope=[False, True])
+# GPT-OSS: attention sinks, biases on every attention projection, biased router and experts, clamped SwiGLU
+GPT_OSS = dict(attention_sinks=True, qkv_bias=True, attention_out_bias=True, moe_bias=True, swiglu_limit=7.0)
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -48,6 +50,7 @@ FAMILY_MODELS = {
     "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16),
     "olmo3": dict(LLAMA, **OLMO3),
     "smollm3": dict(LLAMA, **SMOLLM3),
+    "gpt_oss": dict(LLAMA, **MOE, **GPT_OSS, sliding_window=[8, None]),
 }
 
 
@@ -63,7 +66,7 @@ def grid():
             moe, [{}, LATENT], [{}, NEXT, GLM]]
     # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
     # and linear attention (each MoE variant again would multiply the grid's size)
-    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3]]
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GPT_OSS]]
     for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
         m = {}
         for part in parts:
