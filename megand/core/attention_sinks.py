@@ -16,8 +16,9 @@ import torch
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``out [b, h, s, d]`` with each row's ``lse [b, h, s]`` (fp32) rescaled by the softmax mass the sinks
     ``[h]`` take: the attention with the sinks in its denominator, in ``out``'s dtype."""
-    lse_f = torch.logaddexp(lse, sinks.float()[None, :, None])
-    return (out.float() * torch.exp(lse - lse_f).unsqueeze(-1)).to(out.dtype)
+    wide = torch.promote_types(lse.dtype, torch.float32)
+    lse_f = torch.logaddexp(lse, sinks.to(wide)[None, :, None])
+    return (out.to(wide) * torch.exp(lse - lse_f).unsqueeze(-1)).to(out.dtype)
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -45,7 +46,7 @@ class _BlockAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
-        delta = (dout.float() * out).sum(-1)
+        delta = (dout.to(out.dtype) * out).sum(-1)
         if dlse is not None:
             delta = delta - dlse
         blocks = blocks_for(q)
