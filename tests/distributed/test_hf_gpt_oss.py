@@ -84,6 +84,21 @@ def test_import_refuses_what_megand_cannot_express_in_one_line(changes, needle, 
     assert len(err) == 1 and needle in err[0], err
 
 
+def test_import_refuses_mxfp4_experts_in_one_line(imported, tmp_path, capsys):
+    """The published files' MXFP4 experts (``quantization_config`` quant_method mxfp4) are refused by name."""
+    import json
+    import shutil
+
+    _, hf_dir, _ = imported
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), quantization_config={"quant_method": "mxfp4"})))
+    capsys.readouterr()
+    assert convert_checkpoint.main(["import", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "quant_method='mxfp4'" in err[0], err
+
+
 LAYOUTS = {"one": (1, []), "ep2": (2, ["parallel.ep=2"]),
            "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"])}
 
