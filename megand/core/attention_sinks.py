@@ -21,6 +21,32 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return (out.to(wide) * torch.exp(lse - lse_f).unsqueeze(-1)).to(out.dtype)
 
 
+class _Fp64Blocks:
+    """The blocks' explicit math in fp64 (a reference computation keeps its precision; the CP blocks are fp32)."""
+
+    @staticmethod
+    def prepare(t):
+        return t
+
+    @staticmethod
+    def forward(q, k, v, scale, causal, allowed=None):
+        from megand.core.context_parallel.block_kernels import block_forward
+
+        return block_forward(q, k, v, scale, causal, allowed)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, delta, scale, causal, allowed=None):
+        from megand.core.context_parallel.block_kernels import block_backward
+
+        return block_backward(dout, q, k, v, lse, delta, scale, causal, allowed)
+
+
+def _blocks_for(q):
+    from megand.core.context_parallel.block_kernels import blocks_for  # its package imports the masks, which import us
+
+    return _Fp64Blocks if q.dtype == torch.float64 else blocks_for(q)
+
+
 class _BlockAttention(torch.autograd.Function):
     """``(out, lse)`` of q over all of k/v in one block (:mod:`megand.core.context_parallel.block_kernels`:
     the flash kernel on CUDA in bf16/fp16 without a mask, the explicit fp32 math otherwise); ``lse`` is
@@ -28,9 +54,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, allowed):
-        from megand.core.context_parallel.block_kernels import blocks_for  # its package imports the masks
-
-        blocks = blocks_for(q)
+        blocks = _blocks_for(q)
         out, lse = blocks.forward(blocks.prepare(q), blocks.prepare(k), blocks.prepare(v), scale, allowed is None,
                                   allowed)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -41,15 +65,13 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        from megand.core.context_parallel.block_kernels import blocks_for
-
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(q)
         delta = (dout.to(out.dtype) * out).sum(-1)
         if dlse is not None:
             delta = delta - dlse
-        blocks = blocks_for(q)
+        blocks = _blocks_for(q)
         dq, dk, dv = blocks.backward(blocks.prepare(dout), blocks.prepare(q), blocks.prepare(k), blocks.prepare(v),
                                      out, lse, delta, ctx.scale, ctx.allowed is None, ctx.allowed)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -78,30 +78,25 @@ def block_backward(dout, q, k, v, lse, delta, scale, causal, allowed=None):
 
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """fp32, or fp64 where the input is (a reference computation keeps its precision)."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
 class ExplicitBlocks:
-    """fp32 explicit math (``block_forward`` / ``block_backward``; fp64 inputs stay fp64)."""
+    """fp32 explicit math (``block_forward`` / ``block_backward``)."""
 
     fused = False
 
     @staticmethod
     def prepare(t: torch.Tensor) -> torch.Tensor:
         """The form the blocks compute on: fp32."""
-        return _wide(t)
+        return t.float()
 
     @staticmethod
     def forward(q, k, v, scale, causal, allowed=None):
         """``(out fp32 [b, nh, sq, d], lse fp32 [b, nh, sq])`` of q over one K/V block."""
-        return block_forward(_wide(q), _wide(k), _wide(v), scale, causal, allowed)
+        return block_forward(q.float(), k.float(), v.float(), scale, causal, allowed)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, delta, scale, causal, allowed=None):
         """fp32 ``(dq, dk, dv)`` of one block, from the final ``out``/``lse`` and ``delta = rowsum(dout * out)``."""
-        return block_backward(_wide(dout), _wide(q), _wide(k), _wide(v), lse, delta, scale, causal, allowed)
+        return block_backward(dout.float(), q.float(), k.float(), v.float(), lse, delta, scale, causal, allowed)
 
 
 @dataclass(frozen=True)
