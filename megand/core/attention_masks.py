@@ -5,6 +5,7 @@ cache, so that every attention path agrees on the window's edge."""
 import torch
 import torch.nn.functional as F
 
+from megand.core.attention_sinks import sink_attention
 from megand.core.sdpa import causal_attention
 
 
@@ -16,12 +17,19 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None)
     return (distance >= 0) if window is None else (distance >= 0) & (distance < window)
 
 
-def local_attention(q, k, v, window=None, dropout_p=0.0, scale=None, q_offset=0):
+def local_attention(q, k, v, window=None, dropout_p=0.0, scale=None, q_offset=0, sinks=None):
     """Causal attention of ``q [b, h, sq, d]`` over ``k, v [b, g, sk, d]`` (the last query is the last key's
     token; ``q_offset``: the first query's position minus the first key's when the queries are a suffix),
-    within ``window`` when set. Full-causal windows (no shorter than the keys) take the causal kernel."""
+    within ``window`` when set. Full-causal windows (no shorter than the keys) take the causal kernel.
+    ``sinks [h]``: each head's sink logit in the softmax denominator (:mod:`megand.core.attention_sinks`; no
+    dropout)."""
     sq, sk = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
+    if sinks is not None:
+        allowed = None
+        if window is not None and window < sk:
+            allowed = visible(torch.arange(sk - sq, sk, device=q.device), torch.arange(sk, device=q.device), window)[None]
+        return sink_attention(q, k, v, sinks, scale, allowed)
     if window is None or window >= sk:
         if sq == sk:  # the fused kernel chosen for the device, precision and heads
             return causal_attention(q, k, v, dropout_p, scale)

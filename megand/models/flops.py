@@ -95,6 +95,9 @@ class Shape:
         """The vocabulary rows allocated and computed at tensor-parallel size ``tp`` (None: unpadded)."""
         return self.vocab if tp is None else padded_vocab_size(self.vocab, tp, self.vocab_divisible_by)
     qkv_bias: bool = False     # biases on Q, K, V only (Qwen-style; implied by linear_bias)
+    out_bias: bool = False     # a bias on the attention output projection (GPT-OSS; implied by linear_bias)
+    sinks: bool = False        # one sink logit per query head (GPT-OSS): parameters, no matmul
+    moe_bias: bool = False     # biases on the router's logits and the routed experts (GPT-OSS; implied by linear_bias)
     qk_norm: bool = False      # an RMSNorm weight [head_dim] over each query and each key head (Qwen3)
     qk_norm_projection: bool = False  # the q/k norms over the whole projections: weights [q], [kv] (OLMo 2/3)
     layer_norms: int = 2       # norms of the hidden width per layer (sandwich placement: 4)
@@ -228,6 +231,9 @@ class Shape:
             tied=bool(_get(model, "tie_embeddings")),
             vocab_divisible_by=int(_get(model, "make_vocab_size_divisible_by", MAKE_VOCAB_SIZE_DIVISIBLE_BY)),
             qkv_bias=bool(_get(model, "qkv_bias", False)),
+            out_bias=bool(_get(model, "attention_out_bias", False)),
+            sinks=bool(_get(model, "attention_sinks", False)),
+            moe_bias=bool(_get(model, "moe_bias", False)),
             qk_norm=bool(_get(model, "qk_norm", False)),
             qk_norm_projection=_get(model, "qk_norm_scope", "head") == "projection",
             layer_norms=4 if _get(model, "norm_placement", "pre") == "sandwich" else 2,
@@ -334,6 +340,7 @@ class LayerParams:
     # that many tp ranks (a larger tp replicates each head over the ranks sharing it)
     kv_part: int = 0
     kv_heads: int = 0
+    sinks: int = 0  # the attention sinks, one per query head: split over tp with the heads
 
     @property
     def total(self) -> int:
@@ -344,7 +351,7 @@ class LayerParams:
         """Everything but the routed experts (what every token uses)."""
         return (self.qkv_weight + self.qkv_bias + self.proj_weight + self.proj_bias + self.mlp_in_weight
                 + self.mlp_in_bias + self.mlp_out_weight + self.mlp_out_bias + self.norms + self.router
-                + self.shared_gate + self.attention_replicated)
+                + self.shared_gate + self.attention_replicated + self.sinks)
 
     @property
     def active(self) -> int:
@@ -358,7 +365,7 @@ class LayerParams:
         row-parallel biases, norms, the router and the shared-expert gate are replicated. Routed experts
         are split over ep (whole experts) and etp (expert tensor parallelism; default tp)."""
         etp = tp if etp is None else etp
-        split = (self.qkv_weight + self.qkv_bias - self.kv_part + self.proj_weight
+        split = (self.qkv_weight + self.qkv_bias - self.kv_part + self.proj_weight + self.sinks
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
         kv_split = min(tp, self.kv_heads) if self.kv_heads else tp
         return (split / tp + self.kv_part / kv_split + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
@@ -382,7 +389,8 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
         qkv_weight=h * (q * (2 if shape.gate else 1) + 2 * kv),
         qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
-        proj_bias=h if bias else 0,
+        proj_bias=h if bias or shape.out_bias else 0,
+        sinks=shape.heads if shape.sinks else 0,
         norms=shape.layer_norms * norm_params(shape) + (qk_norm_params(shape) if shape.qk_norm else 0),
         kv_part=2 * kv * (h + (1 if bias or shape.qkv_bias else 0)), kv_heads=shape.groups,
     )
@@ -394,9 +402,10 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
         return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
     E, fe = shape.experts, shape.moe_ffn
     expert_in = (2 if shape.swiglu else 1) * fe
+    bias = bias or shape.moe_bias
     return LayerParams(
         **attention, **_mlp_params(shape, shape.shared_experts * fe),
-        router=E * h,
+        router=E * h + (E if shape.moe_bias else 0),
         shared_gate=h if shape.shared_gate and shape.shared_experts else 0,
         experts_split=E * (expert_in * h + (expert_in if bias else 0) + h * fe),
         experts_replicated=E * h if bias else 0,

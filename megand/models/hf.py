@@ -174,9 +174,12 @@ def hf_config(model: Mapping[str, Any], attn_implementation: str = "sdpa", exper
 
 def build_hf_model(model: Mapping[str, Any], attn_implementation: str = "sdpa",
                    experts_implementation: str | None = None):
-    """A freshly initialised ``transformers`` model of the same shape on the CPU (benchmark baseline)."""
+    """A freshly initialised ``transformers`` model of the same shape on the CPU (benchmark baseline); eager
+    attention where the class has no SDPA attention."""
     from megand.models.hf_families import family_for_model
 
     tf = _require_transformers()
-    cfg = hf_config(model, attn_implementation, experts_implementation)
-    return getattr(tf, family_for_model(model).model_class)(cfg)
+    cls = getattr(tf, family_for_model(model).model_class)
+    if attn_implementation == "sdpa" and not cls._supports_sdpa:  # its attention has no SDPA form (GPT-OSS's sinks)
+        attn_implementation = "eager"
+    return cls(hf_config(model, attn_implementation, experts_implementation))

@@ -71,3 +71,19 @@ def test_swiglu_mlp_with_fused_weight_is_dense_swiglu(topo):
         mlp.fc2.weight.copy_(down)
         x = torch.randn(5, 2, 16, generator=g)
         torch.testing.assert_close(mlp(x), (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_clamped_swiglu_mlp_is_gpt_oss_swiglu(topo):
+    """model.swiglu_limit: the dense MLP applies GPT-OSS's clamped SwiGLU to the same fused gate/up rows."""
+    cfg = TransformerConfig(arch="llama", hidden_size=16, ffn_hidden_size=24, activation="swiglu", swiglu_limit=1.5,
+                            swiglu_alpha=1.702)
+    mlp = MLP(cfg, topo)
+    g = torch.Generator().manual_seed(2)
+    gate, up, down = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(16, 24, generator=g)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(fuse_swiglu(gate, up))
+        mlp.fc2.weight.copy_(down)
+        x = torch.randn(5, 2, 16, generator=g)
+        a, b = (x @ gate.t()).clamp(max=1.5), (x @ up.t()).clamp(-1.5, 1.5)
+        assert (x @ gate.t()).max() > 1.5  # the clamps act
+        torch.testing.assert_close(mlp(x), (a * torch.sigmoid(1.702 * a) * (b + 1)) @ down.t(), rtol=1e-5, atol=1e-5)

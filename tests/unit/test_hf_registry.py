@@ -31,6 +31,8 @@ SMOLLM3 = dict(no_rope=[False, True])
 # Gemma 4: Gemma 3's block with plain norms, value norms, unscaled scores, a proportional global RoPE, soft-capped logits
 GEMMA4 = dict(GEMMA3, norm_unit_offset=False, v_norm=True, query_pre_attn_scalar=1, final_logit_softcapping=30.0,
               rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25})
+# GPT-OSS: attention sinks, biases on every attention projection, biased router and experts, clamped SwiGLU
+GPT_OSS = dict(attention_sinks=True, qkv_bias=True, attention_out_bias=True, moe_bias=True, swiglu_limit=7.0)
 # one model per family: what export must write as that family
 FAMILY_MODELS = {
     "llama": LLAMA,
@@ -52,6 +54,7 @@ FAMILY_MODELS = {
     "olmo3": dict(LLAMA, **OLMO3),
     "smollm3": dict(LLAMA, **SMOLLM3),
     "gemma4_text": dict(LLAMA, **GEMMA4, head_dim=24),
+    "gpt_oss": dict(LLAMA, **MOE, **GPT_OSS, sliding_window=[8, None]),
 }
 
 
@@ -67,7 +70,7 @@ def grid():
             moe, [{}, LATENT], [{}, NEXT, GLM]]
     # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
     # and linear attention (each MoE variant again would multiply the grid's size)
-    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GEMMA4]]
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GEMMA4, GPT_OSS]]
     for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
         m = {}
         for part in parts:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megand.core.attention_masks import visible as visible_keys
+from megand.core.attention_sinks import finish, sinks_grad
 from megand.core.context_parallel.block_kernels import blocks_for
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 
@@ -132,7 +133,7 @@ def _ring_visibility(ids, device, cp_rank, cp_size, half, window=None):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids, visible, window):
+    def forward(ctx, q, k, v, cp_group, scale, ids, visible, window, sinks=None):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
         q_pos = cp_positions(2 * half * cp_size, cp_rank, cp_size, q.device)
@@ -155,14 +156,16 @@ class _RingAttention(torch.autograd.Function):
                 for req in kv_reqs:
                     req.wait()
                 kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # backward then works from the finished output and log-sum-exp
+            out, lse = finish(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window = cp_group, scale, ids, visible, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp_group, scale, ids, visible, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.visible, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         half = q.shape[2] // 2
@@ -205,26 +208,28 @@ class _RingAttention(torch.autograd.Function):
                 req.wait()
         else:
             dkv = block_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dsinks = None if sinks is None else sinks_grad(delta, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, dsinks
 
 
-def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
+def ring_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None, sinks=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     K/V blocks rotate around the ring (p2p), overlapped with the computation on the current block.
     ``documents`` (anything with ``ids [b, s]``, the whole sequence's document ids): attention within documents.
-    ``window``: sliding-window attention (a query sees its ``window`` latest keys).
+    ``window``: sliding-window attention (a query sees its ``window`` latest keys). ``sinks [nh]``: each head's
+    sink logit in the softmax denominator, applied once the blocks are merged (:mod:`megand.core.attention_sinks`).
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if documents is None and window is None:
-        return _RingAttention.apply(q, k, v, cp_group, scale, None, None, None)
+        return _RingAttention.apply(q, k, v, cp_group, scale, None, None, None, sinks)
     cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
     visible = _memo(documents, ("ring", cp_rank, cp_size, half, window),
                     lambda: _ring_visibility(*_plan_ids(documents), cp_rank, cp_size, half, window))
     ids = None if documents is None else documents.ids
-    return _RingAttention.apply(q, k, v, cp_group, scale, ids, visible, window)
+    return _RingAttention.apply(q, k, v, cp_group, scale, ids, visible, window, sinks)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -270,7 +275,7 @@ def _all_gather_plan(ids, device, cp_rank, cp_size, half, window=None):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, scale, ids, plan, window):
+    def forward(ctx, q, k, v, cp_group, scale, ids, plan, window, sinks=None):
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
         k_all, v_all = blocks.prepare(_all_gather_kv(torch.stack([k, v]), cp_group)).unbind(0)
@@ -280,15 +285,17 @@ class _AllGatherAttention(torch.autograd.Function):
         for qs, ks, causal, allowed in _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
             out[:, :, qs], lse[:, :, qs] = blocks.forward(qb[:, :, qs], k_all[:, :, ks], v_all[:, :, ks], scale,
                                                           causal, allowed)
+        if sinks is not None:
+            out, lse = finish(out, lse, sinks)
         # the gathered K/V are not saved (that would be O(s) per rank): backward gathers them again
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window = cp_group, scale, ids, plan, window
         return out.to(q.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp_group, scale, ids, plan, window = ctx.cp_group, ctx.scale, ctx.ids, ctx.plan, ctx.window
         cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
         blocks = blocks_for(q)
@@ -307,7 +314,8 @@ class _AllGatherAttention(torch.autograd.Function):
         dkv_by_rank = torch.cat([split_for_cp(dkv_all, 3, r, cp_size) for r in range(cp_size)])  # ranks along dim 0
         local_dkv = torch.empty_like(dkv_by_rank[:2])
         _reduce_scatter_single(local_dkv, dkv_by_rank, group=cp_group)
-        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None, None, None
+        dsinks = None if sinks is None else sinks_grad(delta, lse, sinks)
+        return dq.to(q.dtype), local_dkv[0].to(k.dtype), local_dkv[1].to(v.dtype), None, None, None, None, None, dsinks
 
 
 def _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
@@ -320,14 +328,14 @@ def _all_gather_work(q, cp_rank, cp_size, ids, plan, window):
     return _document_pieces(pieces, ids, q_pos, k_pos, visible, window)
 
 
-def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
+def all_gather_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None, sinks=None):
     """Same contract as ``ring_attention``; K/V all-gathered, dK/dV reduce-scattered (no overlap)."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if documents is None and window is None:
-        return _AllGatherAttention.apply(q, k, v, cp_group, scale, None, None, None)
+        return _AllGatherAttention.apply(q, k, v, cp_group, scale, None, None, None, sinks)
     cp_rank, cp_size, half = dist.get_rank(cp_group), dist.get_world_size(cp_group), q.shape[2] // 2
     plan = _memo(documents, ("all_gather", cp_rank, cp_size, half, window),
                  lambda: _all_gather_plan(*_plan_ids(documents), cp_rank, cp_size, half, window))
     ids = None if documents is None else documents.ids
-    return _AllGatherAttention.apply(q, k, v, cp_group, scale, ids, plan, window)
+    return _AllGatherAttention.apply(q, k, v, cp_group, scale, ids, plan, window, sinks)

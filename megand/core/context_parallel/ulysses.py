@@ -73,12 +73,13 @@ def check_ulysses_heads(num_heads: int, tp: int, cp: int) -> None:
                          f"to be divisible by parallel.cp={cp}")
 
 
-def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None):
+def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None, window=None, sinks=None):
     """Causal attention over the whole sequence of ``cp_group``, local tokens in the load-balanced layout.
 
     q ``[b, nh, s_local, d]``, k/v ``[b, ng, s_local, d]`` (GQA when ng < nh); returns ``[b, nh, s_local, d]``.
     ``documents`` (a ``DocumentMask`` of the whole sequence): attention within documents, on the whole
-    sequence each rank holds after the all-to-all.
+    sequence each rank holds after the all-to-all. ``sinks [nh]``: each head's sink logit (this rank's
+    ``nh / cp`` of them apply to the heads it attends).
     """
     cp = dist.get_world_size(cp_group)
     nh, ng = q.shape[1], k.shape[1]
@@ -90,8 +91,10 @@ def ulysses_attention(q, k, v, cp_group, softmax_scale=None, documents=None, win
     order = torch.cat([cp_positions(seq, r, cp, device=q.device) for r in range(cp)])
     natural = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, cp_group).index_select(2, natural) for t in (q, k, v))
+    if sinks is not None:  # the heads rank r attends after the all-to-all: [r, r + 1) * nh / cp
+        sinks = sinks.view(cp, -1)[dist.get_rank(cp_group)]
     if documents is not None:
-        out = documents.attend(q, k, v, scale=softmax_scale, window=window)
+        out = documents.attend(q, k, v, scale=softmax_scale, window=window, sinks=sinks)
     else:
-        out = local_attention(q, k, v, window, scale=softmax_scale)
+        out = local_attention(q, k, v, window, scale=softmax_scale, sinks=sinks)
     return _HeadsToSeq.apply(out.index_select(2, order), cp_group)

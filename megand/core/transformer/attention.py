@@ -95,12 +95,18 @@ class AttentionCore(torch.nn.Module):
     """What every attention block shares: causal attention of its heads on this rank, over the context-parallel
     group, within documents, with dropout and selective recomputation."""
 
-    def __init__(self, cfg, topo, rng, layer_id=0):
+    def __init__(self, cfg, topo, rng, layer_id=0, device=None):
         super().__init__()
         self.cfg, self.rng = cfg, rng
         self.window = cfg.window(layer_id)  # sliding-window attention of this layer (None: full causal)
         self.cp_group = topo.cp_group if topo.cp_size > 1 else None
         self.checkpoint = checkpoint  # selective recomputation's checkpoint (see keep_eager)
+        self.sinks = None
+        if cfg.attention_sinks:  # one logit per query head: split over tp with the heads
+            heads, tp = cfg.num_attention_heads, topo.tp_size
+            meta = ParamMeta((heads,), 0, topo.tp_rank, tp, init_std=cfg.init_std, role=BIAS)
+            self.sinks = _param((divide(heads, tp, "model.num_attention_heads across tensor-parallel ranks"),), meta,
+                                cfg.params_dtype, topo.device if device is None else device)
 
     def keep_eager(self, eager) -> None:
         """This block is compiled: its selective recomputation runs through ``eager``
@@ -112,6 +118,8 @@ class AttentionCore(torch.nn.Module):
         """Causal attention of ``[b, heads, s, d]`` tensors; k and v may have fewer (grouped) heads.
         ``documents``: a :class:`DocumentMask`; tokens then attend only within their document."""
         window = {} if self.window is None else {"window": self.window}
+        if self.sinks is not None:
+            window["sinks"] = self.sinks
         if self.cp_group is not None:  # the other tokens of the sequence live on the other cp ranks
             attend = CP_ATTENTION[self.cfg.cp_comm]
             if documents is not None:
@@ -121,7 +129,7 @@ class AttentionCore(torch.nn.Module):
             return documents.attend(q, k, v, **window)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         if dropout == 0.0:  # no random state to swap (torch.compile cannot trace the swap: a graph break)
-            return local_attention(q, k, v, self.window)
+            return local_attention(q, k, v, self.window, sinks=self.sinks)
         with self.rng.fork():  # heads differ across tp ranks, so do their dropout masks
             return local_attention(q, k, v, self.window, dropout_p=dropout)
 
@@ -134,7 +142,7 @@ class AttentionCore(torch.nn.Module):
 
 class Attention(AttentionCore):
     def __init__(self, cfg, topo, rng, device=None, layer_id=0):
-        super().__init__(cfg, topo, rng, layer_id)
+        super().__init__(cfg, topo, rng, layer_id, device)
         tp = topo.tp_size
         self.q_per_group = divide(cfg.num_attention_heads, cfg.query_groups, "model.num_attention_heads per query group")
         # with the output gate each query group also holds its heads' gates, after its queries
@@ -161,7 +169,8 @@ class Attention(AttentionCore):
             retag(self.qkv.weight, fused_rows=(self.q_per_group * cfg.head_dim,) * (2 if self.gated else 1)
                   + (cfg.head_dim, cfg.head_dim))
         self.proj = RowParallelLinear(cfg.query_width, cfg.hidden_size,
-                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5, **common)
+                                      init_std=cfg.init_std / (2 * cfg.num_layers) ** 0.5,
+                                      **dict(common, bias=cfg.add_bias or cfg.attention_out_bias))
         self.q_norm = self.k_norm = None
         if cfg.qk_norm and cfg.qk_norm_scope == "projection":  # over all heads: split with them over tp
             if tp > cfg.query_groups or cfg.norm_unit_offset:
@@ -198,7 +207,7 @@ class Attention(AttentionCore):
             q = q * self.q_scale
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if cache is not None:
-            out = cached_attention(q, *cache.append(k, v), window=self.window)
+            out = cached_attention(q, *cache.append(k, v), window=self.window, sinks=self.sinks)
         else:
             out = self.attend(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)

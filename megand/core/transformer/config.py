@@ -47,6 +47,10 @@ class TransformerConfig:
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | tuple | None = None  # sliding-window attention (Mistral): each query sees the N latest keys (itself included); an int for every layer or a list with one entry per layer (null entries: full attention); null: none
     attention_output_gate: bool = False  # scale each attention head's output by sigmoid of a gate projected with its query (Qwen3-Next, Qwen3.5)
+    attention_sinks: bool = False  # a learned logit per head in each query's softmax denominator, attending to no value (GPT-OSS)
+    attention_out_bias: bool = False  # a bias on the attention output projection (GPT-OSS; qkv_bias is the q/k/v one)
+    swiglu_limit: float | None = None  # clamped SwiGLU (GPT-OSS) when set: gate clamped to <= limit, up to [-limit, limit], out = gate * sigmoid(swiglu_alpha * gate) * (up + 1); null: silu(gate) * up
+    swiglu_alpha: float = 1.702  # the clamped SwiGLU's sigmoid gain (read with swiglu_limit)
     partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each query/key head (its first dims; Qwen3-Next: 0.25)
     norm_placement: str = "pre"  # pre: a norm before attention and before the MLP | sandwich: also one on each branch's output before the residual add (Gemma 2/3) | post: only the norms on the branch outputs (OLMo 2/3)
     embedding_scale: bool = False  # multiply the word embeddings by sqrt(hidden_size), rounded to the parameters' dtype (Gemma); the tied output layer reads the unscaled table
@@ -88,6 +92,7 @@ class TransformerConfig:
     moe_bias_update_rate: float = 0.001  # sigmoid router: step of the aux-loss-free balancing bias after each optimizer step (0: off)
     moe_aux_loss_coeff: float = 0.0  # load-balancing (Switch/GShard) loss coefficient, over each micro-batch's global tokens
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
+    moe_bias: bool = False  # biases on the router's logits and on each routed expert's fc1 and fc2 (GPT-OSS)
     moe_capacity_factor: float | None = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
     mtp_layers: int = 0  # multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead with one transformer layer of its own and the shared embedding and output layer, on the last pipeline stage; 0: none
     mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp_loss
@@ -195,6 +200,13 @@ class TransformerConfig:
         if self.v_norm and self.multi_latent:
             raise ValueError("model.v_norm with model.kv_lora_rank (latent attention): the value norm is standard "
                              "attention's")
+        if self.swiglu_limit is not None and (self.activation != "swiglu" or not self.swiglu_limit > 0):
+            raise ValueError(f"model.swiglu_limit={self.swiglu_limit}: the clamped SwiGLU needs a limit > 0 and "
+                             f"model.activation=swiglu (got {self.activation})")
+        if self.attention_sinks and (self.multi_latent or self.attention_dropout):
+            raise ValueError(f"model.attention_sinks with model.kv_lora_rank={self.kv_lora_rank} / "
+                             f"model.attention_dropout={self.attention_dropout}: sinks need standard attention "
+                             f"without attention dropout")
         if self.query_pre_attn_scalar is not None and (self.multi_latent or not self.query_pre_attn_scalar > 0):
             raise ValueError(f"model.query_pre_attn_scalar={self.query_pre_attn_scalar}: expected > 0, with standard "
                              f"attention (null: head_dim)")
@@ -358,6 +370,8 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
         inert.add("rope_theta")
     if not m.get("qk_norm"):
         inert.add("qk_norm_scope")
+    if m.get("swiglu_limit") is None:
+        inert.add("swiglu_alpha")
     if m.get("no_rope") is not None and not any(m["no_rope"]):
         inert.add("no_rope")
     if m.get("kv_lora_rank") is None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megand.core.attention_masks import visible
+from megand.core.attention_sinks import sink_attention
 
 
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
@@ -69,12 +70,13 @@ class DocumentMask:
         self._position_masks = []  # (q_pos, k_pos, block mask) for explicit positions, matched by identity
         self.memo = {}  # what context-parallel attention derives from the documents once per micro-batch
 
-    def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None, window=None):
+    def attend(self, q, k, v, q_pos=None, k_pos=None, scale=None, window=None, sinks=None):
         """``q [b, h, sq, d]``, ``k, v [b, g, sk, d]`` at global positions ``q_pos [sq]``, ``k_pos [sk]``
         (default: the whole sequence); ``window``: sliding-window attention. Rows with no visible key (none
-        when q_pos covers k_pos) give 0."""
+        when q_pos covers k_pos) give 0. ``sinks [h]``: each head's sink logit in the softmax denominator, on
+        the dense mask (every row must see a key)."""
         gqa = k.shape[1] != q.shape[1]
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and sinks is None:
             return _compiled_flex_attention()(q, k, v, block_mask=self.block_mask(q, k, q_pos, k_pos, window),
                                               scale=scale, enable_gqa=gqa)
         if q_pos is None:
@@ -83,6 +85,8 @@ class DocumentMask:
             k_pos = torch.arange(k.shape[2], device=k.device)
         q_doc, k_doc = self.ids[:, q_pos], self.ids[:, k_pos]
         mask = dense_document_mask(q_doc, k_doc, q_pos, k_pos, window)
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, scale, mask[:, 0])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
     def block_mask(self, q, k, q_pos=None, k_pos=None, window=None):

@@ -56,11 +56,11 @@ class KVCache:
         return next(iter(self.layers.values())).length if self.layers else 0
 
 
-def cached_attention(q, k, v, window=None):
+def cached_attention(q, k, v, window=None, sinks=None):
     """Attention of the new queries ``[b, heads, s_new, d]`` over every cached key/value ``[b, groups, s, d]``:
     query i is the token at position ``s - s_new + i`` and sees the keys up to it (the ``window`` latest
-    with sliding-window attention)."""
+    with sliding-window attention; ``sinks``: each head's sink logit)."""
     s_new, s = q.shape[2], k.shape[2]
-    if s_new == 1 and (window is None or window >= s):
+    if s_new == 1 and (window is None or window >= s) and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-    return local_attention(q, k, v, window)
+    return local_attention(q, k, v, window, sinks=sinks)

@@ -21,6 +21,13 @@ def split_swiglu(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
+def clamped_swiglu(pairs: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU of an fc1 output ``[..., f, 2]`` (gate, up): the gate clamped to at most ``limit``,
+    the up to ``[-limit, limit]``, ``gate * sigmoid(alpha * gate) * (up + 1)``."""
+    gate, up = pairs[..., 0].clamp(max=limit), pairs[..., 1].clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 class SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` of an fc1 output ``[..., f, 2]`` (gate, up) that is already computed (the routed
     experts' grouped GEMM), saving only that input for backward and recomputing the silu there: autograd on
@@ -121,12 +128,14 @@ class MLP(torch.nn.Module):
     def __init__(self, cfg, topo, device=None):
         super().__init__()
         self.swiglu, self.geglu = cfg.activation == "swiglu", cfg.activation == "geglu"
+        # the clamped SwiGLU's fc1 returns the gate and up products, activated here (as GeGLU)
+        self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         if cfg.activation not in ("gelu", "swiglu", "geglu"):
             raise ValueError(f"model.activation={cfg.activation!r}: expected gelu, swiglu or geglu")
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
         fc1_size = cfg.ffn_hidden_size * (2 if self.swiglu or self.geglu else 1)
-        fc1 = SwiGLUColumnParallelLinear if self.swiglu else ColumnParallelLinear
+        fc1 = SwiGLUColumnParallelLinear if self.swiglu and self.clamp is None else ColumnParallelLinear
         self.fc1 = fc1(cfg.hidden_size, fc1_size, init_std=cfg.init_std, **common)
         if self.swiglu or self.geglu:  # rows alternate gate, up
             retag(self.fc1.weight, fused_rows=(1, 1))
@@ -135,7 +144,9 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)  # SwiGLU: already activated
-        if self.geglu:  # [..., f, 2]: gate, up
+        if self.clamp is not None:
+            h = clamped_swiglu(h.unflatten(-1, (-1, 2)), *self.clamp)
+        elif self.geglu:  # [..., f, 2]: gate, up
             pairs = h.unflatten(-1, (-1, 2))
             h = F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
         elif not self.swiglu:

@@ -40,7 +40,7 @@ from megand.core.tensor_parallel.mappings import (
     reduce_scatter_to_sp,
     scatter_to_sp,
 )
-from megand.core.transformer.mlp import MLP, SwiGLU
+from megand.core.transformer.mlp import MLP, SwiGLU, clamped_swiglu
 
 
 def _param(shape, meta, dtype, device):
@@ -95,6 +95,12 @@ class Router(torch.nn.Module):
         self.weight = _param(shape, ParamMeta(shape, None, topo.tp_rank, topo.tp_size, init_std=cfg.init_std,
                                               input_split=split_by_tokens(sharded_tokens), role=ROUTER),
                              cfg.params_dtype, device)
+        self.bias = None
+        if cfg.moe_bias:  # on the logits (GPT-OSS): replicated over tp like the weight
+            self.bias = _param((cfg.num_experts,), ParamMeta((cfg.num_experts,), None, topo.tp_rank, topo.tp_size,
+                                                             init_std=cfg.init_std, role=BIAS,
+                                                             input_split=split_by_tokens(sharded_tokens)),
+                               cfg.params_dtype, device)
         if self.kind == "sigmoid":
             # state, not a parameter; tiny: created on the run's device even when the model is built on meta
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=topo.device))
@@ -104,6 +110,8 @@ class Router(torch.nn.Module):
     def forward(self, x):
         """``x [T, h]`` -> ``(logits [T, E], scores [T, E], experts [T, k], weights [T, k])``, fp32."""
         logits = x.float() @ self.weight.float().t()
+        if self.bias is not None:
+            logits = logits + self.bias.float()
         if self.kind == "softmax":
             scores = torch.softmax(logits, dim=-1)
             experts = top_k_stable(scores.detach(), self.top_k)
@@ -319,8 +327,9 @@ class Experts(torch.nn.Module):
     def __init__(self, cfg, topo, split: bool, sharded_tokens: bool, device):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         f, h, e = cfg.expert_ffn_hidden_size, cfg.hidden_size, cfg.num_experts
-        common = dict(bias=cfg.add_bias, topo=topo, sharded_tokens=sharded_tokens, dtype=cfg.params_dtype,
+        common = dict(bias=cfg.add_bias or cfg.moe_bias, topo=topo, sharded_tokens=sharded_tokens, dtype=cfg.params_dtype,
                       device=device)
         self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu else 1), split_dim=1 if split else None,
                                  init_std=cfg.init_std, bias_split=split, **common)
@@ -335,7 +344,10 @@ class Experts(torch.nn.Module):
         the loop over experts runs)."""
         host = HostOffsets(offsets, host_offsets)  # shared by both GEMMs
         h = self.fc1(x, counts, offsets, host_offsets=host)
-        h = SwiGLU.apply(h.unflatten(-1, (-1, 2))) if self.swiglu else F.gelu(h, approximate="tanh")
+        if self.clamp is not None:
+            h = clamped_swiglu(h.unflatten(-1, (-1, 2)), *self.clamp)
+        else:
+            h = SwiGLU.apply(h.unflatten(-1, (-1, 2))) if self.swiglu else F.gelu(h, approximate="tanh")
         return self.fc2(h, counts, offsets, add_bias=fc2_bias, host_offsets=host)
 
 
