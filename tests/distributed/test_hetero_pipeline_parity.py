@@ -28,6 +28,9 @@ CASES = {  # name: (processes, overrides)
     # a V: pipeline rank 0 holds virtual stages 0 and 3 (the loss), rank 1 stages 1 and 2
     "tp2sp_tp1_zbv": (3, ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv",
                           stages((1, 2, True), (1, 1, False), (1, 1, False), (1, 2, True)))),
+    # both heterogeneous features at once: stages of different widths, replicas that take different shares
+    "tp1_tp2sp_shares_3_1_zero1": (6, ("parallel.pp=2", "optim.sharding=optim", "parallel.dp_microbatches=[3,1]",
+                                       stages((2, 1, False), (2, 2, True)))),
     # a middle stage wider than both neighbours
     "tp1_tp2sp_tp1_pp3": (4, ("parallel.pp=3",
                               stages((2, 1, False), (1, 2, True), (1, 1, False)))),
