@@ -33,7 +33,7 @@ from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8, weights_cached
 from megand.core.timing import device_timer
-from megand.core.transformer import moe
+from megand.core.transformer import dsa, moe
 from megand.core.sdpa import attention_summary
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
@@ -597,6 +597,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, step_microbatches(self.topo.dp_microbatches, len(microbatches)))
+        dsa.start_step(self.chunks, loss_scale, step_microbatches(self.topo.dp_microbatches, len(microbatches)))
         # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
