@@ -742,7 +742,8 @@ class Trainer:
         if self.model_cfg.mtp_layers:  # the step's MTP loss: summed over one rank per data shard of the last stage
             counted = self.has_loss and self.topo.tp_rank == 0
             metrics.append(Metric("mtp_loss", self.mtp_loss_sum if counted else 0.0))
-        return metrics + moe.step_metrics(self.chunks, self.model_cfg, self.topo.device)
+        return (metrics + moe.step_metrics(self.chunks, self.model_cfg, self.topo.device)
+                + dsa.step_metrics(self.chunks, self.model_cfg, self.topo))
 
     def log(self, loss, result, iter_time):
         t = self.cfg.train

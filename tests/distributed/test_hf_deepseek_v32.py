@@ -71,15 +71,46 @@ def test_import_refuses_what_megand_cannot_express_in_one_line(changes, needle, 
     assert len(err) == 1 and needle in err[0], err
 
 
-LAYOUTS = {"one": (1, []), "cp2": (2, ["parallel.cp=2"]), "cp2_a2a_sp": (4, ["parallel.cp=2", "parallel.tp=2",
+LAYOUTS = {"one": (1, []), "cp2": (2, ["parallel.cp=2"]), "cp2_tp2_sp": (4, ["parallel.cp=2", "parallel.tp=2",
                                                                                "parallel.sequence_parallel=true"]),
            "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]), "ep2": (2, ["parallel.ep=2"])}
 
 
-@pytest.mark.parametrize("layout", ["one", "cp2", pytest.param("cp2_a2a_sp", marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout", ["one", "cp2", pytest.param("cp2_tp2_sp", marks=pytest.mark.slow),
                                     pytest.param("tp2_pp2", marks=pytest.mark.slow),
                                     pytest.param("ep2", marks=pytest.mark.slow)])
 def test_first_step_loss_equals_transformers(layout, imported, tmp_path):
     theirs, _, ckpt = imported
     nproc, overrides = LAYOUTS[layout]
     first_step_loss_equals_transformers(f"deepseek_v32 {layout}", theirs, ckpt, nproc, overrides, tmp_path)
+
+
+# large enough that the indexer's gradients move the global norm by ~10%: its equality then checks them too
+INDEXER_LOSS = ["model.dsa_indexer_loss_coeff=1000"]
+
+
+@pytest.fixture(scope="module")
+def indexer_loss_reference(imported, tmp_path_factory):
+    """One process, the indexer loss on: the first step's record."""
+    run_dir = str(tmp_path_factory.mktemp("indexer_loss_one") / "run")
+    run_pretrain(run_dir, [f"checkpoint.load={imported[2]}", "train.iters=1", "train.eval_iters=0", *INDEXER_LOSS])
+    return read_metrics(run_dir)[0]
+
+
+@pytest.mark.parametrize("layout", ["cp2", pytest.param("cp2_tp2_sp", marks=pytest.mark.slow),
+                                    pytest.param("tp2_pp2", marks=pytest.mark.slow)])
+def test_indexer_loss_and_its_gradients_equal_one_process(layout, imported, indexer_loss_reference, tmp_path):
+    """With the indexer loss on, the LM loss is unchanged (the indexer's inputs and the target are detached
+    from the main model), and the indexer loss and the global gradient norm (the indexer's gradients come only
+    from that loss) equal the one-process run's."""
+    theirs, _, ckpt = imported
+    nproc, overrides = LAYOUTS[layout]
+    run_dir = str(tmp_path / "run")
+    run_pretrain(run_dir, [f"checkpoint.load={ckpt}", "train.iters=1", "train.eval_iters=0", *INDEXER_LOSS,
+                           *overrides], nproc=nproc)
+    ours, one = read_metrics(run_dir)[0], indexer_loss_reference
+    print(f"deepseek_v32 indexer loss {layout}: {ours['indexer_loss']:.8f} (one process {one['indexer_loss']:.8f}), "
+          f"grad norm {ours['grad_norm']:.8f} ({one['grad_norm']:.8f})")
+    assert one["indexer_loss"] > 0
+    for key in ("loss", "indexer_loss", "grad_norm"):
+        assert abs(ours[key] - one[key]) <= 1e-5 * abs(one[key]), (key, ours[key], one[key])

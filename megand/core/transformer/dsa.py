@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megand.core.attention_masks import visible
+from megand.core.metrics import MEAN, Metric
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 from megand.core.sharding import MATRIX, ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel import gather_from_sp
@@ -89,7 +90,8 @@ class Indexer(torch.nn.Module):
         self.loss_scale = 1.0  # the indexer loss's gradient: loss scale / micro-batches of the step (start_step)
         # the ranks holding one micro-batch's tokens (cp shards, data-parallel replicas): the loss is their mean
         self.microbatch_ranks = topo.microbatch_ranks
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_sum = None  # this rank's share, over the step (made by start_step, where the weights live)
+        self.terms = 0  # (layer, micro-batch) terms in loss_sum: a host count
 
     def forward(self, x, q_latent, rope):
         """``x``: the layer's input (the rank's sp shard under sp), ``q_latent [s, b, q_lora_rank]`` (the whole
@@ -148,8 +150,9 @@ class Indexer(torch.nn.Module):
         kl = indexer_kl(index_scores, probs, chosen)
         tokens = kl.numel() * self.microbatch_ranks
         loss = kl.sum() / tokens
-        if not in_recompute():
+        if not in_recompute() and self.loss_sum is not None:
             self.loss_sum += loss.detach()
+            self.terms += 1
         return block.cfg.dsa_indexer_loss_coeff * loss
 
     def scores(self, q, k, w):
@@ -210,5 +213,19 @@ def start_step(chunks, loss_scale: float, num_microbatches: int) -> None:
     """Before a step: zero the indexer losses' sums and set their gradient scale (each micro-batch's loss counts
     1/num_microbatches, like its share of the LM loss; times the fp16 loss scale)."""
     for m in indexers(chunks):
-        m.loss_sum.zero_()
+        m.loss_sum = torch.zeros((), dtype=torch.float32, device=m.wq.device)
+        m.terms = 0
         m.loss_scale = float(loss_scale) / num_microbatches
+
+
+def step_metrics(chunks, cfg, topo) -> list[Metric]:
+    """``indexer_loss``: the step's indexer loss, the mean over layers and micro-batches. Each rank holds its
+    share of each micro-batch's mean (its cp shard and data-parallel replica), identical over tp: tp rank 0's
+    shares are summed, and each term counted once (on the first rank of its micro-batch)."""
+    if cfg.dsa_index_topk is None or not cfg.dsa_indexer_loss_coeff:
+        return []
+    layers = indexers(chunks)
+    mine = topo.tp_rank == 0
+    total = sum((m.loss_sum for m in layers), torch.zeros((), device=topo.device)) if mine and layers else 0.0
+    first = mine and topo.cp_rank == 0 and topo.dp_rank == 0
+    return [Metric("indexer_loss", total, MEAN, count=float(sum(m.terms for m in layers)) if first else 0.0)]
