@@ -114,3 +114,21 @@ def test_indexer_loss_and_its_gradients_equal_one_process(layout, imported, inde
     assert one["indexer_loss"] > 0
     for key in ("loss", "indexer_loss", "grad_norm"):
         assert abs(ours[key] - one[key]) <= 1e-5 * abs(one[key]), (key, ours[key], one[key])
+
+
+@pytest.mark.slow
+def test_documents_restart_the_selection_at_cp2_with_selective_recompute(imported, tmp_path):
+    """Documents (``data.reset_attention_mask``) restart each query's top-k; with selective recomputation and the
+    indexer loss, two steps at cp=2 equal the one-process run (loss, indexer loss, grad norm)."""
+    common = [f"checkpoint.load={imported[2]}", "train.iters=2", "train.eval_iters=0", "data.reset_attention_mask=true",
+              "data.reset_position_ids=true", "train.recompute=selective", *INDEXER_LOSS]
+    records = {}
+    for nproc, extra in ((1, []), (2, ["parallel.cp=2"])):
+        run_pretrain(str(tmp_path / f"run{nproc}"), [*common, *extra], nproc=nproc)
+        records[nproc] = [r for r in read_metrics(str(tmp_path / f"run{nproc}")) if "loss" in r]
+    plain = str(tmp_path / "plain")
+    run_pretrain(plain, [f"checkpoint.load={imported[2]}", "train.iters=1", "train.eval_iters=0"])
+    assert records[1][0]["loss"] != read_metrics(plain)[0]["loss"]  # the documents change the model's input
+    for one, cp in zip(records[1], records[2]):
+        for key in ("loss", "indexer_loss", "grad_norm"):
+            assert abs(cp[key] - one[key]) <= 1e-5 * abs(one[key]), (key, cp[key], one[key])
