@@ -126,6 +126,10 @@ class Shape:
     lin_dk: int = 0
     lin_dv: int = 0
     lin_kernel: int = 0
+    index_topk: int = 0        # DeepSeek Sparse Attention: keys each query attends to (0: dense attention)
+    index_heads: int = 0       # its lightning indexer's heads and head width
+    index_dim: int = 0
+    index_loss: bool = False   # the indexer loss trains the indexer (model.dsa_indexer_loss_coeff > 0)
 
     @property
     def linear_padded_seq(self) -> int:
@@ -159,7 +163,33 @@ class Shape:
         """Keys each query's attention core is counted over in ``layer`` (the sequence, or its window; a
         multi-token prediction layer, after the last, has the last one's window)."""
         window = self.windows[min(layer, self.layers - 1)] if self.windows else None
+        if self.index_topk:  # DeepSeek Sparse Attention: the top-k keys a sparse kernel computes
+            window = self.index_topk
         return self.seq if window is None else min(self.seq, window)
+
+    @property
+    def indexer_forward(self) -> int:
+        """Forward FLOPs per token of one layer's lightning indexer: its projections (queries from the query
+        latent, the shared key, the head weights) and its scores over every key (each head's q·k, then the
+        weighted sum over heads)."""
+        if not self.index_topk:
+            return 0
+        hi, di, h = self.index_heads, self.index_dim, self.hidden
+        return 2 * (self.q_lora * hi * di + h * di + h * hi) + 2 * (hi * di + hi) * self.seq
+
+    @property
+    def indexer_step(self) -> int:
+        """What a training step computes per token for one layer's indexer: its forward only (no gradient
+        reaches it) or, with the indexer loss, also its backward (weight gradients of the projections: 1x,
+        both operands of the score products: 2x; its inputs are detached) and the loss's target, the main
+        attention's scores over every key (2·s·H·width, the kernels' padded width)."""
+        if not self.index_topk or not self.index_loss:
+            return self.indexer_forward
+        hi, di, h = self.index_heads, self.index_dim, self.hidden
+        projections = 2 * (self.q_lora * hi * di + h * di + h * hi)
+        scores = 2 * (hi * di + hi) * self.seq
+        target = 2 * self.heads * max(self.head_dim, self.v_head) * self.seq
+        return 2 * projections + 3 * scores + target
 
     @property
     def kv_dim(self) -> int:
@@ -245,6 +275,7 @@ class Shape:
             mtp_layers=int(_get(model, "mtp_layers", 0)),
             gate=bool(_get(model, "attention_output_gate", False)),
             **_linear_fields(model),
+            **_sparse_fields(model),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
         )
 
@@ -296,6 +327,14 @@ def _linear_fields(model: Mapping[str, Any]) -> dict:
                 lin_dv=int(model["linear_value_head_dim"]), lin_kernel=int(model["linear_conv_kernel"]))
 
 
+def _sparse_fields(model: Mapping[str, Any]) -> dict:
+    if not model.get("dsa_index_topk"):
+        return {}
+    return dict(index_topk=int(model["dsa_index_topk"]), index_heads=int(_get(model, "dsa_index_heads")),
+                index_dim=int(_get(model, "dsa_index_head_dim")),
+                index_loss=bool(_get(model, "dsa_indexer_loss_coeff", 0.0)))
+
+
 def _latent_fields(model: Mapping[str, Any]) -> dict:
     if not model.get("kv_lora_rank"):
         return {}
@@ -336,6 +375,7 @@ class LayerParams:
     top_k: int = 0
     experts: int = 0
     attention_replicated: int = 0  # latent attention: the down projections and latent norms, replicated over tp
+    indexer: int = 0  # DeepSeek Sparse Attention: the lightning indexer's weights and key norm, replicated over tp
     # the key/value rows of qkv_weight and qkv_bias, and the key/value heads they hold: split over at most
     # that many tp ranks (a larger tp replicates each head over the ranks sharing it)
     kv_part: int = 0
@@ -351,7 +391,7 @@ class LayerParams:
         """Everything but the routed experts (what every token uses)."""
         return (self.qkv_weight + self.qkv_bias + self.proj_weight + self.proj_bias + self.mlp_in_weight
                 + self.mlp_in_bias + self.mlp_out_weight + self.mlp_out_bias + self.norms + self.router
-                + self.shared_gate + self.attention_replicated + self.sinks)
+                + self.shared_gate + self.attention_replicated + self.sinks + self.indexer)
 
     @property
     def active(self) -> int:
@@ -369,7 +409,7 @@ class LayerParams:
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
         kv_split = min(tp, self.kv_heads) if self.kv_heads else tp
         return (split / tp + self.kv_part / kv_split + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
-                + self.attention_replicated + self.experts_split / (ep * etp) + self.experts_replicated / ep)
+                + self.attention_replicated + self.indexer + self.experts_split / (ep * etp) + self.experts_replicated / ep)
 
 
 def _mlp_params(shape: Shape, width: int) -> dict:
@@ -430,8 +470,10 @@ def _latent_params(shape: Shape) -> dict:
     nope = qk - shape.qk_rope
     up = (r_q * H * qk if r_q else h * H * qk) + r_kv * H * (nope + shape.v_head)
     down = (h * r_q + r_q if r_q else 0) + h * (r_kv + shape.qk_rope) + r_kv
+    hi, di = shape.index_heads, shape.index_dim
+    indexer = (r_q * hi * di + h * di + 2 * di + h * hi) if shape.index_topk else 0  # wq, wk, k_norm, weights
     return dict(qkv_weight=up, qkv_bias=0, proj_weight=shape.value_dim * h, proj_bias=0, attention_replicated=down,
-                kv_part=0, kv_heads=0)
+                kv_part=0, kv_heads=0, indexer=indexer)
 
 
 def qk_norm_params(shape: Shape) -> int:
@@ -513,6 +555,10 @@ class ForwardFlopsPerToken:
     mtp_proj: int = 0
     mtp_attention: int = 0
     mtp_logits: int = 0
+    # DeepSeek Sparse Attention: every layer's indexer (the depths' too), its forward and what a training step
+    # computes for it (not 3x its forward: see Shape.indexer_step); outside ``total``
+    indexer: int = 0
+    indexer_step: int = 0
 
     @property
     def attention(self) -> int:
@@ -551,7 +597,7 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     core = 2 * (q + s.value_dim)  # per key seen: scores and context
-    windowed = sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear else None
+    windowed = sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear or s.index_topk else None
     linear = 0
     if s.linear:
         lp = _linear_params(s)
@@ -563,14 +609,15 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         backward_extra=s.linear_backward_extra if s.linear else 0,
         mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
         mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
-        mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits)
+        mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits,
+        indexer=(s.layers + s.mtp_layers) * s.indexer_forward, indexer_step=(s.layers + s.mtp_layers) * s.indexer_step)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
     """Forward + backward FLOPs per token (3 × forward, and what a backward computes beyond twice its forward),
     independent of recomputation."""
     fwd = forward_flops_per_token(model, tp)
-    return 3 * fwd.total + fwd.backward_extra
+    return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step
 
 
 def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", tp: int | None = None,
@@ -581,11 +628,11 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")
     if recompute == "none":
-        return 3 * fwd.total + fwd.backward_extra
+        return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step
     if recomputed_layers is None:  # the multi-token prediction layers recompute as the others do
         extra = fwd.attention + fwd.mtp_attention
         if recompute == "full":
-            extra += fwd.layers_matmul + fwd.mtp_layers_matmul
+            extra += fwd.layers_matmul + fwd.mtp_layers_matmul + fwd.indexer
     else:
         s = Shape.from_config(model)
         extra = 0
@@ -593,9 +640,10 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
             extra += s.core_flops(i)  # the token-mixing core (attention's scores and context)
             if recompute == "full":
                 extra += fwd.layer_moe if s.is_moe(i) else fwd.layer_dense
+                extra += s.indexer_forward
                 if i in s.linear:
                     extra += fwd.linear_layers_delta // len(s.linear)
-    return 3 * fwd.total + fwd.backward_extra + extra
+    return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step + extra
 
 
 def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megand.core.transformer.config import architecture
-from megand.models import (hf_deepseek_v3, hf_gemma3_text, hf_gemma4_text, hf_glm4_moe, hf_gpt2, hf_gpt_oss, hf_llama,
-                           hf_mistral, hf_mixtral, hf_olmo3, hf_qwen2, hf_qwen2_moe, hf_qwen3, hf_qwen3_moe,
-                           hf_qwen3_5_text, hf_qwen3_next, hf_smollm3)
+from megand.models import (hf_deepseek_v3, hf_deepseek_v32, hf_gemma3_text, hf_gemma4_text, hf_glm4_moe, hf_gpt2,
+                           hf_gpt_oss, hf_llama, hf_mistral, hf_mixtral, hf_olmo3, hf_qwen2, hf_qwen2_moe, hf_qwen3,
+                           hf_qwen3_moe, hf_qwen3_5_text, hf_qwen3_next, hf_smollm3)
 from megand.models.hf import BOOKKEEPING, CONVERTER_READS, Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     hf_llama.FAMILY, hf_qwen2.FAMILY, hf_qwen3.FAMILY, hf_mistral.FAMILY, hf_gpt2.FAMILY, hf_mixtral.FAMILY,
     hf_qwen2_moe.FAMILY, hf_qwen3_moe.FAMILY, hf_deepseek_v3.FAMILY, hf_qwen3_next.FAMILY, hf_qwen3_5_text.FAMILY,
     hf_glm4_moe.FAMILY, hf_gemma3_text.FAMILY, hf_olmo3.FAMILY, hf_smollm3.FAMILY, hf_gemma4_text.FAMILY,
-    hf_gpt_oss.FAMILY)}
+    hf_gpt_oss.FAMILY, hf_deepseek_v32.FAMILY)}
 
 
 @dataclass(frozen=True)

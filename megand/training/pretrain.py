@@ -34,7 +34,7 @@ from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
 from megand.core.tensor_parallel.fp8 import Fp8Kernels, use_fp8, weights_cached
 from megand.core.timing import device_timer
-from megand.core.transformer import moe
+from megand.core.transformer import dsa, moe
 from megand.core.sdpa import attention_summary
 from megand.core.transformer.documents import DocumentMask
 from megand.data.builder import build_datasets as build_data_splits
@@ -624,6 +624,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.loss_scale
         moe.start_step(self.chunks, loss_scale, step_microbatches(self.topo.dp_microbatches, len(microbatches)))
+        dsa.start_step(self.chunks, loss_scale, step_microbatches(self.topo.dp_microbatches, len(microbatches)))
         # multi-token prediction: this rank's share of the step's MTP loss (a device tensor, read when logged)
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
@@ -768,7 +769,8 @@ class Trainer:
         if self.model_cfg.mtp_layers:  # the step's MTP loss: summed over one rank per data shard of the last stage
             counted = self.has_loss and self.topo.tp_rank == 0
             metrics.append(Metric("mtp_loss", self.mtp_loss_sum if counted else 0.0))
-        return metrics + moe.step_metrics(self.chunks, self.model_cfg, self.topo.device)
+        return (metrics + moe.step_metrics(self.chunks, self.model_cfg, self.topo.device)
+                + dsa.step_metrics(self.chunks, self.model_cfg, self.topo))
 
     def log(self, loss, result, iter_time):
         t = self.cfg.train

@@ -22,6 +22,7 @@ NEXT = dict(layer_types=["linear_attention", "attention"], attention_output_gate
             partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=8)
 GLM = dict(partial_rotary_factor=0.5)  # GLM-4.5: RoPE on half of each head
+DSA = dict(dsa_index_topk=8, dsa_index_heads=2, dsa_index_head_dim=16)  # DeepSeek-V3.2's sparse attention
 # Gemma 3 (sandwich and (1 + w) norms, GeGLU, scaled embeddings, a local RoPE base), OLMo 3 (norms on the branch
 # outputs, q/k norms over the whole projections), SmolLM3 (a NoPE layer)
 GEMMA3 = dict(activation="geglu", norm_placement="sandwich", norm_unit_offset=True, embedding_scale=True, qk_norm=True,
@@ -55,6 +56,8 @@ FAMILY_MODELS = {
     "smollm3": dict(LLAMA, **SMOLLM3),
     "gemma4_text": dict(LLAMA, **GEMMA4, head_dim=24),
     "gpt_oss": dict(LLAMA, **MOE, **GPT_OSS, sliding_window=[8, None]),
+    "deepseek_v32": dict(LLAMA, num_query_groups=None, **LATENT, **MOE, moe_router="sigmoid", moe_shared_experts=1,
+                         moe_first_k_dense_replace=1, **DSA),
 }
 
 
@@ -71,7 +74,10 @@ def grid():
     # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
     # and linear attention (each MoE variant again would multiply the grid's size)
     local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GEMMA4, GPT_OSS]]
-    for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global)):
+    # DeepSeek Sparse Attention over latent attention, with and without DeepSeek's MoE
+    sparse = [axes[0], [{}, {"num_query_groups": None}], [{}, dict(MOE, moe_router="sigmoid", moe_shared_experts=1)],
+              [LATENT], [DSA]]
+    for parts in itertools.chain(itertools.product(*axes), itertools.product(*local_global), itertools.product(*sparse)):
         m = {}
         for part in parts:
             m.update(part)

@@ -96,6 +96,10 @@ class TransformerConfig:
     moe_capacity_factor: float | None = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
     mtp_layers: int = 0  # multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead with one transformer layer of its own and the shared embedding and output layer, on the last pipeline stage; 0: none
     mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp_loss
+    dsa_index_topk: int | None = None  # DeepSeek Sparse Attention (DeepSeek-V3.2, on latent attention with q_lora_rank): each query attends only to the keys its lightning indexer scores best, this many (causal); null: dense attention
+    dsa_index_heads: int = 64  # DeepSeek Sparse Attention: the indexer's heads (replicated over tp)
+    dsa_index_head_dim: int = 128  # DeepSeek Sparse Attention: the indexer's head width (its first qk_rope_head_dim dims rotary)
+    dsa_indexer_loss_coeff: float = 0.0  # DeepSeek Sparse Attention: weight of the indexer loss (KL from the main attention's head-summed distribution over the selected keys, detached, to the indexer's softmax; the only signal that trains the indexer), logged as indexer_loss; 0: the indexer is not trained
     # runtime: from parallel.* and train.*, not model keys
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective (attention core) | full (whole layer)
@@ -130,6 +134,8 @@ class TransformerConfig:
         if self.multi_latent:
             self._check_latent()
             object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
+        if self.dsa_index_topk is not None:
+            self._check_sparse_attention()
         if isinstance(self.sliding_window, (list, tuple)):
             object.__setattr__(self, "sliding_window", tuple(self.sliding_window))
             if len(self.sliding_window) != self.num_layers:
@@ -262,6 +268,20 @@ class TransformerConfig:
             raise ValueError(f"model.kv_lora_rank is set (latent attention): {', '.join(f'model.{k}={v}' for k, v in clash.items())} "
                              f"belong(s) to the standard attention (unset them)")
 
+    def _check_sparse_attention(self):
+        """One line naming the values for a DeepSeek Sparse Attention config that cannot be built."""
+        sizes = dict(dsa_index_topk=self.dsa_index_topk, dsa_index_heads=self.dsa_index_heads,
+                     dsa_index_head_dim=self.dsa_index_head_dim)
+        if (not self.multi_latent or self.q_lora_rank is None or any(isinstance(v, bool) or not isinstance(v, int)
+                                                                     or v < 1 for v in sizes.values())
+                or self.dsa_index_head_dim < self.qk_rope_head_dim):
+            raise ValueError(f"{' '.join(f'model.{k}={v}' for k, v in sizes.items())}: DeepSeek Sparse Attention "
+                             f"needs latent attention with model.q_lora_rank (got kv_lora_rank={self.kv_lora_rank}, "
+                             f"q_lora_rank={self.q_lora_rank}), positive sizes and dsa_index_head_dim >= "
+                             f"model.qk_rope_head_dim={self.qk_rope_head_dim}")
+        if self.sliding_window is not None:
+            raise ValueError(f"model.dsa_index_topk with model.sliding_window={self.sliding_window}: not supported")
+
     @property
     def multi_latent(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2/V3)."""
@@ -341,11 +361,13 @@ MODEL_FIELDS = frozenset(f.name for f in fields(TransformerConfig)) - RUNTIME_FI
 # (seq_length: only within the model's positions; its learned position table has seq_length rows)
 TRAINING_FIELDS = frozenset({"seq_length", "hidden_dropout", "attention_dropout", "init_std",
                              "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                             "moe_bias_update_rate", "moe_capacity_factor", "mtp_loss_weight"})
+                             "moe_bias_update_rate", "moe_capacity_factor", "mtp_loss_weight",
+                             "dsa_indexer_loss_coeff"})
 ARCHITECTURE_FIELDS = MODEL_FIELDS - TRAINING_FIELDS
 _DEFAULTS = {f.name: f.default for f in fields(TransformerConfig)}
 _MOE = frozenset(k for k in ARCHITECTURE_FIELDS if k.startswith("moe_"))
 _LATENT = frozenset({"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
+_DSA = frozenset({"dsa_index_heads", "dsa_index_head_dim"})
 _LINEAR = frozenset({"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_conv_kernel"})
 
@@ -378,6 +400,8 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
         inert |= _LATENT
     if "linear_attention" not in (m.get("layer_types") or ()):
         inert |= _LINEAR
+    if m.get("dsa_index_topk") is None:
+        inert |= _DSA
     return {k: v for k, v in out.items() if k not in inert}
 
 

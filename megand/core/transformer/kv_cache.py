@@ -14,6 +14,14 @@ class LayerKVCache:
         self.k = torch.empty(batch, groups, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.empty(batch, groups, max_len, head_dim if v_dim is None else v_dim, dtype=dtype, device=device)
         self.length = 0
+        self.index_k = None  # DeepSeek Sparse Attention: the indexer keys [max_len, b, d] (made on first use)
+
+    def append_index(self, k: torch.Tensor) -> torch.Tensor:
+        """Store the indexer keys ``[s, b, d]`` of the tokens ``append`` just stored; return every token's."""
+        if self.index_k is None:
+            self.index_k = torch.empty(self.k.shape[2], *k.shape[1:], dtype=k.dtype, device=k.device)
+        self.index_k[self.length - k.shape[0]: self.length] = k
+        return self.index_k[: self.length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Store ``k``/``v`` ``[b, groups, s, d]`` after the cached tokens; return every token's k and v."""

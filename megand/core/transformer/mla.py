@@ -31,6 +31,7 @@ from megand.core.sharding import MATRIX, ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_sp
 from megand.core.tensor_parallel.layers import divide
 from megand.core.transformer.attention import AttentionCore
+from megand.core.transformer.dsa import Indexer, gather_cp
 from megand.core.transformer.kv_cache import LayerKVCache, cached_attention
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import apply_rope
@@ -72,18 +73,22 @@ class LatentAttention(AttentionCore):
                                       **common)
         # the kernels' default 1/sqrt(width) becomes the model's scale (DeepSeek's yarn temperature) on q
         self.q_factor = cfg.attention_temperature * (max(cfg.head_dim, self.v_dim) / cfg.head_dim) ** 0.5
+        # DeepSeek Sparse Attention (V3.2): each query attends to the keys its indexer selects
+        self.indexer = Indexer(cfg, topo, device) if cfg.dsa_index_topk is not None else None
 
     def queries(self, x, rope):
-        """``[s, b, local heads, qk]`` (the full local sequence under sp)."""
+        """``[s, b, local heads, qk]`` (the full local sequence under sp), and the normalised query latent (this
+        rank's tokens; None without one)."""
         if self.q_down is None:
-            q = self.q_up(x)
+            q_latent, q = None, self.q_up(x)
         else:
-            q = self.q_up(self.q_down_norm(F.linear(x, self.q_down)))
+            q_latent = self.q_down_norm(F.linear(x, self.q_down))
+            q = self.q_up(q_latent)
         q = q.view(q.shape[0], q.shape[1], self.local_heads, -1)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         if rope is not None:
             q_rope = apply_rope(q_rope, *rope)
-        return torch.cat([q_nope, q_rope], dim=-1)
+        return torch.cat([q_nope, q_rope], dim=-1), q_latent
 
     def latents(self, x, rope):
         """The normalised latent (this rank's tokens) and the rotated shared key ``[s, b, 1, rope]`` (the full
@@ -108,12 +113,14 @@ class LatentAttention(AttentionCore):
 
     def forward(self, x, rope=None, cache: LayerKVCache | None = None, documents=None):
         b = x.shape[1]
-        q = self.queries(x, rope)
+        q, q_latent = self.queries(x, rope)
         latent, k_rope = self.latents(x, rope)
         if cache is not None:  # generation (one process): the latents of every token so far
             latent, k_rope = cache.append(latent.permute(1, 0, 2).unsqueeze(1), k_rope.permute(1, 2, 0, 3))
             latent, k_rope = latent.squeeze(1).permute(1, 0, 2), k_rope.permute(2, 0, 1, 3)
         k, v = self.keys_values(latent, k_rope)
+        if self.indexer is not None and cache is None:  # a query's selected keys may lie on any cp rank
+            k, v = gather_cp(k, self.cp_group), gather_cp(v, self.cp_group)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         q = q * self.q_factor if self.q_factor != 1.0 else q
         width = max(q.shape[-1], self.v_dim)  # one width for q, k and v (zero padding)
@@ -121,7 +128,9 @@ class LatentAttention(AttentionCore):
             q, k = F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1]))
         if self.v_dim < width:
             v = F.pad(v, (0, width - self.v_dim))
-        if cache is not None:
+        if self.indexer is not None:
+            out = self.indexer.attend(self, x, q, k, v, q_latent, rope, cache, documents)
+        elif cache is not None:
             out = cached_attention(q, k, v, window=self.window)
         else:
             out = self.attend(q, k, v, documents)
