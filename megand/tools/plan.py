@@ -112,18 +112,45 @@ def format_table(plans) -> str:
             stages += f" layers {list(c.pipeline_layout)}"
         if c.cp > 1:
             stages += f" cp_comm={c.cp_comm}"
+        tp = "/".join(str(w.tp) for w in c.widths())  # stages of different widths: each width, first stage's first
         lines.append(
-            f"{i:>2} {p.world_size:>6} {c.tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
+            f"{i:>2} {p.world_size:>6} {tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
             f"{'on' if c.sequence_parallel else 'off':>3} {sharding:>18} {c.micro_batch_size:>4} {c.recompute:>9} "
             f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
             f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g} "
             f"{(c.pp_schedule if c.pp > 1 else '-'):>9}  {stages}")
         if is_replica_plan(p):
             lines.append(format_shares(p))
+        elif len({g.name for g in p.stage_groups}) > 1:
+            lines.append(format_pipeline(p))
         if p.hetero_ratio is not None:
             lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
                          f"throughput of each group")
     return "\n".join(lines)
+
+
+def format_pipeline(plan) -> str:
+    """Why this heterogeneous pipeline: per group its stages' width, layers and predicted time per
+    micro-batch, and the plan's speed-ups over each group alone."""
+    c, pr = plan.candidate, plan.prediction
+    per_rank = {}
+    for r, stages in enumerate(c.parallel.placement.stages_of(r) for r in range(c.pp)):
+        per_rank[r] = (sum(c.pipeline_layout[s] for s in stages) if c.pipeline_layout else None,
+                       sum(pr.parts["forward_s"][s] + pr.parts["backward_s"][s] for s in stages))
+    parts = []
+    for name in dict.fromkeys(g.name for g in plan.stage_groups):
+        ranks = [r for r, g in enumerate(plan.stage_groups) if g.name == name]
+        w = c.of_rank(ranks[0])
+        layers = "/".join(str(per_rank[r][0]) for r in ranks)
+        parts.append(f"{name}: {len(ranks)} stage(s) of {c.stage_sizes[ranks[0]]} ranks at tp={w.tp}"
+                     f"{' sp' if w.sequence_parallel else ''}, {layers} layers, "
+                     f"{max(per_rank[r][1] for r in ranks) * 1e3:.1f} ms per micro-batch, "
+                     f"{max(pr.mem_peak_gib[r] for r in ranks):.1f}/{plan.stage_groups[ranks[0]].memory_gib:g} GiB")
+    s = plan.speedups()
+    ratios = [f"{s['fastest_group_alone']:.3f} x the fastest group alone"] if "fastest_group_alone" in s else []
+    ratios += [f"{v:.3f} x {k[:-len('_alone')]} alone" for k, v in s.items()
+               if k.endswith("_alone") and k != "fastest_group_alone" and v is not None]
+    return f"   stages {'; '.join(parts)}; predicted speed-up: {', '.join(ratios) or 'none to compare'}"
 
 
 def launch_commands(user_overrides, plan) -> list:
@@ -146,7 +173,7 @@ def verify(user_overrides, plan) -> dict:
 
     c, pr = plan.candidate, plan.prediction
     stage = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
-    rank = stage * c.stage_size if c.order.endswith("pp") else 0
+    rank = sum(c.stage_sizes[:stage]) if c.order.endswith("pp") else 0
     args = Namespace(overrides=list(user_overrides) + plan.overrides(), world_size=c.world_size, rank=rank,
                      microbatches=None)
     cfg, world, _ = prepare_config(args)
