@@ -13,8 +13,10 @@ restrict it), the overlap flags and (unless pinned) the precision (bf16 on GPUs)
 
 The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster,
 on which the planner also weighs pipelines across the groups (each stage on one group, with its own
-number of layers) and replicas of different speeds (each data-parallel replica on one group, with its own
-number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted speed):
+number of layers; each group's stages at their own tp where that is faster, written per stage as
+``parallel.pipeline_layout=[{layers:L,tp:T,sp:S},...]``) and replicas of different speeds (each
+data-parallel replica on one group, with its own number of micro-batches: ``parallel.dp_microbatches``,
+water-filled by predicted speed):
 
     groups:
       - name: h100
@@ -31,7 +33,8 @@ number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted
 Output: a table, best first (predicted step time, tokens/s, TFLOP/s per device, MFU, pipeline bubble,
 peak memory per stage against the device memory; a replica plan's shares and predicted speed-ups over
 the even split and each group alone), the top plan's overrides to append to ``pretrain_gpt.py``, the node
-order to launch with and one ``torchrun`` command per node; ``--time-budget S`` stops the search after S
+order to launch with and one ``torchrun`` command per node (``tools/launch.py --world-size=N`` where nodes run
+different numbers of processes); ``--time-budget S`` stops the search after S
 seconds with the best plans found so far (a line says it was cut); ``--json F`` writes the list of plans (each with
 ``overrides``, ``world_size``, ``stage_groups``, ``predicted``). Every plan passes the training config's
 ``validate()`` and fits the memory estimate on every stage. ``--verify`` rehearses the top plan's most
@@ -155,13 +158,17 @@ def format_pipeline(plan) -> str:
 
 def launch_commands(user_overrides, plan) -> list:
     """One command per node, node rank 0 first: torchrun with a fixed node rank (rank order is what places
-    each stage or replica on its group; nodes of different groups may run different process counts)."""
+    each stage or replica on its group). Nodes of different process counts (groups of different node
+    sizes, stages of different widths) launch through tools/launch.py with ``--world-size``, the processes
+    of all nodes, so that the run is validated at its real size before any worker starts."""
     launch = plan.launch()
     nnodes = len(launch["nodes"])
     args = " ".join(shlex.quote(a) for a in [*user_overrides, *plan.overrides()])
-    return [f"{node}: torchrun --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
+    counts = launch["nproc_per_node"]
+    runner = "torchrun" if len(set(counts)) == 1 else f"python tools/launch.py --world-size={sum(counts)}"
+    return [f"{node}: {runner} --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
             f"--master-port=29500 pretrain_gpt.py {args}"
-            for i, (node, nproc) in enumerate(zip(launch["nodes"], launch["nproc_per_node"]))]
+            for i, (node, nproc) in enumerate(zip(launch["nodes"], counts))]
 
 
 def verify(user_overrides, plan) -> dict:

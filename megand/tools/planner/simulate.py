@@ -18,13 +18,23 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megand.core.pipeline_parallel.actions import placement_for, schedule_actions
-from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_record
 
 
 def rank_operations(pp: int, vpp: int | None, m: int, rank: int, schedule: str = DEFAULT_SCHEDULE) -> list:
     """``[(kind, virtual_stage, microbatch), ...]`` in the order rank ``rank`` runs them (kind F, B, or
     I and W): the keys of the action list megand's executor runs (megand/core/pipeline_parallel/actions.py)."""
-    return [action.key for action in schedule_actions(pp, vpp, m, rank, schedule=schedule)]
+    vpp = vpp if pp > 1 and (vpp or 1) > 1 else None
+    if pp == 1:
+        return [action.key for action in schedule_actions(pp, vpp, m, rank, schedule=schedule)]
+    # the record's order with each chunk's virtual stage: the action list's keys without building its
+    # actions (their peers are the executor's business; the search asks for thousands of these)
+    error = schedule_error(schedule, pp, vpp, m)
+    if error:
+        raise ValueError(error)
+    record = schedule_record(schedule)
+    stage = record.placement(pp, vpp).stage
+    return [(kind, stage(rank, chunk), i) for kind, chunk, i in record.order(pp, vpp, rank, m)]
 
 
 @dataclass(frozen=True)
