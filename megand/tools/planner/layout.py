@@ -104,8 +104,7 @@ class Candidate:
         groups are those of every stage at its width)."""
         if self.stage_widths is None:
             return self
-        tp, sp = self.stage_widths[r]
-        return self.with_(tp=tp, sequence_parallel=sp, stage_widths=None)
+        return _of_rank(self, r)
 
     def widths(self) -> list:
         """The distinct per-stage candidates (:meth:`of_rank`), one per width, first stage's first."""
@@ -150,6 +149,14 @@ class Candidate:
             # always written: a schedule left out would keep a preset's (or the previous trial's) choice
             "parallel.pp_schedule": self.pp_schedule,
         }
+
+
+@lru_cache(maxsize=65536)
+def _of_rank(c: Candidate, r: int) -> Candidate:
+    """:meth:`Candidate.of_rank`, once per candidate and rank (the search asks for each stage's memory and
+    times many times over)."""
+    tp, sp = c.stage_widths[r]
+    return c.with_(tp=tp, sequence_parallel=sp, stage_widths=None)
 
 
 def override_value(value) -> str:
