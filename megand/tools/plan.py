@@ -153,7 +153,9 @@ def format_pipeline(plan) -> str:
     ratios = [f"{s['fastest_group_alone']:.3f} x the fastest group alone"] if "fastest_group_alone" in s else []
     ratios += [f"{v:.3f} x {k[:-len('_alone')]} alone" for k, v in s.items()
                if k.endswith("_alone") and k != "fastest_group_alone" and v is not None]
-    return f"   stages {'; '.join(parts)}; predicted speed-up: {', '.join(ratios) or 'none to compare'}"
+    if not ratios:  # every group's best alone is 0 tokens/s: none fits the model
+        ratios = ["none to compare (no group alone fits the model)" if plan.alone_tokens_per_s else "none to compare"]
+    return f"   stages {'; '.join(parts)}; predicted speed-up: {', '.join(ratios)}"
 
 
 def launch_commands(user_overrides, plan) -> list:

@@ -21,18 +21,21 @@ def _group(name, nodes, per_node, device, **numbers):
 
 CLUSTERS = {
     "one_group": [_group("h100", 1, 4, "h100")],
-    "two_types": [_group("h200", 1, 4, "h200"), _group("h100", 1, 2, "h100")],
+    "two_types": [_group("h200", 1, 4, "h200"), _group("h100", 1, 2, "h100")],  # nodes of different sizes
     "two_speeds": [_group("h100", 1, 2, "h100"), _group("a100", 1, 2, "a100")],
 }
 
 
 def _plans(cluster, top=3):
+    """The best plans of the whole search and, on several groups, of the pipelines across them alone."""
     cfg = compose(SMALL)
     planner = Planner(cfg, pinned_keys(SMALL), parse_cluster({"groups": cluster}), validate_fn=config_validator(cfg))
-    return [(p.prediction.step_time_s, p.overrides()) for p in planner.plan(top)]
+    plans = planner.plan(top) + (planner.plan_heterogeneous(top) if len(cluster) > 1 else [])
+    return [(p.prediction.step_time_s, p.overrides()) for p in plans]
 
 
-@pytest.mark.parametrize("name", sorted(CLUSTERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "two_types" else [pytest.mark.slow])
+                                  for n in sorted(CLUSTERS)])  # two_types: stages of different widths, replicas
 def test_pruned_search_returns_the_exhaustive_best(name, monkeypatch):
     pruned = _plans(CLUSTERS[name])
     with monkeypatch.context() as m:  # every bound (next to) zero: nothing can be pruned
@@ -41,7 +44,7 @@ def test_pruned_search_returns_the_exhaustive_best(name, monkeypatch):
         m.setattr(hetero, "split_bound", lambda planner, c, groups: 0.0)
         exhaustive = _plans(CLUSTERS[name])
     assert [t for t, _ in pruned] == pytest.approx([t for t, _ in exhaustive], rel=1e-12)
-    assert pruned[0][1] == exhaustive[0][1]
+    assert pruned[0][1] == exhaustive[0][1] and pruned[3:4] == exhaustive[3:4]
 
 
 def test_the_split_bound_is_below_every_split():
@@ -53,3 +56,27 @@ def test_the_split_bound_is_below_every_split():
     assert plans
     for p in plans:
         assert hetero.split_bound(planner, p.candidate, p.stage_groups) <= p.prediction.step_time_s
+
+
+def test_the_fill_bound_is_below_every_replayed_pipeline():
+    """StageTimes.lower_bound (the busiest rank's compute after the pipeline's fill) never exceeds the replay."""
+    import random
+
+    from megand.core.pipeline_parallel.registry import schedule_error, schedule_names
+    from megand.tools.planner.layout import Candidate
+    from megand.tools.planner.cost import rank_virtual_stages
+    from megand.tools.planner.simulate import simulate
+
+    rng = random.Random(0)
+    for schedule in schedule_names():
+        for pp, vpp, m in ((2, None, 4), (4, None, 8), (4, 2, 8), (3, 2, 6)):
+            if schedule_error(schedule, pp, vpp, m) is not None:
+                continue
+            c = Candidate.of(pp=pp, vpp=vpp, pp_schedule=schedule)
+            n = pp * (vpp or 1)
+            f = [rng.uniform(0.5, 2) for _ in range(n)]
+            b = [rng.uniform(1, 4) for _ in range(n)]
+            times = StageTimes(forward=f, backward=b, p2p=[0.1] * (n - 1), microbatches=m, links={}, placement=None,
+                               weight_grad=[x / 2 for x in b], rank_stages=rank_virtual_stages(c))
+            replay = simulate(pp, vpp, m, f, b, [0.1] * (n - 1), schedule=schedule, weight_grad=[x / 2 for x in b])
+            assert times.busiest() <= times.lower_bound(pp) <= max(replay.finish) + 1e-12, (schedule, pp, vpp)
