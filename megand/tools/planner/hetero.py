@@ -1,7 +1,9 @@
 """Heterogeneous search (H2's HeteroAuto in spirit): stages homogeneous, each on one cluster group.
 
-tp, cp and dp are uniform (megand's grid), so every stage has S = tp*cp*dp ranks. A depth-first search
-over dp and over how many stages each group hosts (groups in order of decreasing device memory: the
+cp and dp are uniform; each group's stages run one tp, which may differ between groups (stages of
+different widths: ``Candidate.stage_widths``, each stage costed and estimated at its own width), so a
+stage of group g has tp_g*cp*dp ranks. A depth-first search over the per-group tp, dp and how many
+stages each group hosts (groups in order of decreasing device memory: the
 early stages hold the most micro-batches in flight under 1F1B; a large group split into several
 stages; pp never above the layer count) chooses, for each assignment, the per-stage layer counts that
 minimise the slowest stage's time under each stage's memory (:func:`balanced_layout`, a bisection on
@@ -11,7 +13,8 @@ recompute (``train.recompute_layers`` not pinned) each stage may also recompute 
 its activations and one short of memory recomputes the fewest layers that fit (H2 tunes each chip
 type's stages to its resources the same way), then each stage's exact fewest recomputed layers are
 found on the estimator (search.Planner.fewest_recomputed). Candidates are then timed in order of their
-lower bound, as the homogeneous ones (search.Planner.best).
+lower bound, as the homogeneous ones (search.Planner.best); before any split, shapes are weighed in
+order of :func:`split_bound` and those that cannot enter the top plans are never split.
 
 Every stage runs the same pipeline schedule: 1F1B or zb1p with one chunk per rank, or a V (zbv,
 dualpipev: vpp=2, chunk 0 of rank r is virtual stage r and chunk 1 is stage 2·pp - 1 - r). The layer
