@@ -1,6 +1,7 @@
 """The planner's own wall time on the searches that used to be slow (issue figures: minutes each).
 
-    python benchmarks/plan_speed.py [--cases two_types,five_nodes,replicas,bloom] [--repo DIR] [--time-budget S]
+    python benchmarks/plan_speed.py [--cases two_types,five_nodes,replicas,bloom,mixed_widths,replica_speeds]
+        [--repo DIR] [--time-budget S]
 
 Each case runs ``tools/plan.py`` as a user would (a fresh process: imports included) and prints its wall
 time, the best plan's predicted tokens/s and the load average. ``--repo DIR`` runs another checkout's
@@ -14,6 +15,10 @@ Cases:
               speeds (the best plan gives the H100 replicas more micro-batches, parallel.dp_microbatches)
   bloom       BLOOM-176B's shape (GPT, 70 layers, hidden 14336, 112 heads, vocab 250880, 2k tokens, batch
               2048) on 48 DGX A100 nodes (384 GPUs)
+  mixed_widths    Llama 70B, 4k tokens, batch 32 on examples/cluster_mixed_widths.yaml (1 H200 + 1 H100 node:
+                  the best plan runs each group's stages at its own tp)
+  replica_speeds  Llama 1B, 2k tokens, batch 128 on examples/cluster_replica_speeds.yaml (1 H100 + 1 A100 node:
+                  one-GPU replicas, more micro-batches on the H100s)
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ CASES = {
     "five_nodes": (LLAMA_70B, "five_nodes"),
     "replicas": (["model=llama_8b", "model.seq_length=4096", "train.global_batch_size=256"], "replicas"),
     "bloom": (BLOOM, "bloom"),
+    "mixed_widths": (["model=llama_70b", "model.seq_length=4096", "train.global_batch_size=32"],
+                     os.path.join(ROOT, "examples", "cluster_mixed_widths.yaml")),
+    "replica_speeds": (["model=llama_1b", "model.seq_length=2048", "train.global_batch_size=128"],
+                       os.path.join(ROOT, "examples", "cluster_replica_speeds.yaml")),
 }
 
 

@@ -412,7 +412,12 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     # its peak at any more (tests/unit/test_estimate_saturation.py), and replaying thousands is what the
     # planner cannot afford on every layout
     m = min(m, rule.smallest_at_least(2 * pp * v))
-    return peak_live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
+    return _live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
+
+
+# the planner asks for every rank of hundreds of pipelines: more distinct answers than core's own cache
+# holds (each a replay of the action list), and each only an int
+_live_chunks = lru_cache(maxsize=None)(peak_live_chunks)
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> int:

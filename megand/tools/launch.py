@@ -20,6 +20,13 @@ line (``megand: invalid configuration: ...``) and exit code 2, and ``--max-resta
 A worker failure is one line naming the rank and its exit code (the worker's own line is above it), and
 the launcher exits with that code.
 
+Nodes of different process counts (a heterogeneous plan from tools/plan.py: each node's command its own
+``--nproc-per-node``, the nodes of one GPU type running wider or more stages than another's) take
+``--world-size=N``, the processes of all nodes together (torchrun itself sums them at rendezvous; the
+launcher needs it to validate the run before any worker starts):
+
+    python tools/launch.py --world-size=12 --nnodes=2 --node-rank=1 --nproc-per-node=4 pretrain_gpt.py ...
+
 An elastic launch (``--nnodes=MIN:MAX``) is validated at every world size it may run at (a restart on
 fewer nodes must not fail on a configuration it could have refused now; megand/training/elastic.py has
 the rule), and its agents' rendezvous keeps no store across rounds (:data:`ELASTIC_ENV`).
@@ -83,9 +90,38 @@ def without_stop_signals(signals: str) -> str:
     return ",".join(kept) or "SIGQUIT"  # the agent needs at least one name
 
 
+class LaunchError(ValueError):
+    """Launcher arguments that cannot run; the message names the values."""
+
+
+def split_world_size(argv) -> tuple:
+    """``(--world-size's value or None, the other arguments)``: the launcher's own flag, taken out before
+    torchrun's parser (which does not know it) sees the rest. A bad value: LaunchError."""
+    argv, world, rest, i = list(argv), None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == TRAINING_SCRIPT or a.endswith("/" + TRAINING_SCRIPT) or not a.startswith("-"):
+            rest += argv[i:]  # the training script and its arguments: not the launcher's
+            break
+        if a == "--world-size" or a.startswith("--world-size="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in a else 2
+            if not value.isdigit() or int(value) < 1:
+                raise LaunchError(f"launch: --world-size={value} must be a positive number of processes")
+            world = int(value)
+            continue
+        rest.append(a)
+        i += 1
+    return world, rest
+
+
 def launch_world_sizes(args) -> list[int]:
-    """Every world size the launch may run at: one, or one per node count of an elastic range
-    (``--nnodes=MIN:MAX``); none when the arguments do not say (``--nproc-per-node=gpu``)."""
+    """Every world size the launch may run at: one (``--world-size`` when the nodes run different numbers of
+    processes), or one per node count of an elastic range (``--nnodes=MIN:MAX``); none when the arguments
+    do not say (``--nproc-per-node=gpu``)."""
+    world = getattr(args, "world_size", None)
+    if world is not None:
+        return [world]
     nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
     low, _, high = nnodes.partition(":")
     if not nproc.isdigit() or not low.isdigit() or not (high or low).isdigit():
@@ -141,7 +177,24 @@ def first_failure(e: ChildFailedError) -> tuple[int, int]:
 
 
 def main(argv=None) -> None:
+    try:
+        world, argv = split_world_size(sys.argv[1:] if argv is None else argv)
+    except LaunchError as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(2)
     args = parse_args(argv)
+    args.world_size = world
+    if world is not None:
+        low, _, high = str(args.nnodes).partition(":")
+        nproc = str(args.nproc_per_node)
+        if high and high != low:
+            print(f"launch: --world-size={world} with an elastic --nnodes={args.nnodes}: nodes of different process "
+                  f"counts run at one fixed size", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if nproc.isdigit() and low.isdigit() and int(nproc) + int(low) - 1 > world:
+            print(f"launch: --world-size={world} is fewer processes than this node's --nproc-per-node={nproc} and "
+                  f"one on each of the other {int(low) - 1} node(s)", file=sys.stderr, flush=True)
+            sys.exit(2)
     message = config_error(args)
     if message:  # before any worker: not retried by --max-restarts, and one line
         print(message, file=sys.stderr, flush=True)

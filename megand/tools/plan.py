@@ -13,8 +13,10 @@ restrict it), the overlap flags and (unless pinned) the precision (bf16 on GPUs)
 
 The cluster file (YAML) lists groups of identical nodes; several groups make a heterogeneous cluster,
 on which the planner also weighs pipelines across the groups (each stage on one group, with its own
-number of layers) and replicas of different speeds (each data-parallel replica on one group, with its own
-number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted speed):
+number of layers; each group's stages at their own tp where that is faster, written per stage as
+``parallel.pipeline_layout=[{layers:L,tp:T,sp:S},...]``) and replicas of different speeds (each
+data-parallel replica on one group, with its own number of micro-batches: ``parallel.dp_microbatches``,
+water-filled by predicted speed):
 
     groups:
       - name: h100
@@ -31,7 +33,8 @@ number of micro-batches: ``parallel.dp_microbatches``, water-filled by predicted
 Output: a table, best first (predicted step time, tokens/s, TFLOP/s per device, MFU, pipeline bubble,
 peak memory per stage against the device memory; a replica plan's shares and predicted speed-ups over
 the even split and each group alone), the top plan's overrides to append to ``pretrain_gpt.py``, the node
-order to launch with and one ``torchrun`` command per node; ``--time-budget S`` stops the search after S
+order to launch with and one ``torchrun`` command per node (``tools/launch.py --world-size=N`` where nodes run
+different numbers of processes); ``--time-budget S`` stops the search after S
 seconds with the best plans found so far (a line says it was cut); ``--json F`` writes the list of plans (each with
 ``overrides``, ``world_size``, ``stage_groups``, ``predicted``). Every plan passes the training config's
 ``validate()`` and fits the memory estimate on every stage. ``--verify`` rehearses the top plan's most
@@ -112,29 +115,62 @@ def format_table(plans) -> str:
             stages += f" layers {list(c.pipeline_layout)}"
         if c.cp > 1:
             stages += f" cp_comm={c.cp_comm}"
+        tp = "/".join(str(w.tp) for w in c.widths())  # stages of different widths: each width, first stage's first
         lines.append(
-            f"{i:>2} {p.world_size:>6} {c.tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
+            f"{i:>2} {p.world_size:>6} {tp:>3} {c.pp:>3} {str(c.vpp or '-'):>4} {c.cp:>3} {c.dp:>5} "
             f"{'on' if c.sequence_parallel else 'off':>3} {sharding:>18} {c.micro_batch_size:>4} {c.recompute:>9} "
             f"{pr.step_time_s:>9.3f} {pr.tokens_per_s:>11,.0f} {pr.tflops_per_device:>8.4g} {pr.mfu:>6.1%} "
             f"{pr.bubble_fraction:>7.1%} {pr.mem_peak_gib[worst]:>8.1f}/{pr.memory_gib[worst]:<9g} "
             f"{(c.pp_schedule if c.pp > 1 else '-'):>9}  {stages}")
         if is_replica_plan(p):
             lines.append(format_shares(p))
+        elif len({g.name for g in p.stage_groups}) > 1:
+            lines.append(format_pipeline(p))
         if p.hetero_ratio is not None:
             lines.append(f"   heterogeneous speed-up: {p.hetero_ratio:.3f} x the summed best homogeneous "
                          f"throughput of each group")
     return "\n".join(lines)
 
 
+def format_pipeline(plan) -> str:
+    """Why this heterogeneous pipeline: per group its stages' width, layers and predicted time per
+    micro-batch, and the plan's speed-ups over each group alone."""
+    c, pr = plan.candidate, plan.prediction
+    per_rank = {}
+    for r, stages in enumerate(c.parallel.placement.stages_of(r) for r in range(c.pp)):
+        per_rank[r] = (sum(c.pipeline_layout[s] for s in stages) if c.pipeline_layout else None,
+                       sum(pr.parts["forward_s"][s] + pr.parts["backward_s"][s] for s in stages))
+    parts = []
+    for name in dict.fromkeys(g.name for g in plan.stage_groups):
+        ranks = [r for r, g in enumerate(plan.stage_groups) if g.name == name]
+        w = c.of_rank(ranks[0])
+        layers = "/".join(str(per_rank[r][0]) for r in ranks)
+        parts.append(f"{name}: {len(ranks)} stage(s) of {c.stage_sizes[ranks[0]]} ranks at tp={w.tp}"
+                     f"{' sp' if w.sequence_parallel else ''}, {layers} layers, "
+                     f"{max(per_rank[r][1] for r in ranks) * 1e3:.1f} ms per micro-batch, "
+                     f"{max(pr.mem_peak_gib[r] for r in ranks):.1f}/{plan.stage_groups[ranks[0]].memory_gib:g} GiB")
+    s = plan.speedups()
+    ratios = [f"{s['fastest_group_alone']:.3f} x the fastest group alone"] if "fastest_group_alone" in s else []
+    ratios += [f"{v:.3f} x {k[:-len('_alone')]} alone" for k, v in s.items()
+               if k.endswith("_alone") and k != "fastest_group_alone" and v is not None]
+    if not ratios:  # every group's best alone is 0 tokens/s: none fits the model
+        ratios = ["none to compare (no group alone fits the model)" if plan.alone_tokens_per_s else "none to compare"]
+    return f"   stages {'; '.join(parts)}; predicted speed-up: {', '.join(ratios)}"
+
+
 def launch_commands(user_overrides, plan) -> list:
     """One command per node, node rank 0 first: torchrun with a fixed node rank (rank order is what places
-    each stage or replica on its group; nodes of different groups may run different process counts)."""
+    each stage or replica on its group). Nodes of different process counts (groups of different node
+    sizes, stages of different widths) launch through tools/launch.py with ``--world-size``, the processes
+    of all nodes, so that the run is validated at its real size before any worker starts."""
     launch = plan.launch()
     nnodes = len(launch["nodes"])
     args = " ".join(shlex.quote(a) for a in [*user_overrides, *plan.overrides()])
-    return [f"{node}: torchrun --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
+    counts = launch["nproc_per_node"]
+    runner = "torchrun" if len(set(counts)) == 1 else f"python tools/launch.py --world-size={sum(counts)}"
+    return [f"{node}: {runner} --nnodes={nnodes} --node-rank={i} --nproc-per-node={nproc} --master-addr=NODE0 "
             f"--master-port=29500 pretrain_gpt.py {args}"
-            for i, (node, nproc) in enumerate(zip(launch["nodes"], launch["nproc_per_node"]))]
+            for i, (node, nproc) in enumerate(zip(launch["nodes"], counts))]
 
 
 def verify(user_overrides, plan) -> dict:
@@ -146,7 +182,7 @@ def verify(user_overrides, plan) -> dict:
 
     c, pr = plan.candidate, plan.prediction
     stage = max(range(c.pp), key=lambda r: pr.mem_peak_gib[r] / pr.memory_gib[r])
-    rank = stage * c.stage_size if c.order.endswith("pp") else 0
+    rank = sum(c.stage_sizes[:stage]) if c.order.endswith("pp") else 0
     args = Namespace(overrides=list(user_overrides) + plan.overrides(), world_size=c.world_size, rank=rank,
                      microbatches=None)
     cfg, world, _ = prepare_config(args)

@@ -223,10 +223,18 @@ class StageTimes:
     weight_grad: list = None
     rank_stages: list = None  # per pipeline rank: its virtual stages (the schedule's placement)
 
-    def lower_bound(self, pp: int) -> float:
-        """The busiest rank's compute: no schedule can finish the step's pipeline faster."""
+    def busiest(self) -> float:
+        """The busiest rank's compute over the step's micro-batches."""
         m = self.microbatches
         return max(m * sum(self.forward[s] + self.backward[s] for s in stages) for stages in self.rank_stages)
+
+    def lower_bound(self, pp: int) -> float:
+        """No schedule can finish the step's pipeline faster: a rank's first forward waits for the first
+        micro-batch's forwards on every virtual stage before its own first one (the pipeline's fill), then
+        the rank computes all of its work."""
+        m = self.microbatches
+        return max(sum(self.forward[:min(stages)]) + m * sum(self.forward[s] + self.backward[s] for s in stages)
+                   for stages in self.rank_stages)
 
 
 def rank_virtual_stages(c: Candidate) -> list:
@@ -236,7 +244,29 @@ def rank_virtual_stages(c: Candidate) -> list:
     return [placement.stages_of(r) for r in range(c.pp)]
 
 
+def mixed_stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
+    """Stages of different widths (``c.stage_widths``): each virtual stage's times, links and groups are
+    those of the uniform layout at its rank's width (its groups sit on its own group's nodes in the same
+    place); a boundary between widths costs the slower side's send (the narrower side sends more per rank)."""
+    by_width = {w: stage_times(model, c.of_rank(c.stage_widths.index(w)), global_batch_size, stage_groups)
+                for w in dict.fromkeys(c.stage_widths)}
+    ranks = rank_virtual_stages(c)
+    width_of_stage = {s: c.stage_widths[r] for r, stages in enumerate(ranks) for s in stages}
+    of = [by_width[width_of_stage[s]] for s in range(len(width_of_stage))]
+    first = next(iter(by_width.values()))
+    links = {kind: [by_width[c.stage_widths[r]].links[kind][r] for r in range(c.pp)]
+             for kind in first.links if kind != "pp"}
+    links["pp"] = [max(by_width[c.stage_widths[r]].links["pp"][r], by_width[c.stage_widths[r + 1]].links["pp"][r],
+                       key=lambda link: link == "inter_node") for r in range(c.pp - 1)]
+    return StageTimes(forward=[t.forward[s] for s, t in enumerate(of)], backward=[t.backward[s] for s, t in enumerate(of)],
+                      p2p=[max(of[s].p2p[s], of[s + 1].p2p[s]) for s in range(len(of) - 1)],
+                      microbatches=first.microbatches, links=links, placement=place(c, stage_groups),
+                      weight_grad=[t.weight_grad[s] for s, t in enumerate(of)], rank_stages=ranks)
+
+
 def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
+    if c.stage_widths is not None:
+        return mixed_stage_times(model, c, global_batch_size, stage_groups)
     shape = Shape.from_config(model)
     m = c.parallel.microbatches(global_batch_size, c.micro_batch_size)
     stages = c.pp * (c.vpp or 1)
@@ -308,7 +338,8 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     for r in range(c.pp):
         prof = stage_groups[r].profile
         first_forward = sum(forward[s] for s in times.rank_stages[r])
-        grad_exposed, param_exposed, opt = _data_parallel_tail(model, c, prof, links, r, timeline, first_forward, m)
+        grad_exposed, param_exposed, opt = _data_parallel_tail(model, c.of_rank(r), prof, links, r, timeline,
+                                                               first_forward, m)
         ends.append(timeline.finish[r] + grad_exposed)
         opt_times.append(opt + param_exposed)
     world = c.world_size
@@ -320,9 +351,11 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     # FP8 runs: the peak of the step's mix of FP8 and bf16 FLOPs (as the training log's MFU)
     layers = Shape.from_config(model).layers
     fraction = fp8_flops_fraction(model, round(fp8_layers_in(layers, c, 0, layers)), c.tp) if c.fp8 else 0.0
-    peak_sum = sum(mixed_peak(g.profile.peak_tflops, g.profile.peak_fp8_tflops, fraction)
-                   for g in stage_groups) * c.stage_size * 1e12
-    mem = memory if memory is not None else stage_memory_gib(model, c, m)
+    peak_sum = sum(mixed_peak(g.profile.peak_tflops, g.profile.peak_fp8_tflops, fraction) * size
+                   for g, size in zip(stage_groups, c.stage_sizes)) * 1e12
+    mem = memory if memory is not None else (
+        stage_memory_gib(model, c, m) if c.stage_widths is None
+        else [stage_memory_gib(model, c.of_rank(r), m)[r] for r in range(c.pp)])
     return Prediction(
         step_time_s=step, tokens_per_s=flops["tokens"] / step,
         tflops_per_device=flops["hardware_flops"] / step / world / 1e12,

@@ -1,7 +1,9 @@
 """Heterogeneous search (H2's HeteroAuto in spirit): stages homogeneous, each on one cluster group.
 
-tp, cp and dp are uniform (megand's grid), so every stage has S = tp*cp*dp ranks. A depth-first search
-over dp and over how many stages each group hosts (groups in order of decreasing device memory: the
+cp and dp are uniform; each group's stages run one tp, which may differ between groups (stages of
+different widths: ``Candidate.stage_widths``, each stage costed and estimated at its own width), so a
+stage of group g has tp_g*cp*dp ranks. A depth-first search over the per-group tp, dp and how many
+stages each group hosts (groups in order of decreasing device memory: the
 early stages hold the most micro-batches in flight under 1F1B; a large group split into several
 stages; pp never above the layer count) chooses, for each assignment, the per-stage layer counts that
 minimise the slowest stage's time under each stage's memory (:func:`balanced_layout`, a bisection on
@@ -11,7 +13,8 @@ recompute (``train.recompute_layers`` not pinned) each stage may also recompute 
 its activations and one short of memory recomputes the fewest layers that fit (H2 tunes each chip
 type's stages to its resources the same way), then each stage's exact fewest recomputed layers are
 found on the estimator (search.Planner.fewest_recomputed). Candidates are then timed in order of their
-lower bound, as the homogeneous ones (search.Planner.best).
+lower bound, as the homogeneous ones (search.Planner.best); before any split, shapes are weighed in
+order of :func:`split_bound` and those that cannot enter the top plans are never split.
 
 Every stage runs the same pipeline schedule: 1F1B or zb1p with one chunk per rank, or a V (zbv,
 dualpipev: vpp=2, chunk 0 of rank r is virtual stage r and chunk 1 is stage 2·pp - 1 - r). The layer
@@ -23,27 +26,58 @@ recomputed layers over the chunks it holds. Interleaved 1F1B is not searched her
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
-from megand.core.pipeline_parallel.registry import schedule_record
+from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
 from megand.tools.planner.cost import rank_virtual_stages, stage_times
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
 
 
 def plan_heterogeneous(planner, top: int = 5) -> list:
-    """The best heterogeneous plans of ``planner`` (a search.Planner) on its cluster."""
+    """The best heterogeneous plans of ``planner`` (a search.Planner) on its cluster. Shapes (a layout and
+    its stages' groups, before the sharding, overlap and schedule choices, the layer split and memory) are
+    weighed in order of :func:`split_bound`, a bound for all of their candidates; only the shapes that can
+    still enter the top ``top`` are expanded, split (the estimator: most of the time) and timed."""
+    shapes = []
+    for c, stage_groups, expand in hetero_shapes(planner):
+        shapes.append((split_bound(planner, c, stage_groups), len(shapes), stage_groups, expand))
+        if planner.out_of_time():
+            break
+    shapes.sort(key=lambda x: x[:2])
+    plans = []
+    for bound, _, stage_groups, expand in shapes:
+        if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+            break
+        for c in expand():
+            if plans and planner.out_of_time():
+                return plans
+            plans = planner.best(_split(planner, c, stage_groups), top, plans)
+    return plans
+
+
+def group_widths(planner, groups):
+    """Per group, the tp of its stages (within its nodes): every combination, the equal ones first."""
+    domains = [planner.tp_domain(g.devices_per_node) for g in groups]
+    return sorted(itertools.product(*domains), key=lambda w: len(set(w)) > 1)
+
+
+def hetero_shapes(planner):
+    """``(candidate, stage groups, expand)`` of every pipeline over at least two groups, before the layer
+    split and memory: per group a tp (:func:`group_widths`; stages of different widths where they differ),
+    cp and dp uniform, the stages each group hosts (:func:`_assignments`), the micro-batch size, sequence
+    parallelism, cp_comm and the schedules' placement (what :func:`split_bound` sees); ``expand()`` gives
+    its candidates, one per sharding, overlap and schedule choice."""
     groups = sorted(planner.cluster.groups, key=lambda g: -g.memory_gib)  # larger memory: earlier stages
     L = planner.shape.layers
-    dpn = min(g.devices_per_node for g in groups)
-    scored = []
-    for tp in planner.tp_domain(dpn):
-        for cp in planner.cp_domain(tp):
-            max_dp = max(g.devices for g in groups) // (tp * cp)
+    sp_pinned = planner.pinned.get("parallel.sequence_parallel")
+    for tps in group_widths(planner, groups):
+        for cp in planner._dom("parallel.cp", sorted(set.intersection(*(set(planner.cp_domain(t)) for t in tps)))):
+            max_dp = max(g.devices // (t * cp) for g, t in zip(groups, tps))
             dps = [d for d in range(1, max_dp + 1) if planner.gbs % d == 0]
             for dp in planner._dom("parallel.dp", dps):
-                size = tp * cp * dp
-                caps = [_stages_on(g, size) for g in groups]
+                caps = [_stages_on(g, t * cp * dp) for g, t in zip(groups, tps)]
                 for counts in _assignments(caps, L):
                     stage_groups = [g for g, n in zip(groups, counts) for _ in range(n)]
                     pp = len(stage_groups)
@@ -51,17 +85,87 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
                         continue  # one group only: the homogeneous search covers it
                     if "parallel.pp" in planner.pinned and planner.pinned["parallel.pp"] != pp:
                         continue
-                    chunked = hetero_schedules(planner, pp)
+                    ranks_tp = [t for t, n in zip(tps, counts) for _ in range(n)]
+                    mixed = len(set(ranks_tp)) > 1
+                    widths = tuple((t, t > 1 if sp_pinned is None else bool(sp_pinned)) for t in ranks_tp) \
+                        if mixed else None
+                    dpn = min(g.devices_per_node for g in stage_groups)
+                    by_shape = {}  # (sp, cp_comm, the schedule's placement) -> [(opts, vpp, schedule)]
+                    for opts in planner.options(ranks_tp[0], cp, dp, pp, dpn):
+                        if mixed:  # each stage's own sequence parallelism; shard groups of one size
+                            if opts["dp_shard"] is not None:
+                                continue
+                            opts = {**opts, "sequence_parallel": widths[0][1]}
+                        for vpp, schedule in hetero_schedules(planner, pp):
+                            key = (opts["sequence_parallel"], opts["cp_comm"], _placement_key(pp, vpp, schedule))
+                            by_shape.setdefault(key, []).append((opts, vpp, schedule))
                     for mbs in planner.microbatch_domain(dp):
-                        for opts in planner.options(tp, cp, dp, pp, dpn):
-                            for vpp, schedule in chunked:
+                        for members in by_shape.values():
+                            def make(opts, vpp, schedule, mbs=mbs, widths=widths, tp=ranks_tp[0], pp=pp, cp=cp, dp=dp):
                                 c = Candidate.or_none(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, micro_batch_size=mbs,
                                                       pp_schedule=schedule, **opts, **planner._base())
-                                if c is not None and planner._quick_valid(c):
-                                    scored += _split(planner, c, stage_groups)
-                                if planner.out_of_time():
-                                    return planner.best(scored, top)
-    return planner.best(scored, top)
+                                if c is not None and widths is not None:
+                                    c = _with_widths(c, widths)
+                                return c if c is not None and planner._quick_valid(c) else None
+
+                            first = next(filter(None, (make(*m) for m in members)), None)
+                            if first is None:
+                                continue
+                            yield first, stage_groups, (lambda members=members, make=make:
+                                                        [c for c in map(lambda m: make(*m), members) if c is not None])
+
+
+def _placement_key(pp: int, vpp, schedule: str) -> tuple:
+    """Where each rank's virtual stages sit under ``schedule``: all of the schedule a stage's times depend on."""
+    placement = schedule_record(schedule).placement(pp, vpp)
+    return tuple(tuple(placement.stages_of(r)) for r in range(pp))
+
+
+def _with_widths(c: Candidate, widths):
+    """``c`` with its stages at ``widths`` (None where some width breaks a rule of the layout)."""
+    from megand.core.parallel_layout import LayoutError
+
+    try:
+        mixed = c.with_(stage_widths=widths)
+        mixed.widths()
+    except LayoutError:
+        return None
+    return mixed
+
+
+def split_bound(planner, c: Candidate, stage_groups) -> float:
+    """A lower bound on the step of every layer split of ``c`` on ``stage_groups`` (and every sharding,
+    recompute and overlap choice): the busiest rank's compute at its best, the layers spread continuously
+    so that every rank finishes together (each rank's time per micro-batch is ``fixed + slope * layers``,
+    exact at ZeRO-0 without recompute, each of which only adds). Memoised over the keys it ignores."""
+    if c.fp8:  # FP8 layers cost less than the others: per-rank time not linear in the layers
+        return 0.0
+    base = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
+                   overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
+    key = ("split", base.with_(pp_schedule=DEFAULT_SCHEDULE if c.vpp is None else c.pp_schedule),
+           tuple(g.name for g in stage_groups))
+    if key not in planner._bounds:
+        pp, L = c.pp, planner.shape.layers
+        t1 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [1] * pp)),
+                                   planner.gbs, stage_groups), c)
+        t2 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [2] * pp)),
+                                   planner.gbs, stage_groups), c)
+        slope = [max(b - a, 1e-15) for a, b in zip(t1, t2)]
+        fixed = [a - k for a, k in zip(t1, slope)]
+        least = _least_layers(c)
+
+        def layers_within(limit):
+            return sum(max(0.0, (limit - f) / k) for f, k in zip(fixed, slope))
+
+        lo = max(f + k * least for f, k in zip(fixed, slope))  # every rank holds at least a layer per chunk
+        hi = max(f + k * L for f, k in zip(fixed, slope))
+        if layers_within(lo) < L:
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if layers_within(mid) >= L else (mid, hi)
+        m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
+        planner._bounds[key] = m * lo * (1 - 1e-9)
+    return planner._bounds[key]
 
 
 def hetero_schedules(planner, pp: int) -> list:

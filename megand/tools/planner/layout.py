@@ -54,6 +54,9 @@ class Candidate:
     optimizer: str = "adamw"  # optim.name (not searched): its record gives the states kept, the bytes and matrix work of its step
     fp8: Optional[str] = None  # train.fp8 (not searched): those layers' GEMMs at the FP8 peak
     fp8_bf16_layers: int = 1  # train.fp8_bf16_layers: first and last layers kept in bf16
+    # per pipeline rank: (tp, sequence_parallel) where stages differ in width (a heterogeneous pipeline whose
+    # groups each run their own tp); None: every stage runs ``tp`` (cp and dp stay uniform either way)
+    stage_widths: Optional[tuple] = None
 
     @classmethod
     def of(cls, **keys) -> "Candidate":
@@ -83,8 +86,31 @@ class Candidate:
     dp_shard = property(lambda self: self.parallel.dp_shard)
     order = property(lambda self: self.parallel.order)
     pp_schedule = property(lambda self: self.parallel.pp_schedule)
-    world_size = property(lambda self: self.parallel.world_size)
-    stage_size = property(lambda self: self.parallel.stage_size)
+    stage_size = property(lambda self: self.parallel.stage_size)  # the first stage's ranks
+
+    @property
+    def stage_sizes(self) -> list:
+        """Ranks per pipeline stage (differ where :attr:`stage_widths` does)."""
+        if self.stage_widths is None:
+            return [self.stage_size] * self.pp
+        return [tp * self.cp * self.dp for tp, _ in self.stage_widths]
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.stage_sizes) if self.stage_widths is not None else self.parallel.world_size
+
+    def of_rank(self, r: int) -> "Candidate":
+        """The uniform layout whose stage ``r`` is this candidate's (each stage's own time, memory and
+        groups are those of every stage at its width)."""
+        if self.stage_widths is None:
+            return self
+        return _of_rank(self, r)
+
+    def widths(self) -> list:
+        """The distinct per-stage candidates (:meth:`of_rank`), one per width, first stage's first."""
+        if self.stage_widths is None:
+            return [self]
+        return [self.of_rank(self.stage_widths.index(w)) for w in dict.fromkeys(self.stage_widths)]
 
     def with_(self, **changes) -> "Candidate":
         """This candidate with ``changes`` (flat keys, as :meth:`of` takes them)."""
@@ -93,6 +119,18 @@ class Candidate:
             changes["parallel"] = self.parallel.with_(**sizes)
         return replace(self, **changes)
 
+    def layout_setting(self):
+        """``parallel.pipeline_layout``: layers per virtual stage, or with :attr:`stage_widths` one entry per
+        virtual stage ``{layers, tp, sp}`` (its rank's width)."""
+        if self.stage_widths is None:
+            return list(self.pipeline_layout) if self.pipeline_layout else None
+        if self.pipeline_layout is None:  # the search always balances a mixed pipeline's layers
+            raise ValueError("a pipeline of stages of different widths needs its layers per stage")
+        layers = list(self.pipeline_layout)
+        where = self.parallel.placement.location
+        return [{"layers": n, "tp": self.stage_widths[where(s)[0]][0], "sp": self.stage_widths[where(s)[0]][1]}
+                for s, n in enumerate(layers)]
+
     def settings(self) -> dict:
         """The config keys this candidate sets (dotted key -> value)."""
         return {
@@ -100,7 +138,7 @@ class Candidate:
             "parallel.dp": self.dp, "parallel.sequence_parallel": self.sequence_parallel,
             "parallel.dp_microbatches": list(self.parallel.dp_microbatches) if self.parallel.dp_microbatches else None,
             "parallel.dp_shard": self.dp_shard, "parallel.cp_comm": self.cp_comm,
-            "parallel.pipeline_layout": list(self.pipeline_layout) if self.pipeline_layout else None,
+            "parallel.pipeline_layout": self.layout_setting(),
             "parallel.order": self.order,
             "optim.sharding": self.sharding, "optim.overlap_grad_reduce": self.overlap_grad_reduce,
             "optim.overlap_param_gather": self.overlap_param_gather,
@@ -113,6 +151,14 @@ class Candidate:
         }
 
 
+@lru_cache(maxsize=65536)
+def _of_rank(c: Candidate, r: int) -> Candidate:
+    """:meth:`Candidate.of_rank`, once per candidate and rank (the search asks for each stage's memory and
+    times many times over)."""
+    tp, sp = c.stage_widths[r]
+    return c.with_(tp=tp, sequence_parallel=sp, stage_widths=None)
+
+
 def override_value(value) -> str:
     """A value as Hydra's command line reads it."""
     if value is None:
@@ -120,7 +166,9 @@ def override_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(str(v) for v in value) + "]"
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -170,8 +218,7 @@ def place(candidate: Candidate, stage_groups) -> Placement:
         if not candidate.order.endswith("pp"):
             raise ValueError(f"parallel.order={candidate.order}: a heterogeneous plan needs pp slowest-varying")
         used, node_list = {}, []
-        size = candidate.stage_size
-        for g in stage_groups:
+        for g, size in zip(stage_groups, candidate.stage_sizes):
             start = used.get(g.name, 0)
             node_list += [(g.name, (start + j) // g.devices_per_node) for j in range(size)]
             used[g.name] = start + size

@@ -92,6 +92,18 @@ class Plan:
     prediction: Prediction
     hetero_ratio: Optional[float] = None  # plan throughput / summed best homogeneous throughput per group
     notes: list = field(default_factory=list)
+    alone_tokens_per_s: dict = field(default_factory=dict)  # group name -> its best plan alone (heterogeneous plans)
+
+    def speedups(self) -> dict:
+        """Predicted throughput ratios over each group's best plan alone and over the fastest of them."""
+        out = {}
+        tps = self.prediction.tokens_per_s
+        for name, alone in self.alone_tokens_per_s.items():
+            out[f"{name}_alone"] = tps / alone if alone else None
+        alone = [v for v in self.alone_tokens_per_s.values() if v]
+        if alone:
+            out["fastest_group_alone"] = tps / max(alone)
+        return out
 
     @property
     def world_size(self) -> int:
@@ -111,6 +123,10 @@ class Plan:
              "predicted": self.prediction.as_dict()}
         if self.hetero_ratio is not None:
             d["hetero_speedup_ratio"] = self.hetero_ratio
+        if self.alone_tokens_per_s:
+            d["speedup"] = self.speedups()
+        if self.candidate.stage_widths is not None:
+            d["stage_widths"] = [{"tp": tp, "sp": sp} for tp, sp in self.candidate.stage_widths]
         return d
 
 
@@ -255,6 +271,8 @@ class Planner:
         even split), memoised: many candidates differ only in what memory does not see."""
         m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
+        if c.stage_widths is not None:  # each stage at its own width
+            return [self.memory(c.of_rank(r), [r], m)[0] for r in stages]
         layout = memory_layout(c, m)
         missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
         if missing:  # all of them, fewest_recomputed for one at a time
@@ -366,20 +384,25 @@ class Planner:
         for c in self.homogeneous_bases(group):
             yield from self._fitting(c, [group] * c.pp)
 
-    def compute_bound(self, c: Candidate, stage_groups) -> float:
+    def compute_bound(self, c: Candidate, stage_groups, fill: bool = True) -> float:
         """A lower bound on the step of ``c`` and of every candidate that differs from it only in sharding,
         shard groups, overlap flags or recompute (each of which only adds time to the stages' forwards and
-        backwards): the busiest rank's compute at ZeRO-0 without recompute, memoised over those keys."""
+        backwards): the busiest rank's compute at ZeRO-0 without recompute, after the pipeline's fill
+        (``fill=False``: without it, a per-micro-batch rate), memoised over those keys."""
         base = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
                        overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
         key = (base, tuple(g.name for g in stage_groups))
         if key not in self._bounds:
-            self._bounds[key] = stage_times(self.model, base, self.gbs, stage_groups).lower_bound(c.pp)
-        return self._bounds[key]
+            times = stage_times(self.model, base, self.gbs, stage_groups)
+            self._bounds[key] = (times.lower_bound(c.pp), times.busiest())
+        return self._bounds[key][0 if fill else 1]
 
     def _quick_valid(self, c: Candidate) -> bool:
         """The rules of validate() beyond the parallel layout's own (checked when the candidate was made):
-        the model's and the batch's, in arithmetic (validate() itself runs on the plans kept)."""
+        the model's and the batch's, in arithmetic (validate() itself runs on the plans kept); stages of
+        different widths: those of each width."""
+        if c.stage_widths is not None:
+            return all(self._quick_valid(w) for w in c.widths())
         layout = c.parallel
         s = self.shape
         if c.cp > 1 and c.cp_comm == "a2a" and (s.heads // c.tp) % c.cp:
@@ -414,6 +437,8 @@ class Planner:
         return plans
 
     def _validated(self, c: Candidate) -> bool:
+        """The training config's validate() accepts ``c`` (stages of different widths in their per-stage
+        ``parallel.pipeline_layout``: the executor's own rules for them, e.g. no MoE, apply)."""
         if self.validate_fn is None:
             return True
         message = self.validate_fn(c)
@@ -474,6 +499,7 @@ class Planner:
             hetero = [] if shares_only else self.plan_heterogeneous(top)
             for p in hetero:
                 p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
+                p.alone_tokens_per_s = dict(alone)
             self._start_phase(1)
             plans += hetero + plan_shares(self, top, alone)
         plans.sort(key=lambda p: p.prediction.step_time_s)

@@ -140,7 +140,6 @@ class ReplicaPlan(Plan):
     placement: Optional[ReplicaPlacement] = None
     replica_step_s: dict = field(default_factory=dict)  # group name -> predicted step of its replicas
     even_step_s: Optional[float] = None  # the same layout at equal shares (None: the batch does not split so)
-    alone_tokens_per_s: dict = field(default_factory=dict)  # group name -> its best plan alone
     gbs: int = 0  # the global batch (equal shares: its even split)
 
     @property
@@ -150,16 +149,8 @@ class ReplicaPlan(Plan):
 
     def speedups(self) -> dict:
         """Predicted throughput ratios: over equal shares, over each group alone and the fastest alone."""
-        out = {}
-        if self.even_step_s:
-            out["even_split"] = self.even_step_s / self.prediction.step_time_s
-        tps = self.prediction.tokens_per_s
-        for name, alone in self.alone_tokens_per_s.items():
-            out[f"{name}_alone"] = tps / alone if alone else None
-        alone = [v for v in self.alone_tokens_per_s.values() if v]
-        if alone:
-            out["fastest_group_alone"] = tps / max(alone)
-        return out
+        out = {"even_split": self.even_step_s / self.prediction.step_time_s} if self.even_step_s else {}
+        return {**out, **super().speedups()}
 
     def launch(self) -> dict:
         p = self.placement
@@ -303,7 +294,7 @@ def plan_shares(planner, top: int = 5, alone: dict | None = None) -> list:
         used = [g for g in groups if replicas_on(g, c.tp * c.cp, c.pp)]
         # each replica runs at least its busiest rank's compute per micro-batch (planner.compute_bound: also
         # a bound for every sharding and recompute choice of this layout)
-        busy = [planner.compute_bound(c, [g] * c.pp) / c.parallel.microbatches(planner.gbs, c.micro_batch_size)
+        busy = [planner.compute_bound(c, [g] * c.pp, fill=False) / c.parallel.microbatches(planner.gbs, c.micro_batch_size)
                 for g in used]
         bound = (planner.gbs // c.micro_batch_size) / sum(n / b for n, b in zip(counts, busy))
         bases.append((bound, len(bases), c, used, counts))
