@@ -55,12 +55,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, tp_group, vocab_start: int, vocab_size: int):
-    """Per-token loss ``[...]`` from local logits ``[..., V_local]`` and global target ids ``[...]``."""
+def full_vocab_cross_entropy(logits, target, vocab_size: int):
+    """Per-token loss ``[...]`` from logits over the whole vocabulary ``[..., V]`` (padding columns past
+    ``vocab_size`` cut off): torch's fused log-softmax and its one-pass backward (the explicit max / exp / sum /
+    divide of :class:`VocabParallelCrossEntropy` reads the logits five times). A pure function of tensors, so
+    ``train.compile=true`` compiles it as it is (its forward and backward each one pass over the logits)."""
+    full = logits[..., :vocab_size].float()
+    loss = F.cross_entropy(full.reshape(-1, full.shape[-1]), target.reshape(-1), reduction="none")
+    return loss.view(target.shape)
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group, vocab_start: int, vocab_size: int,
+                                 full_vocab=full_vocab_cross_entropy):
+    """Per-token loss ``[...]`` from local logits ``[..., V_local]`` and global target ids ``[...]``.
+    ``full_vocab``: what computes it when one rank holds the whole vocabulary (:func:`full_vocab_cross_entropy`,
+    or its compiled form)."""
     if dist.get_world_size(tp_group) == 1:
-        # the whole vocabulary on one rank: torch's fused log-softmax and its one-pass backward (the
-        # explicit max / exp / sum / divide above reads the logits five times); padding columns are cut off
-        full = logits[..., :vocab_size].float()
-        loss = F.cross_entropy(full.reshape(-1, full.shape[-1]), target.reshape(-1), reduction="none")
-        return loss.view(target.shape)
+        return full_vocab(logits, target, vocab_size)
     return VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)
