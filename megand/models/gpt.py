@@ -22,7 +22,6 @@ from megand.core.tensor_parallel import (
     reduce_scatter_to_sp,
     vocab_parallel_cross_entropy,
 )
-from megand.core.tensor_parallel.cross_entropy import full_vocab_cross_entropy
 from megand.core.tensor_parallel.layers import column_parallel_linear, vocab_parallel_lookup
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
@@ -127,15 +126,6 @@ class GPTModel(torch.nn.Module):
         if pre_process and not post_process and (cfg.tie_embeddings or cfg.mtp_layers):
             retag(self.embedding.word.weight, embedding_group_grad=True)
         self.vocab_start = topo.tp_rank * cfg.padded_vocab_size(topo.tp_size) // topo.tp_size
-        self.full_vocab_loss = full_vocab_cross_entropy  # the loss where one rank holds the whole vocabulary
-
-    def compile_loss(self, compiler) -> None:
-        """Run the cross entropy over the whole vocabulary (one tp rank) as ``compiler(fn)`` (``torch.compile``):
-        eager, its forward writes the log-probabilities and its backward zero-fills a gradient and reads them
-        back, three passes over ``[tokens, vocab]``; compiled, one pass each way. The vocab-parallel cross entropy
-        (tp > 1, with its all-reduces) stays eager."""
-        if self.post_process and self.topo.tp_size == 1:
-            self.full_vocab_loss = compiler(full_vocab_cross_entropy)
 
     def borrowed_parameters(self):
         """Parameters of submodules that this module's own forward reads (the data-parallel engine
@@ -217,7 +207,7 @@ class GPTModel(torch.nn.Module):
             full = gather_from_tp(logits, self.topo.tp_group)[..., : self.cfg.vocab_size]
             return full.transpose(0, 1).float()
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
-                                            self.vocab_start, self.cfg.vocab_size, self.full_vocab_loss)
+                                            self.vocab_start, self.cfg.vocab_size)
         return loss.transpose(0, 1)
 
     def loss_with_mtp(self, x, labels, rope, documents):
@@ -238,7 +228,7 @@ class GPTModel(torch.nn.Module):
             tp = self.topo.tp_size
             targets = targets.unflatten(1, (tp, -1)).transpose(0, 1)  # [tp, 1 + D, s/tp, b]
         loss = vocab_parallel_cross_entropy(logits, targets.reshape(-1, targets.shape[-1]), tp_group,
-                                            self.vocab_start, cfg.vocab_size, self.full_vocab_loss)
+                                            self.vocab_start, cfg.vocab_size)
         loss = loss.view(targets.shape)
         if cfg.sequence_parallel:
             loss = loss.transpose(0, 1).flatten(1, 2)

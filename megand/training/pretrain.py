@@ -654,9 +654,8 @@ class Trainer:
         self.consumed_samples += self.batch_size
         if self.compile_timer is not None and not self.compile_timer.reported and self.topo.is_logging_rank:
             self.compile_timer.reported = True
-            print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (with the loss; "
-                  f"their first forward calls on this rank; backward graphs compile during the first backward)",
-                  flush=True)
+            print(f" train.compile: transformer layers compiled in {self.compile_timer.seconds:.1f} s (their first "
+                  f"forward calls on this rank; backward graphs compile during the first backward)", flush=True)
         self.iteration += 1
         self.last_spike, self.last_loss = spike, loss
         self.guard_skips(loss, result)

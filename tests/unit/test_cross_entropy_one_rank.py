@@ -1,5 +1,5 @@
-"""At tp=1 the loss takes torch's fused cross entropy: the same per-token loss and logits gradient as the
-vocab-parallel math, padding columns (logits wider than the vocabulary) never predicted nor given a gradient."""
+"""At tp=1 the loss takes a one-rank cross entropy (torch's fused log-softmax, a backward in place): the same
+per-token loss and logits gradient as the vocab-parallel math, padding columns (logits wider than the vocabulary) never predicted nor given a gradient."""
 
 import torch
 import torch.distributed as dist
