@@ -1,5 +1,5 @@
-"""At tp=1 the loss takes torch's fused cross entropy: the same per-token loss and logits gradient as the
-vocab-parallel math, padding columns (logits wider than the vocabulary) never predicted nor given a gradient."""
+"""At tp=1 the loss takes a one-rank cross entropy (torch's fused log-softmax, a backward in place): the same
+per-token loss and logits gradient as the vocab-parallel math, padding columns (logits wider than the vocabulary) never predicted nor given a gradient."""
 
 import torch
 import torch.distributed as dist
@@ -48,3 +48,28 @@ def test_vocab_parallel_forward_keeps_one_fp32_copy_of_the_logits(one_process_wo
     reference = torch.nn.functional.cross_entropy(logits.detach().float().view(-1, 1000), target.view(-1),
                                                   reduction="none").view(64, 2)
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_one_rank_backward_makes_no_new_logits_sized_tensor(one_process_world):  # noqa: F811
+    """The one-rank backward works in place on the saved log-probabilities: no logits-sized tensor is made
+    in backward (autograd's ``F.cross_entropy`` makes two, a zero-filled NLL gradient and the log-softmax's
+    gradient: twice the time at a 16k vocabulary), and the loss and gradient are ``F.cross_entropy``'s."""
+    from megand.core.parallel_state import init_distributed
+    from megand.tools.rehearse import LiveBytes
+
+    init_distributed()
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(64, 2, 1000, generator=gen) * 3).requires_grad_()
+    target = torch.randint(0, 1000, (64, 2), generator=gen)
+    grad = torch.rand(64, 2, generator=gen)
+    one_copy = logits.numel() * 4
+    with LiveBytes() as tracker:
+        loss = vocab_parallel_cross_entropy(logits, target, dist.group.WORLD, 0, 1000)
+        loss.backward(grad)
+    # the logits (counted when first seen) and the log-probabilities saved for backward, which become the gradient
+    assert tracker.peak <= 2 * one_copy * 1.05, (tracker.peak, one_copy)
+    ref = logits.detach().clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(ref.view(-1, 1000), target.view(-1), reduction="none").view(64, 2)
+    expected.backward(grad)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-6, atol=1e-7)
