@@ -299,7 +299,8 @@ class LocalTier:
         payload = payload.numpy()
         header = {"iteration": iteration, "rank": self.rank, "run": self.run, "layout": layout,
                   "signature": signature(state, layout), "bytes": len(payload), "crc32": zlib.crc32(payload),
-                  "small_bytes": len(small)}
+                  "small_bytes": len(small),
+                  "piece_crc32": zlib.crc32(payload[where.unique_bytes:where.unique_bytes + piece])}
         if meta is not None:
             header["meta"] = meta
         head = encode_header(header)
@@ -400,7 +401,7 @@ class LocalTier:
         box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         shared_iteration, shared_bytes = box[0] or (0, 0)
-        keep = ("run", "layout", "signature", "bytes", "crc32", "payload_at", "small_bytes")
+        keep = ("run", "layout", "signature", "bytes", "crc32", "payload_at", "small_bytes", "piece_crc32")
         inventory = self.inventory()
         mine = {it: {r: (path, {k: h[k] for k in keep}) for r, (path, h) in held.items()}
                 for it, held in inventory.items()}
@@ -477,12 +478,7 @@ class LocalTier:
                     data = torch.empty(h["bytes"], dtype=torch.uint8)
                     with open(path, "rb", buffering=0) as f:  # straight into ``data``: no intermediate copy
                         f.seek(h["payload_at"])
-                        view, got = memoryview(data.numpy()), 0
-                        while got < h["bytes"]:
-                            n = f.readinto(view[got:])
-                            if not n:
-                                raise ValueError(f"truncated: {got} of {h['bytes']} bytes")
-                            got += n
+                        got = _read_into(f, memoryview(data.numpy()))
                     nbytes += got
                     if zlib.crc32(data.numpy()) != h["crc32"]:
                         raise ValueError("corrupted: its checksum differs from the one recorded at save time")
@@ -514,7 +510,7 @@ class LocalTier:
                 work.wait()
         small = data[len(data) - header["small_bytes"]:].numpy().tobytes()
         state = torch.load(io.BytesIO(small), weights_only=True, map_location="cpu")
-        self._load(data, live)
+        nbytes += self._load(data, live, choice)
         box = [state["common"]]
         dist.broadcast_object_list(box, src=0, group=self.group)
         total = torch.tensor([nbytes], dtype=torch.int64)
@@ -522,31 +518,54 @@ class LocalTier:
         replicas = [r for r in range(self.world) if not _is_own(choice.copies[r][using[r]][1])]
         return LocalRestore(choice.iteration, state, box[0], int(total.item()), replicas), notes
 
-    def _load(self, data: torch.Tensor, live: RankState) -> None:
+    def _load(self, data: torch.Tensor, live: RankState, choice: Choice) -> int:
         """Copy this rank's payload ``data`` into ``live``'s tensors; the replicated ones from the pieces of
-        every rank of their group, gathered (collective over the whole tier: the groups are made alike)."""
+        every rank of their group: read from this node's disk when it holds a copy of each (its own files and
+        the replicas it keeps: with two nodes, every piece), each checked against its own checksum; else, or
+        when any rank could not, gathered over the group (collective over the whole tier: the groups are made
+        alike, and every rank takes the same way). Returns the bytes read here."""
         where = _Layout.of(live, self.rank)
-        group = self._gloo_group(live.group)
+        every = [None] * self.world
+        dist.all_gather_object(every, live.group, group=self.group)
+        group = self._gloo_group(live.group, every)
         with torch.no_grad():
             for k in where.unique:
                 t, at = live.tensors[k], where.offsets[k]
                 t.copy_(data[at:at + _nbytes(t)].view(t.dtype).view(t.shape))
             if group is None:
-                return
-            flat = torch.zeros(where.size * where.piece, dtype=torch.uint8)
+                return 0
+            flat = torch.empty(where.size * where.piece, dtype=torch.uint8)
             pieces = list(flat.view(where.size, where.piece).unbind(0))
-            mine = torch.zeros(where.piece, dtype=torch.uint8)
-            mine[:where.hi - where.lo] = data[where.unique_bytes:where.unique_bytes + where.hi - where.lo]
-            dist.all_gather(pieces, mine, group=group)
+            here, nbytes = True, 0
+            for j, r in enumerate(live.group):
+                n = min((j + 1) * where.piece, where.replicated_bytes) - min(j * where.piece, where.replicated_bytes)
+                if r == self.rank:
+                    pieces[j][:n] = data[where.unique_bytes:where.unique_bytes + n]
+                    continue
+                mine = [(path, h) for reader, path, h in choice.copies[r] if self.node_of[reader] == self.node_of[self.rank]]
+                here = here and bool(mine)
+                if here:
+                    path, h = mine[0]
+                    try:
+                        with open(path, "rb", buffering=0) as f:
+                            f.seek(h["payload_at"] + where.unique_bytes)
+                            nbytes += _read_into(f, memoryview(pieces[j].numpy())[:n])
+                        here = zlib.crc32(pieces[j][:n].numpy()) == h["piece_crc32"]
+                    except (OSError, ValueError):
+                        here = False
+            everywhere = [None] * self.world
+            dist.all_gather_object(everywhere, here, group=self.group)
+            if not all(everywhere):
+                dist.all_gather(pieces, pieces[where.index].clone(), group=group)
             for k in where.replicated:
                 t, at = live.tensors[k], where.offsets[k]
                 t.copy_(flat[at:at + _nbytes(t)].view(t.dtype).view(t.shape))
+        return nbytes
 
-    def _gloo_group(self, ranks: tuple[int, ...]):
+    def _gloo_group(self, ranks: tuple[int, ...], every: list):
         """A gloo group of ``ranks`` (this rank's data-parallel group), or None when it has no replicated
-        state. Collective over the tier: every rank makes every group, in the same order."""
-        every = [None] * self.world
-        dist.all_gather_object(every, ranks, group=self.group)
+        state. Collective over the tier (``every``: each rank's group): every rank makes every group, in
+        the same order."""
         mine = None
         for group in sorted({g for g in every if g}):
             made = self._groups.get(group)
@@ -555,6 +574,17 @@ class LocalTier:
             if group == ranks:
                 mine = made
         return mine
+
+
+def _read_into(f, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; ValueError when the file ends first."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"truncated: {got} of {len(view)} bytes")
+        got += n
+    return got
 
 
 def _is_own(path: str) -> bool:
