@@ -536,14 +536,16 @@ class LocalTier:
                 return 0
             flat = torch.empty(where.size * where.piece, dtype=torch.uint8)
             pieces = list(flat.view(where.size, where.piece).unbind(0))
-            here, nbytes = True, 0
+            # the same on every rank: does every rank's node hold a copy of each piece its group needs
+            here = all(any(self.node_of[reader] == self.node_of[x] for reader, _, _ in choice.copies[r])
+                       for x in range(self.world) for r in every[x] if r != x)
+            nbytes = 0
             for j, r in enumerate(live.group):
                 n = min((j + 1) * where.piece, where.replicated_bytes) - min(j * where.piece, where.replicated_bytes)
                 if r == self.rank:
                     pieces[j][:n] = data[where.unique_bytes:where.unique_bytes + n]
                     continue
                 mine = [(path, h) for reader, path, h in choice.copies[r] if self.node_of[reader] == self.node_of[self.rank]]
-                here = here and bool(mine)
                 if here:
                     path, h = mine[0]
                     try:
