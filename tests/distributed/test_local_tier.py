@@ -43,6 +43,11 @@ def published(save) -> int:
         return 0
 
 
+def checkpoint_bytes(save, iteration) -> int:
+    top = os.path.join(save, f"iter_{iteration:07d}")
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(top) for n in names)
+
+
 def events(run_dir, name) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r.get("event") == name]
@@ -105,6 +110,8 @@ def test_lost_node_restores_from_its_peer_without_the_shared_tier(tmp_path, unin
     assert restored["tier"] == "local" and restored["iter"] == newest, restored
     assert restored["from_replica"] == [2, 3]  # node 1's ranks, from node 0's replicas
     assert restored["bytes_shared"] <= 8 and restored["bytes_local"] > 0  # the shared tier: only `latest`
+    # the state replicated over dp is saved (and read) once, not once per dp rank: no more than a shared checkpoint
+    assert restored["bytes_local"] <= checkpoint_bytes(save, published(save)), restored
     assert final_losses(run_dir) == losses  # bit for bit, every iteration
     assert_same_final_tensors(save, reference_save)
     assert local_iterations(locals_[1]) == [ITERS]  # node 1's disk holds the newest state again

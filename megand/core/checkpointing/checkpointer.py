@@ -194,12 +194,9 @@ class Checkpointer:
         mismatch = self.local.verify(choice, layout, signature(live, layout))
         if mismatch:
             return None, [mismatch]
-        got, notes = self.local.restore(choice)
+        got, notes = self.local.restore(choice, live)
         if got is None:
             return None, notes
-        with torch.no_grad():
-            for key, t in live.items():
-                t.copy_(got.state["tensors"][key])
         rng_notice = rng.restore(got.state["rng"], self.rngs, self.topo.device)
         common = got.common
         self.optimizer.load_scalar_state(common["optimizer"])

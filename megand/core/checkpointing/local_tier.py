@@ -5,13 +5,19 @@ somewhere (its own node, or the peer that holds its replica).
     ${local_dir}/iter_0000012/rank_00003.pt      rank 3's own state, written by rank 3
     ${local_dir}/iter_0000012/replica_00001.pt   rank 1's state, received from rank 1 (a rank of another node)
 
-Each rank saves *its own* state exactly as it holds it (its local parameters, or under ZeRO-3 its slices of
-them; its optimizer shard; the persistent buffers; its random streams; rank 0 also the run's scalars and
-the trainer's extra state), serialized with ``torch.save``, and sends the same bytes to its peer: the rank
-of the same local index on the next node (torchrun's ``GROUP_RANK``). Restoring copies those tensors back
-into the same tensors: it is exact, and only possible at the same layout (the same ranks holding the same
-shards). The layout and a signature of every tensor's name, dtype and shape are recorded in each file's
-header; a run at another layout, sharding level or precision ignores the tier and loads the shared one.
+Each rank saves *its own* state as it holds it (its local parameters, or under ZeRO-3 its slices of them;
+its optimizer shard; the persistent buffers; its random streams; rank 0 also the run's scalars and the
+trainer's extra state), and sends the same bytes to its peer: the rank of the same local index on the next
+node (torchrun's ``GROUP_RANK``). What the ranks of a data-parallel group hold alike (the replicated
+parameters, and their optimizer state unless it is distributed) is saved once per group: each rank saves a
+``1/dp`` piece of it, and a restore gathers the pieces over the group; so a node writes and reads its
+shards, not dp copies of the model. A file is a JSON header, then the tensors' raw bytes (aligned), then
+this rank's piece, then the random streams and scalars (``torch.save``, small): a restore reads the payload
+straight into one buffer, checks its CRC there and copies each tensor once into the live one. Restoring
+is exact, and only possible at the same layout (the same ranks holding the same shards). The layout and a
+signature of every tensor's name, dtype, shape and whether it is saved once per group are recorded in each
+file's header; a run at another layout, sharding level or precision ignores the tier and loads the shared
+one.
 
 A file is written to ``*.tmp`` and renamed once complete (and flushed), so a crash never leaves a file
 that looks complete; older iterations are removed only after every rank has written (and replicated)
@@ -47,8 +53,9 @@ from megand.core.checkpointing import files
 from megand.core.checkpointing.errors import CheckpointWriteError, describe_write_error
 from megand.core.checkpointing.pieces import Piece
 from megand.core.checkpointing.staging import HostStaging
+from megand.core.distributed.data_parallel import is_expert
 
-MAGIC = b"megand-local-1\n"
+MAGIC = b"megand-local-2\n"
 OWN, REPLICA = "rank", "replica"
 
 
@@ -61,10 +68,31 @@ def file_name(kind: str, rank: int) -> str:
     return f"{kind}_{rank:05d}.pt"
 
 
-def rank_tensors(named_params, optimizer, named_buffers) -> dict[str, torch.Tensor]:
+@dataclass
+class RankState:
+    """This rank's state as it holds it (:func:`rank_tensors`): ``tensors`` by names unique to it, and those of
+    them (``replicated``) that every rank of ``group`` (ranks, this one among them) holds bit for bit alike."""
+
+    tensors: dict[str, torch.Tensor]
+    replicated: frozenset = frozenset()
+    group: tuple[int, ...] = ()
+
+
+def rank_tensors(named_params, optimizer, named_buffers) -> RankState:
     """This rank's state as it holds it, by names unique to it: every local parameter whole (under ZeRO-3
-    its packed slices, the only values it holds between steps), its optimizer shard, the buffers."""
-    ddp, out = optimizer.ddp, {}
+    its packed slices, the only values it holds between steps), its optimizer shard, the buffers.
+
+    Replicated over the dense data-parallel group (dp x cp), which applies the same reduced gradients to the
+    same values on every rank: the dense trained parameters unless ZeRO-3 slices them, and their optimizer
+    state unless the optimizer is distributed. Those are saved once per group (each rank a ``1/group`` piece
+    of them): a save and a restore cost the shard, not dp copies of it. Everything else (slices, experts,
+    whose group is another, buffers) is saved by each rank."""
+    ddp, out, replicated = optimizer.ddp, {}, set()
+    dense = getattr(ddp.topo, "dp_cp_size", 1) > 1
+
+    def alike(p) -> bool:
+        return dense and p.requires_grad and not (ddp.expert_parallel and is_expert(p))
+
     if ddp.shard_params:
         name_of = {p: n for n, p in named_params}
         for p, lo, hi, data in ddp.param_shards():
@@ -72,18 +100,87 @@ def rank_tensors(named_params, optimizer, named_buffers) -> dict[str, torch.Tens
     else:
         for name, p in named_params:
             out[f"param.{name}"] = p.detach()
+            if alike(p):
+                replicated.add(f"param.{name}")
     for shard in optimizer.sharded_state_dict():
         for kind, t in shard.tensors.items():
-            out[f"optim.{shard.name}.{kind}[{shard.lo}:{shard.hi}]"] = t
+            key = f"optim.{shard.name}.{kind}[{shard.lo}:{shard.hi}]"
+            out[key] = t
+            if not ddp.distributed and alike(shard.param):
+                replicated.add(key)
     for name, b in named_buffers:
         out[f"buffer.{name}"] = b.detach()
-    return out
+    group = tuple(dist.get_process_group_ranks(ddp.topo.dp_cp_group)) if replicated else ()
+    return RankState(out, frozenset(replicated), group)
 
 
-def signature(tensors: dict[str, torch.Tensor], layout: dict) -> str:
-    """What must be equal for a saved state to load into these tensors: the layout, every name, dtype, shape."""
-    text = json.dumps([layout, sorted((k, str(t.dtype), list(t.shape)) for k, t in tensors.items())])
+def signature(state: RankState, layout: dict) -> str:
+    """What must be equal for a saved state to load into these tensors: the layout, every name, dtype, shape,
+    and which are saved once per data-parallel group (of which size)."""
+    text = json.dumps([layout, len(state.group), sorted((k, str(t.dtype), list(t.shape), k in state.replicated)
+                                                         for k, t in state.tensors.items())])
     return hashlib.sha1(text.encode()).hexdigest()
+
+
+ALIGN = 8  # every tensor's bytes start at a multiple of the largest element size
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _offsets(tensors: dict[str, torch.Tensor], keys) -> tuple[dict[str, int], int]:
+    """Where each of ``keys`` (in this order) starts in their concatenation, and its length (aligned)."""
+    offsets, at = {}, 0
+    for k in keys:
+        offsets[k] = at
+        at += _aligned(_nbytes(tensors[k]))
+    return offsets, at
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class _Layout:
+    """Where a rank's state lies in its file's payload: the tensors it alone saves (``unique``, at
+    ``offsets``, ``unique_bytes`` in all), then its piece ``[lo, hi)`` of the concatenation of the
+    ``replicated`` tensors (``replicated_bytes``, split into ``size`` pieces of ``piece`` bytes, this rank's
+    the ``index``-th), then the pickled random streams and scalars."""
+
+    unique: list[str]
+    replicated: list[str]
+    offsets: dict[str, int]
+    unique_bytes: int
+    replicated_bytes: int
+    size: int
+    index: int
+    piece: int
+
+    @classmethod
+    def of(cls, state: RankState, rank: int) -> _Layout:
+        names = sorted(state.tensors)
+        unique = [k for k in names if k not in state.replicated]
+        replicated = [k for k in names if k in state.replicated]
+        offsets, unique_bytes = _offsets(state.tensors, unique)
+        rep_offsets, replicated_bytes = _offsets(state.tensors, replicated)
+        size = max(len(state.group), 1)
+        index = state.group.index(rank) if state.group else 0
+        return cls(unique, replicated, {**offsets, **rep_offsets}, unique_bytes, replicated_bytes, size, index,
+                   _aligned(-(-replicated_bytes // size)))
+
+    @property
+    def lo(self) -> int:
+        return min(self.index * self.piece, self.replicated_bytes)
+
+    @property
+    def hi(self) -> int:
+        return min((self.index + 1) * self.piece, self.replicated_bytes)
 
 
 def write_atomic(path: str, chunks) -> None:
@@ -148,7 +245,7 @@ class LocalTier:
         process group of its own, and the ranks' nodes). The state itself is the caller's: the tier stores,
         replicates, finds and reads bytes, and knows no model."""
         self.dir, self.run = local_dir, run
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.group, self.timeout, self._groups = dist.new_group(backend="gloo", timeout=timeout), timeout, {}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         nodes = [None] * self.world
         dist.all_gather_object(nodes, node_rank(), group=self.group)
@@ -174,20 +271,36 @@ class LocalTier:
         return os.path.join(self.dir, files.iter_dir_name(iteration))
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, iteration: int, tensors: dict[str, torch.Tensor], rng_state: dict, common: dict | None,
+    def save(self, iteration: int, state: RankState, rng_state: dict, common: dict | None,
              layout: dict, meta: dict | None) -> None:
-        """Collective: write this rank's state (``tensors``: :func:`rank_tensors`) and its peer's replica of it;
-        remove the older iterations once every rank has. ``meta`` (rank 0): what a restart needs to know
-        before it builds its model (the model section, the run's config), kept in the file's header.
-        CheckpointWriteError on every rank alike when a write failed anywhere (the files of this iteration
-        are removed, the previous local state is kept)."""
-        staged = self.staging.stage([Piece(k, (), (), t) for k, t in tensors.items()], copy=False)
-        state = {"tensors": {p.key: p.tensor for p in staged}, "rng": rng_state, "common": common}
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        payload = buffer.getbuffer()
+        """Collective: write this rank's state (``state``: :func:`rank_tensors`; of its replicated tensors only
+        this rank's piece) and its peer's replica of it; remove the older iterations once every rank has.
+        ``meta`` (rank 0): what a restart needs to know before it builds its model (the model section, the
+        run's config), kept in the file's header. CheckpointWriteError on every rank alike when a write failed
+        anywhere (the files of this iteration are removed, the previous local state is kept)."""
+        staged = self.staging.stage([Piece(k, (), (), t) for k, t in state.tensors.items()], copy=False)
+        host = {p.key: p.tensor for p in staged}
+        where = _Layout.of(state, self.rank)
+        small = io.BytesIO()
+        torch.save({"rng": rng_state, "common": common}, small)
+        small = small.getbuffer()
+        piece = where.hi - where.lo
+        payload = torch.zeros(where.unique_bytes + piece + len(small), dtype=torch.uint8)
+        for k in where.unique:
+            at = where.offsets[k]
+            payload[at:at + _nbytes(host[k])] = _as_bytes(host[k])
+        for k in where.replicated:  # the part of each replicated tensor inside this rank's piece
+            at, n = where.offsets[k], _nbytes(host[k])
+            lo, hi = max(at, where.lo), min(at + n, where.hi)
+            if lo < hi:
+                payload[where.unique_bytes + lo - where.lo:where.unique_bytes + hi - where.lo] = \
+                    _as_bytes(host[k])[lo - at:hi - at]
+        payload[where.unique_bytes + piece:] = torch.frombuffer(small, dtype=torch.uint8)
+        payload = payload.numpy()
         header = {"iteration": iteration, "rank": self.rank, "run": self.run, "layout": layout,
-                  "signature": signature(tensors, layout), "bytes": len(payload), "crc32": zlib.crc32(payload)}
+                  "signature": signature(state, layout), "bytes": len(payload), "crc32": zlib.crc32(payload),
+                  "small_bytes": len(small),
+                  "piece_crc32": zlib.crc32(payload[where.unique_bytes:where.unique_bytes + piece])}
         if meta is not None:
             header["meta"] = meta
         head = encode_header(header)
@@ -200,7 +313,7 @@ class LocalTier:
             write_atomic(path, (head, payload))
         except OSError as e:
             problem = f"rank {self.rank}: {describe_write_error(e, self.dir)}"
-        received = self._exchange(bytearray(head) + payload if self.replicated else None)
+        received = self._exchange(bytearray(head) + payload.tobytes() if self.replicated else None)
         for source, data in received.items():
             if problem is None:
                 try:
@@ -288,7 +401,7 @@ class LocalTier:
         box = [files.latest_iteration(shared_path) if self.rank == 0 and shared_path else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         shared_iteration, shared_bytes = box[0] or (0, 0)
-        keep = ("run", "layout", "signature", "bytes", "crc32", "payload_at")
+        keep = ("run", "layout", "signature", "bytes", "crc32", "payload_at", "small_bytes", "piece_crc32")
         inventory = self.inventory()
         mine = {it: {r: (path, {k: h[k] for k in keep}) for r, (path, h) in held.items()}
                 for it, held in inventory.items()}
@@ -347,11 +460,12 @@ class LocalTier:
                     f"{_ranks(differ)} (another sharding level, precision or model)")
         return None
 
-    def restore(self, choice: Choice) -> tuple[LocalRestore | None, list[str]]:
-        """Collective: read every rank's state where ``choice`` says and send it to its rank. A copy that
-        cannot be read or fails its checksum is passed over for the next copy of the same state (its replica),
-        with a note; when no copy of some rank's state is intact, None (load the shared tier). Nothing is
-        loaded here: the caller copies ``state`` into its tensors, so a failure changes nothing."""
+    def restore(self, choice: Choice, live: RankState) -> tuple[LocalRestore | None, list[str]]:
+        """Collective: read every rank's state where ``choice`` says, send it to its rank and load it into the
+        tensors of ``live`` (checked by :meth:`verify`); the replicated tensors' pieces are gathered over their
+        data-parallel group. A copy that cannot be read or fails its checksum is passed over for the next copy
+        of the same state (its replica), with a note; when no copy of some rank's state is intact, None (load
+        the shared tier). Nothing is loaded until every rank's state has been read intact."""
         using = {r: 0 for r in range(self.world)}  # rank -> the index of the copy of its state being read
         reads, nbytes, notes = {}, 0, []
         while True:
@@ -361,11 +475,12 @@ class LocalTier:
                 if reader != self.rank or r in reads:
                     continue
                 try:
-                    with open(path, "rb") as f:
+                    data = torch.empty(h["bytes"], dtype=torch.uint8)
+                    with open(path, "rb", buffering=0) as f:  # straight into ``data``: no intermediate copy
                         f.seek(h["payload_at"])
-                        data = f.read(h["bytes"])
-                    nbytes += len(data)
-                    if zlib.crc32(data) != h["crc32"]:
+                        got = _read_into(f, memoryview(data.numpy()))
+                    nbytes += got
+                    if zlib.crc32(data.numpy()) != h["crc32"]:
                         raise ValueError("corrupted: its checksum differs from the one recorded at save time")
                     reads[r] = data
                 except (OSError, ValueError) as e:
@@ -384,25 +499,94 @@ class LocalTier:
                     notes.append(f"the local copy of rank {r}'s state {problem}, and no other copy of it survives: "
                                  f"local iteration {choice.iteration} cannot be restored")
                     return None, notes
-        ops, incoming = [], None
-        for r, data in reads.items():
-            if r != self.rank:
-                ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(data), dtype=torch.uint8), r, self.group))
+        ops = [dist.P2POp(dist.isend, data, r, self.group) for r, data in reads.items() if r != self.rank]
         reader, _, header = choice.copies[self.rank][using[self.rank]]
+        data = reads.get(self.rank)
         if reader != self.rank:
-            incoming = torch.empty(header["bytes"], dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, incoming, reader, self.group))
+            data = torch.empty(header["bytes"], dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, data, reader, self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        data = reads[self.rank] if incoming is None else incoming.numpy().tobytes()
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        small = data[len(data) - header["small_bytes"]:].numpy().tobytes()
+        state = torch.load(io.BytesIO(small), weights_only=True, map_location="cpu")
+        nbytes += self._load(data, live, choice)
         box = [state["common"]]
         dist.broadcast_object_list(box, src=0, group=self.group)
         total = torch.tensor([nbytes], dtype=torch.int64)
         dist.all_reduce(total, group=self.group)
         replicas = [r for r in range(self.world) if not _is_own(choice.copies[r][using[r]][1])]
         return LocalRestore(choice.iteration, state, box[0], int(total.item()), replicas), notes
+
+    def _load(self, data: torch.Tensor, live: RankState, choice: Choice) -> int:
+        """Copy this rank's payload ``data`` into ``live``'s tensors; the replicated ones from the pieces of
+        every rank of their group: read from this node's disk when it holds a copy of each (its own files and
+        the replicas it keeps: with two nodes, every piece), each checked against its own checksum; else, or
+        when any rank could not, gathered over the group (collective over the whole tier: the groups are made
+        alike, and every rank takes the same way). Returns the bytes read here."""
+        where = _Layout.of(live, self.rank)
+        every = [None] * self.world
+        dist.all_gather_object(every, live.group, group=self.group)
+        group = self._gloo_group(live.group, every)
+        with torch.no_grad():
+            for k in where.unique:
+                t, at = live.tensors[k], where.offsets[k]
+                t.copy_(data[at:at + _nbytes(t)].view(t.dtype).view(t.shape))
+            if group is None:
+                return 0
+            flat = torch.empty(where.size * where.piece, dtype=torch.uint8)
+            pieces = list(flat.view(where.size, where.piece).unbind(0))
+            # the same on every rank: does every rank's node hold a copy of each piece its group needs
+            here = all(any(self.node_of[reader] == self.node_of[x] for reader, _, _ in choice.copies[r])
+                       for x in range(self.world) for r in every[x] if r != x)
+            nbytes = 0
+            for j, r in enumerate(live.group):
+                n = min((j + 1) * where.piece, where.replicated_bytes) - min(j * where.piece, where.replicated_bytes)
+                if r == self.rank:
+                    pieces[j][:n] = data[where.unique_bytes:where.unique_bytes + n]
+                    continue
+                mine = [(path, h) for reader, path, h in choice.copies[r] if self.node_of[reader] == self.node_of[self.rank]]
+                if here:
+                    path, h = mine[0]
+                    try:
+                        with open(path, "rb", buffering=0) as f:
+                            f.seek(h["payload_at"] + where.unique_bytes)
+                            nbytes += _read_into(f, memoryview(pieces[j].numpy())[:n])
+                        here = zlib.crc32(pieces[j][:n].numpy()) == h["piece_crc32"]
+                    except (OSError, ValueError):
+                        here = False
+            everywhere = [None] * self.world
+            dist.all_gather_object(everywhere, here, group=self.group)
+            if not all(everywhere):
+                dist.all_gather(pieces, pieces[where.index].clone(), group=group)
+            for k in where.replicated:
+                t, at = live.tensors[k], where.offsets[k]
+                t.copy_(flat[at:at + _nbytes(t)].view(t.dtype).view(t.shape))
+        return nbytes
+
+    def _gloo_group(self, ranks: tuple[int, ...], every: list):
+        """A gloo group of ``ranks`` (this rank's data-parallel group), or None when it has no replicated
+        state. Collective over the tier (``every``: each rank's group): every rank makes every group, in
+        the same order."""
+        mine = None
+        for group in sorted({g for g in every if g}):
+            made = self._groups.get(group)
+            if made is None:
+                made = self._groups[group] = dist.new_group(list(group), backend="gloo", timeout=self.timeout)
+            if group == ranks:
+                mine = made
+        return mine
+
+
+def _read_into(f, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; ValueError when the file ends first."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"truncated: {got} of {len(view)} bytes")
+        got += n
+    return got
 
 
 def _is_own(path: str) -> bool:
