@@ -13,6 +13,33 @@ from megand.tools import convert_checkpoint, generate
 from tests.harness import read_metrics, run_pretrain
 
 
+def save_and_import(build, root, scale: float = 0.1, move=None, edit_files=None):
+    """(transformers model, its directory, the imported megand checkpoint): ``build()``'s model made at seed 0,
+    its 1-D tensors (norm weights, biases) moved ``scale`` away from their init so that a misplaced or unread
+    one shows, ``move(model)`` for others, written by transformers' ``save_pretrained`` (then
+    ``edit_files(hf_dir)``) and imported by ``convert_checkpoint``."""
+    hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * scale)
+        if move is not None:
+            move(model)
+    model.save_pretrained(hf_dir)
+    if edit_files is not None:
+        edit_files(root / "hf")
+    assert convert_checkpoint.main(["import", "--hf", hf_dir, "--save", ckpt]) == 0
+    return model, hf_dir, ckpt
+
+
+def move_correction_biases(model):
+    """A sigmoid router's correction biases (every MoE layer after the first, dense one) away from zero."""
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
+
+
 def first_step_loss_equals_transformers(name: str, theirs, ckpt: str, nproc: int, overrides, tmp_path):
     """Train one step from ``ckpt`` with no model key (the checkpoint's model) on ``nproc`` ranks; its loss
     equals ``theirs`` (the transformers model) on the same batch within 1e-5 relative. Returns the batch's

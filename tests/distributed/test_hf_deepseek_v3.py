@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from megand.core.checkpointing import offline
 from megand.models import full
 from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             move_correction_biases, save_and_import)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -33,18 +34,8 @@ def config(**changes):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek_v3")
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config()).eval()
-    with torch.no_grad():  # norm weights and the correction biases away from their init: a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
-    model.save_pretrained(str(root / "hf"))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+    return save_and_import(lambda: transformers.DeepseekV3ForCausalLM(config()), tmp_path_factory.mktemp("deepseek_v3"),
+                           move=move_correction_biases)
 
 
 def test_logits_generation_and_export_equal_transformers(imported, tmp_path, capsys):

@@ -18,7 +18,8 @@ from megand.core.checkpointing import offline
 from megand.models import full
 from megand.tools import convert_checkpoint
 from tests.harness import read_metrics, run_pretrain
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             save_and_import)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -36,16 +37,7 @@ def config(**changes):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek_v32")
-    torch.manual_seed(0)
-    model = transformers.DeepseekV32ForCausalLM(config()).eval()
-    with torch.no_grad():  # norm weights and biases away from their init: a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(root / "hf"))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+    return save_and_import(lambda: transformers.DeepseekV32ForCausalLM(config()), tmp_path_factory.mktemp("deepseek_v32"))
 
 
 def test_logits_generation_and_export_equal_transformers(imported, tmp_path, capsys):

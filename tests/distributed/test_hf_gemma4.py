@@ -9,11 +9,10 @@ of 1 so that it bends these small logits), three sliding layers per full one, tw
 pp=2 one per rank)."""
 
 import pytest
-import torch
 import transformers
 
-from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             save_and_import)
 
 
 def gemma4():
@@ -31,16 +30,7 @@ def gemma4():
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(transformers model, its directory, the imported megand checkpoint)."""
-    root = tmp_path_factory.mktemp("gemma4")
-    torch.manual_seed(0)
-    model = gemma4().eval()
-    with torch.no_grad():  # norm weights away from their init: a misplaced or unread one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(root / "hf"))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+    return save_and_import(gemma4, tmp_path_factory.mktemp("gemma4"))
 
 
 def test_generation_and_export_equal_transformers(imported, tmp_path, capsys):

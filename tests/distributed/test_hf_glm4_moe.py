@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from megand.models import flops, full
 from megand.models.hf import build_hf_model
 from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             move_correction_biases, save_and_import)
 
 
 def config(**changes):
@@ -29,18 +30,8 @@ def config(**changes):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm4_moe")
-    torch.manual_seed(0)
-    model = transformers.Glm4MoeForCausalLM(config()).eval()
-    with torch.no_grad():  # norm weights, biases and the correction biases away from their init: a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
-    model.save_pretrained(str(root / "hf"))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+    return save_and_import(lambda: transformers.Glm4MoeForCausalLM(config()), tmp_path_factory.mktemp("glm4_moe"),
+                           move=move_correction_biases)
 
 
 def test_generation_and_export_equal_transformers(imported, tmp_path, capsys):

@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from megand.models import flops, full
 from megand.models.hf import build_hf_model
 from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             save_and_import)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 8, "rope_theta": 150000.0}
@@ -29,16 +30,13 @@ def config(**changes):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt_oss")
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config()).eval()
-    with torch.no_grad():  # norms, biases and sinks away from their init: a misplaced one shows
+    def move_expert_biases(model):  # the experts' biases are 2-D
         for name, p in model.named_parameters():
-            if p.dim() == 1 or name.endswith("_bias"):
+            if p.dim() > 1 and name.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(str(root / "hf"))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+
+    return save_and_import(lambda: transformers.GptOssForCausalLM(config()), tmp_path_factory.mktemp("gpt_oss"),
+                           scale=0.5, move=move_expert_biases)
 
 
 def test_generation_and_export_equal_transformers(imported, tmp_path, capsys):

@@ -10,12 +10,12 @@ tensor back (as ``deepseek_v3``, which transformers loads)."""
 import json
 
 import pytest
-import torch
 import transformers
 
 from megand.models import full
 from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             move_correction_biases, save_and_import)
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0,
         "beta_fast": 1.0, "beta_slow": 1.0}  # Kimi-K2's block (factor 32 from 4096 there)
@@ -38,21 +38,12 @@ PUBLISHED = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2"
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kimi_k2")
     rope = {"rope_type": "yarn", "rope_theta": 50000.0, **{k: v for k, v in YARN.items() if k != "type"}}
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **SHAPE, rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
-    with torch.no_grad():  # norm weights and the correction biases away from their init: a misplaced one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
-    model.save_pretrained(str(root / "hf"))
-    (root / "hf" / "config.json").write_text(json.dumps({**SHAPE, **PUBLISHED}, indent=2))
-    assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-    return model, str(root / "hf"), str(root / "ckpt")
+    return save_and_import(
+        lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **SHAPE, rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None)),
+        tmp_path_factory.mktemp("kimi_k2"), move=move_correction_biases,
+        edit_files=lambda hf: (hf / "config.json").write_text(json.dumps({**SHAPE, **PUBLISHED}, indent=2)))
 
 
 def test_imports_as_deepseek_v3_generates_and_exports_back(imported, tmp_path, capsys):

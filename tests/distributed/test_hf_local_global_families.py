@@ -12,11 +12,10 @@ back, every weight equals the files transformers wrote.
 - SmolLM3: no RoPE on every fourth layer (its default ``no_rope_layers``)."""
 
 import pytest
-import torch
 import transformers
 
-from megand.tools import convert_checkpoint
-from tests.hf_checks import assert_generation_and_export_equal, first_step_loss_equals_transformers
+from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
+                             save_and_import)
 
 COMMON = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -39,16 +38,7 @@ def imported(tmp_path_factory):
 
     def get(family):
         if family not in cache:
-            root = tmp_path_factory.mktemp(family)
-            torch.manual_seed(0)
-            model = FAMILIES[family]().eval()
-            with torch.no_grad():  # norm weights away from their init: a misplaced or unread one shows
-                for p in model.parameters():
-                    if p.dim() == 1:
-                        p.add_(torch.randn_like(p) * 0.1)
-            model.save_pretrained(str(root / "hf"))
-            assert convert_checkpoint.main(["import", "--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
-            cache[family] = (model, str(root / "hf"), str(root / "ckpt"))
+            cache[family] = save_and_import(FAMILIES[family], tmp_path_factory.mktemp(family))
         return cache[family]
 
     return get
