@@ -17,22 +17,14 @@ import transformers
 from megand.core.checkpointing import offline
 from megand.models import full
 from megand.tools import convert_checkpoint
+from tests.distributed.test_hf_deepseek_v3 import SHAPE
 from tests.harness import read_metrics, run_pretrain
 from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
                              save_and_import)
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
-
 
 def config(**changes):
-    kw = dict(vocab_size=251, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-              num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-              v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-              n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, max_position_embeddings=32,
-              index_topk=6, index_n_heads=16, index_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              rope_parameters=YARN, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return transformers.DeepseekV32Config(**dict(kw, **changes))
+    return transformers.DeepseekV32Config(**dict(SHAPE, index_topk=6, index_n_heads=16, index_head_dim=16, **changes))
 
 
 @pytest.fixture(scope="module")
