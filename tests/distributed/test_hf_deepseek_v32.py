@@ -24,7 +24,8 @@ from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss
 
 
 def config(**changes):
-    return transformers.DeepseekV32Config(**dict(SHAPE, index_topk=6, index_n_heads=16, index_head_dim=16, **changes))
+    return transformers.DeepseekV32Config(**{**SHAPE, "index_topk": 6, "index_n_heads": 16, "index_head_dim": 16,
+                                             **changes})
 
 
 @pytest.fixture(scope="module")
