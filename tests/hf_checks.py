@@ -34,6 +34,18 @@ def save_and_import(build, root, scale: float = 0.1, move=None, edit_files=None)
     return model, hf_dir, ckpt
 
 
+def imports_by_family(tmp_path_factory, build_of):
+    """``get(family)`` -> :func:`save_and_import` of ``build_of(family)()``, made once per family."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = save_and_import(build_of(family), tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get
+
+
 def move_correction_biases(model):
     """A sigmoid router's correction biases (every MoE layer after the first, dense one) away from zero."""
     for layer in model.model.layers[1:]:

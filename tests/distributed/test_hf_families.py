@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from tests.hf_checks import (assert_generation_and_export_equal, first_step_loss_equals_transformers,
-                             save_and_import)
+                             imports_by_family)
 
 COMMON = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -58,15 +58,8 @@ EXPORTED_AS = {"mistral": transformers.LlamaConfig}  # no megand key marks the f
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """``imported(family)`` -> (transformers model, its directory, the imported megand checkpoint)."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = save_and_import(lambda: getattr(transformers, CLASSES[family])(FAMILIES[family]()),
-                                            tmp_path_factory.mktemp(family))
-        return cache[family]
-
-    return get
+    return imports_by_family(tmp_path_factory,
+                             lambda family: lambda: getattr(transformers, CLASSES[family])(FAMILIES[family]()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
