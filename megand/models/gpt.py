@@ -211,7 +211,7 @@ class GPTModel(torch.nn.Module):
             full = gather_from_tp(logits, self.topo.tp_group)[..., : self.cfg.vocab_size]
             return full.transpose(0, 1).float()
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.topo.tp_group,
-                                            self.vocab_start, self.cfg.vocab_size)
+                                            self.vocab_start, self.cfg.vocab_size, consume=True)
         return loss.transpose(0, 1)
 
     def loss_with_mtp(self, x, labels, rope, documents):
@@ -232,7 +232,7 @@ class GPTModel(torch.nn.Module):
             tp = self.topo.tp_size
             targets = targets.unflatten(1, (tp, -1)).transpose(0, 1)  # [tp, 1 + D, s/tp, b]
         loss = vocab_parallel_cross_entropy(logits, targets.reshape(-1, targets.shape[-1]), tp_group,
-                                            self.vocab_start, cfg.vocab_size)
+                                            self.vocab_start, cfg.vocab_size, consume=True)
         loss = loss.view(targets.shape)
         if cfg.sequence_parallel:
             loss = loss.transpose(0, 1).flatten(1, 2)

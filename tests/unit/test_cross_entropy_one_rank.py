@@ -3,6 +3,8 @@ per-token loss and logits gradient as the vocab-parallel math, padding columns (
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megand.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from tests.unit.test_trainer_wandb import one_process_world  # noqa: F401  (fixture)
@@ -73,3 +75,58 @@ def test_one_rank_backward_makes_no_new_logits_sized_tensor(one_process_world): 
     expected.backward(grad)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-6, atol=1e-7)
+
+
+class _LogitsSized(TorchDispatchMode):
+    """How many tensors of ``numel`` elements the operators return (the logits, the log-probabilities...)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = isinstance(out, torch.Tensor) and not any(
+            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            for a in (*args, *(kwargs or {}).values()))
+        if fresh and out.numel() == self.numel:
+            self.made.append(str(func))
+        return out
+
+
+def test_the_models_loss_writes_the_log_probabilities_over_its_logits(one_process_world):  # noqa: F811
+    """At tp=1 in fp32 the model's loss forward makes one ``[tokens, V]`` tensor, the logits: the
+    log-probabilities are written over them (the model never reads its logits again), where a fresh one
+    (the first write into new pages on CPU) cost the log-softmax 3-6x its time. Loss and gradients are
+    those of ``F.cross_entropy`` on the model's own logits."""
+    from megand.core.checkpointing.offline import single_process_topology
+    from megand.core.tensor_parallel.random import TensorParallelRNG
+    from megand.core.transformer import TransformerConfig
+    from megand.models.gpt import GPTModel
+
+    topo = single_process_topology()
+    for tie in (False, True):
+        cfg = TransformerConfig(arch="llama", num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                                seq_length=16, vocab_size=128, norm="rmsnorm", activation="swiglu",
+                                position_embedding="rope", tie_embeddings=tie)
+        torch.manual_seed(1)
+        model = GPTModel(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+        ids = torch.randint(0, 128, (2, 16))
+        labels = torch.randint(0, 128, (2, 16))
+        counter = _LogitsSized(2 * 16 * 128)
+        with counter:
+            loss = model(ids, labels=labels)
+        assert len(counter.made) == 1, counter.made  # the output layer's product; no log-softmax of its own
+        loss.mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model.eval()  # the same model's logits (no dropout either way), the loss by torch
+        logits = model(ids)
+        expected = F.cross_entropy(logits.reshape(-1, 128), labels.reshape(-1), reduction="none").view(2, 16)
+        expected.mean().backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+        for got, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7)
