@@ -12,6 +12,9 @@ transformers' Trainer by default: ``max_grad_norm=1.0``); ``--no-baseline-clip``
         train.micro_batch_size=4
     OMP_NUM_THREADS=1 python benchmarks/bench_e2e.py --profile model=llama_50m train.micro_batch_size=4
 
+``--gemms``: instead, every matrix product of two steps of megand's eager Trainer and of the transformers loop,
+each side in a process of its own: per product and operand layout, calls, GFLOP, CPU time and GFLOP/s.
+
 ``--profile``: instead, one step of megand's Trainer (eager and compiled) and one of the transformers loop
 under ``torch.profiler``, each in a process of its own, the operators that take the most CPU time side by
 side, with each one's user and system CPU time.
@@ -83,12 +86,11 @@ def transformers_run(overrides, iters, warmup, clip: bool) -> float:
 PROFILED = ("megand", "megand_compiled", "transformers")  # the sides of --profile, each in a process of its own
 
 
-def profile_side(side, overrides, clip: bool) -> dict:
-    """One step of ``side`` (after two) under ``torch.profiler``, in this process: its user and system CPU time
-    and each operator's self time (ms) and calls."""
+def make_step(side, overrides, clip: bool):
+    """One training step of ``side`` in this process, as a function: megand's ``Trainer.iterate`` (eager or
+    compiled) or the transformers loop's body."""
     import torch
     from omegaconf import OmegaConf
-    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from megand.tools.benchmark_megand import benchmark_config
 
@@ -113,12 +115,20 @@ def profile_side(side, overrides, clip: bool) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
             opt.step()
             loss.item()
-    else:
-        from megand.training.pretrain import Trainer
+        return step
+    from megand.training.pretrain import Trainer
 
-        cfg.train.compile = side == "megand_compiled"
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        step = Trainer(cfg).iterate  # the step and its log line, as pretrain_gpt.py runs it
+    cfg.train.compile = side == "megand_compiled"
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    return Trainer(cfg).iterate  # the step and its log line, as pretrain_gpt.py runs it
+
+
+def profile_side(side, overrides, clip: bool) -> dict:
+    """One step of ``side`` (after two) under ``torch.profiler``, in this process: its user and system CPU time
+    and each operator's self time (ms) and calls."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    step = make_step(side, overrides, clip)
     step()  # warm-up (and compilation)
     step()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -129,6 +139,68 @@ def profile_side(side, overrides, clip: bool) -> dict:
             "ops": {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}}
 
 
+def gemms_side(side, overrides, clip: bool, steps: int = 2) -> dict:
+    """Each matrix product of ``steps`` steps of ``side`` (after two), in this process, timed in the thread's
+    CPU time (less sensitive to a loaded machine than wall time): per operator and operand layout, its
+    calls, GFLOP and seconds per step. An operand is written ``[rows, cols]``, with ``T`` when it is a
+    transposed view (column-major) and ``s`` when neither layout is dense."""
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    operands = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.addmm_.default: (1, 2),
+                aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+
+    def layout(t):
+        dense = t.is_contiguous()
+        transposed = t.dim() == 2 and t.stride(0) == 1 and t.stride(1) >= t.shape[0]
+        return f"{list(t.shape)}{'T' if transposed else '' if dense else 's'}"
+
+    table = {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.thread_time()
+            out = func(*args, **(kwargs or {}))
+            if func in operands:
+                a, b = (args[i] for i in operands[func])
+                flops = 2 * a.numel() * b.shape[-1]
+                row = table.setdefault(f"{func.__name__.split('.')[0]} {layout(a)} x {layout(b)}", [0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += flops / 1e9
+                row[2] += time.thread_time() - start
+            return out
+
+    step = make_step(side, overrides, clip)
+    step()  # warm-up (and compilation)
+    step()
+    with Timer():
+        for _ in range(steps):
+            step()
+    return {k: (n // steps, gflop / steps, t / steps) for k, (n, gflop, t) in table.items()}
+
+
+def gemms(overrides, clip: bool) -> None:
+    """The products of megand's eager step and the transformers step, each side in a process of its own."""
+    for side in ("megand", "transformers"):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--gemms-side", side, *overrides,
+                              *([] if clip else ["--no-baseline-clip"])],
+                             check=True, capture_output=True, text=True, cwd=ROOT, env=_this_tree_env())
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        gflop, seconds = sum(r[1] for r in rows.values()), sum(r[2] for r in rows.values())
+        print(f"{side}: products {seconds:.3f} s CPU per step, {gflop:.1f} GFLOP, {gflop / seconds:.1f} GFLOP/s")
+        print(f"  {'product (operands)':58s} {'calls':>5s} {'GFLOP':>7s} {'ms':>8s} {'GFLOP/s':>8s}")
+        for key, (n, g, t) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+            print(f"  {key:58s} {n:5d} {g:7.2f} {t * 1e3:8.1f} {g / t:8.1f}")
+
+
+def _this_tree_env() -> dict:
+    """The environment of a child process that imports megand from this tree."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
 def profile(overrides, clip: bool, top: int = 30) -> None:
     """Each side profiled in a process of its own (in one process the second side's step runs on the first
     one's heap, which changes its page faults and its time), then their operators side by side."""
@@ -136,9 +208,7 @@ def profile(overrides, clip: bool, top: int = 30) -> None:
     for side in PROFILED:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-side", side, *overrides,
                               *([] if clip else ["--no-baseline-clip"])],
-                             check=True, capture_output=True, text=True, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                 p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)})  # megand from this tree
+                             check=True, capture_output=True, text=True, cwd=ROOT, env=_this_tree_env())
         got[side] = json.loads(out.stdout.strip().splitlines()[-1])
     # the process's CPU time (user + system: page faults of fresh allocations are system time) and each
     # operator's self time, side by side, the largest first
@@ -161,6 +231,10 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="profile one step of each side instead")
     p.add_argument("--profile-side", choices=PROFILED, help=argparse.SUPPRESS)  # one side of --profile
+    p.add_argument("--gemms", action="store_true",
+                   help="instead, each matrix product of megand's eager step and the transformers step: "
+                        "operand layouts, GFLOP, CPU time and GFLOP/s")
+    p.add_argument("--gemms-side", choices=PROFILED, help=argparse.SUPPRESS)  # one side of --gemms
     p.add_argument("--no-baseline-clip", dest="clip", action="store_false",
                    help="the transformers loop without gradient clipping (megand clips at optim.clip_grad)")
     args = p.parse_intermixed_args()
@@ -172,6 +246,10 @@ def main():
         return print(json.dumps(profile_side(args.profile_side, overrides, args.clip)))
     if args.profile:
         return profile(overrides, args.clip)
+    if args.gemms_side:
+        return print(json.dumps(gemms_side(args.gemms_side, overrides, args.clip)))
+    if args.gemms:
+        return gemms(overrides, args.clip)
     results = {"megand": [], "megand_compiled": [], "transformers": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
