@@ -95,6 +95,8 @@ class ParamGatherer:
                 self._n_gathered += 1
                 self.max_gathered = max(self.max_gathered, self._n_gathered)
             reduce = bucket.buffer.reduce  # the buffer's shard group (experts: their expert-dp group)
+            if reduce.size > 1:
+                self.engine.record("all_gather", i, phase)
             if fp8 is not None:
                 self._gathers.setdefault(i, []).append(fp8.start(phase, self.engine))
             else:
