@@ -77,6 +77,10 @@ CASES = {  # name: (processes, experiment, reference overrides, run overrides)
     "3_1_zero2": (2, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", ZERO2, SMALL_BUCKETS,
                                         "optim.overlap_grad_reduce=true")),
     "1_2_1_zero2": (3, "tiny_llama", (), ("parallel.dp_microbatches=[1,2,1]", ZERO2, SMALL_BUCKETS)),
+    # HSDP whose shard groups each span a [3,1] pair of replicas; the pairs reduced over once per step
+    "3_1_3_1_zero3_hsdp_dp4": (4, "tiny_llama", ("train.global_batch_size=16",),
+                               ("train.global_batch_size=16", "parallel.dp_microbatches=[3,1,3,1]",
+                                "parallel.dp_shard=2", ZERO3, SMALL_BUCKETS)),
     # buckets kept from forward to backward, and gathered again for the recomputed forward
     "3_1_zero3_no_reshard_recompute": (2, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", ZERO3, SMALL_BUCKETS,
                                                              "optim.reshard_after_forward=false",
@@ -156,3 +160,14 @@ def test_stream_with_shares_reads_every_lane_once_and_resumes_at_an_even_split(t
     run = [steps[r["iter"]] for r in one]
     assert [r["batch_checksum"] for r in run] == [r["batch_checksum"] for r in one]
     assert_parity(one, run)
+
+
+@pytest.mark.slow
+def test_fp8_zero3_shares_equal_the_fp8_one_process_run(tmp_path, reference):
+    """Phantom micro-batches of ZeRO-3's FP8 gathers (the amax agreement, then the one-byte all-gather):
+    shares [3,1] across the shard group, within the FP8 layouts' tolerance of the FP8 one-process run."""
+    from tests.distributed.test_fp8_parity import FP8, assert_close_runs
+
+    run_pretrain(tmp_path, ["+experiment=tiny_llama", *FP8, "parallel.dp_microbatches=[3,1]", ZERO3, SMALL_BUCKETS],
+                 nproc=2)
+    assert_close_runs(read_metrics(tmp_path), reference("tiny_llama", *FP8))

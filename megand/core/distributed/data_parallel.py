@@ -450,8 +450,8 @@ class DataParallel:
         a micro-batch."""
         n = len(issued) // count
         pattern = issued[:n]
-        leftover = [b.index for b in self.buckets if b.scratch is not None
-                    or (self.gatherer is not None and self.gatherer._gathered(b.index))]
+        leftover = sorted({b.index for b in self.buckets if b.scratch is not None}
+                          | set(self.gatherer.gathered_buckets() if self.gatherer is not None else ()))
         if issued != pattern * count or leftover:
             raise RuntimeError(f"uneven batch shares: the {count} micro-batches of this step issued {len(issued)} "
                                f"shard-group collectives that do not repeat one micro-batch's (buckets still "

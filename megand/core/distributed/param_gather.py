@@ -82,6 +82,10 @@ class ParamGatherer:
         bucket = self.buckets[i]
         return bucket.gathered or (bucket.fp8 is not None and bool(bucket.fp8.formats))
 
+    def gathered_buckets(self) -> list[int]:
+        """The buckets holding anything gathered now."""
+        return [b.index for b in self.buckets if self._gathered(b.index)]
+
     def gather(self, i, wait=True, phase=None):
         """Gather bucket ``i`` for ``phase`` (forward or backward: FP8 operands where the bucket's recipe
         gathers FP8 for it, else the high-precision parameters, which serve any phase; None: nothing
