@@ -97,3 +97,22 @@ def test_replica_microbatches_are_its_slice_of_the_global_batch():
     first, second = (rank_microbatches(data, 1, 8, 2, view(r)) for r in range(2))
     assert [sorted(mb.input_ids[:, 0].tolist()) for mb in first] == [[8, 11], [9, 12], [10, 13]]
     assert [sorted(mb.input_ids[:, 0].tolist()) for mb in second] == [[14, 15]]
+
+
+def test_phantoms_stand_only_for_micro_batches_that_repeat_one_pattern():
+    """The data-parallel engine's phantoms (megand/core/distributed/data_parallel.py) replay one real
+    micro-batch's shard-group collectives: refused when the real ones do not repeat a pattern, or behind a
+    pipeline (whose schedule orders them)."""
+    from types import SimpleNamespace
+
+    from megand.core.distributed import DataParallel
+
+    engine = SimpleNamespace(buckets=[], gatherer=None, topo=SimpleNamespace(pp_size=1))
+    one = [("all_gather", 1, "forward"), ("all_gather", 0, "forward"), ("reduce_scatter", 0, None)]
+    assert DataParallel._one_microbatch(engine, one * 3, 3) == one
+    assert DataParallel._one_microbatch(engine, [], 2) == []  # ZeRO-0/1: nothing per micro-batch
+    with pytest.raises(RuntimeError, match="the 3 micro-batches of this step issued 7 shard-group collectives that do "
+                                           "not repeat one micro-batch's"):
+        DataParallel._one_microbatch(engine, one * 2 + one[:1], 3)
+    with pytest.raises(RuntimeError, match=r"pp > 1"):
+        DataParallel._one_microbatch(SimpleNamespace(buckets=[], gatherer=None, topo=SimpleNamespace(pp_size=2)), one, 1)
