@@ -115,4 +115,5 @@ def test_phantoms_stand_only_for_micro_batches_that_repeat_one_pattern():
                                            "not repeat one micro-batch's"):
         DataParallel._one_microbatch(engine, one * 2 + one[:1], 3)
     with pytest.raises(RuntimeError, match=r"pp > 1"):
-        DataParallel._one_microbatch(SimpleNamespace(buckets=[], gatherer=None, topo=SimpleNamespace(pp_size=2)), one, 1)
+        behind_a_pipeline = SimpleNamespace(buckets=[], gatherer=None, topo=SimpleNamespace(pp_size=2))
+        DataParallel._one_microbatch(behind_a_pipeline, one, 1)
