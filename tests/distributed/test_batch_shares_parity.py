@@ -81,6 +81,9 @@ CASES = {  # name: (processes, experiment, reference overrides, run overrides)
     "3_1_3_1_zero3_hsdp_dp4": (4, "tiny_llama", ("train.global_batch_size=16",),
                                ("train.global_batch_size=16", "parallel.dp_microbatches=[3,1,3,1]",
                                 "parallel.dp_shard=2", ZERO3, SMALL_BUCKETS)),
+    # each tensor-parallel rank's shard group spans the replicas; sequence-parallel norms reduced per step
+    "3_1_tp2_sp_zero3": (4, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", "parallel.tp=2",
+                                               "parallel.sequence_parallel=true", ZERO3, SMALL_BUCKETS)),
     # buckets kept from forward to backward, and gathered again for the recomputed forward
     "3_1_zero3_no_reshard_recompute": (2, "tiny_llama", (), ("parallel.dp_microbatches=[3,1]", ZERO3, SMALL_BUCKETS,
                                                              "optim.reshard_after_forward=false",
