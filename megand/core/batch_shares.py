@@ -9,11 +9,23 @@ one-process step of the whole global batch, whatever the shares.
 
 What changes is which collectives may run per micro-batch. A replica runs its own number of forwards and
 backwards, so a group whose ranks belong to replicas of different shares may only meet once per step
-(the gradient reduction, the loss, the parameter all-gather of ZeRO-1). Per micro-batch, only ranks of
-one replica may meet: tensor, context and pipeline parallelism, expert dispatch with the ep ranks inside
-a replica, ZeRO-2/3 shard groups inside equal shares (HSDP), and the MoE balancing losses, which are
-then over each replica's micro-batch (the one-process run with the same micro-batches) instead of over
-every replica's micro-batch of that index. :func:`group_error` says which group breaks this.
+(the gradient reduction, the loss, the parameter all-gather of ZeRO-1), or per micro-batch in an order
+that a replica with fewer micro-batches can join without computing. Per micro-batch, only ranks of one
+replica may meet: tensor, context and pipeline parallelism, expert dispatch with the ep ranks inside a
+replica, and the MoE balancing losses, which are then over each replica's micro-batch (the one-process
+run with the same micro-batches) instead of over every replica's micro-batch of that index.
+
+ZeRO-2/3 shard groups (``dp_shard``, and ``expert_dp`` under expert parallelism) may span replicas of
+different shares at pp=1: shards stay equal-sized, only the work differs. A replica with fewer
+micro-batches than the largest share joins each missing micro-batch's collectives as a phantom micro-batch
+(``DataParallel.join_microbatch``: ZeRO-3's parameter all-gathers of forward and backward, the gradient
+reduce-scatters of ZeRO-2/3 contributing zeros), in the order a real micro-batch issues them, without
+running the model. It keeps ZeRO-2/3's memory, not the shares' speed: every micro-batch is a meeting of the
+whole shard group, so each waits for the slowest replica still computing one (why the planner offers
+shares with ZeRO-0/1 only: megand/tools/planner/shares.py). With pp>1 each
+stage's collectives follow its pipeline schedule's order of forwards and backwards, which phantoms do not
+replay: there the shard groups must stay inside replicas of equal shares (HSDP), as ep groups must
+everywhere. :func:`group_error` says which group breaks this.
 """
 
 from __future__ import annotations
@@ -60,15 +72,17 @@ def microbatch_count_error(shares, global_batch_size: int, micro_batch_size: int
 # the groups that meet once per micro-batch (besides tp, cp and pp, which are inside a replica), and when
 GROUPS_PER_MICROBATCH = {
     "ep": "the expert dispatch of every micro-batch",
-    "dp_shard": "the ZeRO-2/3 gradient reduce-scatters and parameter all-gathers of every micro-batch",
-    "expert_dp": "the ZeRO-2/3 reduce-scatters and all-gathers of the expert shards of every micro-batch",
+    "dp_shard": "the ZeRO-2/3 gradient reduce-scatters and parameter all-gathers of every micro-batch in its "
+                "pipeline schedule's order",
+    "expert_dp": "the ZeRO-2/3 reduce-scatters and all-gathers of the expert shards of every micro-batch in its "
+                 "pipeline schedule's order",
 }
 
 
-def group_error(shares, dp_of, groups: dict, kinds) -> str | None:
+def group_error(shares, dp_of, groups: dict, kinds, notes=None) -> str | None:
     """Why a group of ``kinds`` (names in :data:`GROUPS_PER_MICROBATCH`) would mix replicas of different
     shares. ``groups``: rank lists by kind (``rank_groups``); ``dp_of(rank)``: the rank's data-parallel
-    coordinate."""
+    coordinate; ``notes``: words to end the message with, by kind (the settings that make it so)."""
     if not is_uneven(shares):
         return None
     for kind in kinds:
@@ -77,8 +91,15 @@ def group_error(shares, dp_of, groups: dict, kinds) -> str | None:
             if len(counts) > 1:
                 return (f"parallel.dp_microbatches={list(shares)}: the {kind} group {ranks} spans replicas with "
                         f"{sorted(counts)} micro-batches, but runs {GROUPS_PER_MICROBATCH[kind]}; keep it inside "
-                        f"replicas of equal shares")
+                        f"replicas of equal shares" + (f" ({notes[kind]})" if notes and kind in notes else ""))
     return None
+
+
+def lockstep_microbatches(shares, local: int) -> int:
+    """The micro-batches every rank of a shard group runs this step: the largest share under uneven
+    shares (a replica with ``local`` fewer joins the rest as phantoms, DataParallel.join_microbatch),
+    else ``local``."""
+    return max(shares) if is_uneven(shares) else local
 
 
 def step_microbatches(shares, local: int) -> int:

@@ -423,9 +423,14 @@ def validate_batch_shares(cfg, layout, rule) -> None:
         message = rule.error(k, f"{k} = parallel.dp_microbatches[{r}]", keys="parallel.")
         if message:
             raise ConfigError(message)
-    per_microbatch_shards = cfg.optim.sharding in ("optim_grads", "optim_grads_params")
+    # ZeRO-2/3 shard groups may span shares at pp=1 (phantom micro-batches join their collectives); behind a
+    # pipeline each stage's collectives follow its schedule's order, which no phantom replays
+    per_microbatch_shards = cfg.optim.sharding in ("optim_grads", "optim_grads_params") and layout.pp > 1
     kinds = ["ep"] + per_microbatch_shards * ["dp_shard"] + (per_microbatch_shards and layout.ep > 1) * ["expert_dp"]
-    message = group_error(shares, lambda r: layout.coords(r)["dp"], rank_groups(layout), kinds)
+    why = (f"optim.sharding={cfg.optim.sharding} with parallel.pp={layout.pp}; at parallel.pp=1 phantom "
+           f"micro-batches join them, and optim.sharding=optim meets once per step")
+    message = group_error(shares, lambda r: layout.coords(r)["dp"], rank_groups(layout), kinds,
+                          notes={"dp_shard": why, "expert_dp": why})
     if message:
         raise ConfigError(message)
 

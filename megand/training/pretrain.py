@@ -28,7 +28,7 @@ from megand.core.parallel_state import (
     device_capability,
     init_distributed,
 )
-from megand.core.batch_shares import step_microbatches
+from megand.core.batch_shares import lockstep_microbatches, step_microbatches
 from megand.core.pipeline_parallel import get_schedule
 from megand.core.sharding import init_flat_range, init_parameters
 from megand.core.tensor_parallel import seed_random_streams
@@ -608,6 +608,12 @@ class Trainer:
             return contextlib.nullcontext()
         return weights_cached(self.chunks)
 
+    def lockstep(self, microbatches):
+        """Around a schedule over this replica's ``microbatches``: under uneven batch shares, the data-parallel
+        engine then joins the shard groups' per-micro-batch collectives of the micro-batches this replica
+        lacks (megand/core/distributed/data_parallel.py)."""
+        return self.ddp.lockstep(len(microbatches), lockstep_microbatches(self.topo.dp_microbatches, len(microbatches)))
+
     def train_step(self):
         """Forward/backward and the update on the next global batch: ``(loss, StepResult, spike)``. The update
         is skipped on every rank together when the loss or the gradient is not finite, or on a spike that
@@ -629,7 +635,7 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float32, device=self.topo.device)
         self._progress("forward-backward (pipeline schedule)")
         self.busy.start()  # the device's own time on CUDA (megand/core/timing.py), read when logged
-        with self.fp8_weights():
+        with self.fp8_weights(), self.lockstep(microbatches):
             loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, grad_sync=self.ddp)
         self.busy.stop()  # before the waits for other ranks' gradients
         self._progress("gradient reduction")
@@ -753,9 +759,9 @@ class Trainer:
             self._progress(f"evaluation batch {k + 1}/{t.eval_iters}")
             microbatches = self.valid_feed.get(k * t.global_batch_size, read_ahead=k + 1 < t.eval_iters)
             self._count_loss_tokens(microbatches, t.global_batch_size * self.cfg.model.seq_length)
-            with self.fp8_weights():
-                loss = self.global_loss(self.schedule(self.chunks, microbatches, self.forward_step, self.topo,
-                                                      forward_only=True))
+            with self.fp8_weights(), self.lockstep(microbatches):
+                loss_sum = self.schedule(self.chunks, microbatches, self.forward_step, self.topo, forward_only=True)
+            loss = self.global_loss(loss_sum)
             total += float("nan") if loss is None else loss.double()
         return total.item() / max(1, t.eval_iters)  # one read per evaluation
 

@@ -67,6 +67,17 @@ Sharding levels (``DataParallelConfig.sharding``), over the shard group (dp x cp
 A module whose forward reads parameters of another module (the output layer tied to the word embedding
 on one stage) lists them in a ``borrowed_parameters()`` method, so ZeRO-3 gathers them for it too.
 
+Uneven batch shares (``parallel.dp_microbatches``, megand/core/batch_shares.py) with a shard group that
+spans replicas of different shares (pp=1): a replica with fewer micro-batches than the largest share still
+takes part in every per-micro-batch collective of its shard groups, in the same order, without computing.
+The trainer runs its real micro-batches inside :meth:`lockstep`, which records the per-micro-batch
+collectives this engine issues (ZeRO-3's parameter all-gathers, ZeRO-2/3's gradient reduce-scatters), and
+then joins the missing micro-batches with :meth:`join_microbatch` ("phantom" micro-batches): the same
+collectives through the same code, one bucket at a time, its gathers dropped and its reduce-scatters fed
+zeros (their output, the other replicas' sum for this rank's slice, is kept: the token-weighted sum stays
+exact). It keeps ZeRO-2/3's memory under uneven shares, not their speed: every micro-batch is a meeting
+of the whole shard group (megand/tools/planner/shares.py says what that costs).
+
 Routed experts (parameters tagged ``meta.expert``) under expert parallelism live in buffers of their own,
 reduced (and, at every sharding level, sharded) over the expert-data-parallel group instead: the ranks
 holding the same experts. Each buffer carries its :class:`ReduceGroup`.
@@ -206,6 +217,7 @@ class DataParallel:
         self._arrived = {}  # parameter -> gradients received this step (counted under expect_contributions)
         self._pending = {}  # bucket index -> parameters whose final gradient has not arrived
         self._grad_handles, self._param_handles = {}, {}
+        self._issued = None  # inside lockstep(): the per-micro-batch collectives issued, (kind, bucket, phase)
         # bytes this rank sent per collective kind (ring volume: (n-1)/n of the full buffer; all-reduce twice)
         self.traffic = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.weight_grads = WeightGradSink()  # where the layers' W passes go: now, or a split schedule's queue
@@ -342,6 +354,7 @@ class DataParallel:
             bucket.grad_shard.add_(scratch)
             return
         out = torch.empty_like(bucket.grad_shard)
+        self.record("reduce_scatter", bucket.index)
         self.count("reduce_scatter", scratch, reduce.size)
         work = reduce_scatter_flat(out, scratch, group=reduce.group, async_op=self.overlap_grad_reduce)
         self._flushes.append((work, out, bucket, scratch))
@@ -404,6 +417,63 @@ class DataParallel:
         if self.shard_params:
             self.gatherer.release_all()
         self._synced = True
+
+    # -- uneven batch shares: phantom micro-batches -------------------------------------------------
+    def record(self, kind: str, index: int, phase=None) -> None:
+        """A per-micro-batch collective of the shard group is issued for bucket ``index`` (recorded
+        inside :meth:`lockstep`, for :meth:`join_microbatch` to issue again)."""
+        if self._issued is not None:
+            self._issued.append((kind, index, phase))
+
+    @contextlib.contextmanager
+    def lockstep(self, count: int, joined: int):
+        """Run this replica's ``count`` micro-batches inside (one schedule, training or forward-only); on
+        leaving, join the per-micro-batch collectives of ``joined - count`` more (:meth:`join_microbatch`),
+        ``joined`` being the micro-batches every rank of the shard groups runs this step (the largest
+        share). Nothing is recorded or joined when ``joined == count``."""
+        if joined <= count:
+            yield
+            return
+        self._issued = []
+        try:
+            yield
+            issued = self._issued
+        finally:
+            self._issued = None
+        pattern = self._one_microbatch(issued, count)
+        for _ in range(joined - count):
+            self.join_microbatch(pattern)
+
+    def _one_microbatch(self, issued: list, count: int) -> list:
+        """The collectives of one micro-batch: ``issued`` over ``count`` micro-batches must repeat one
+        micro-batch's, each leaving nothing gathered or accumulated behind, or no phantom can stand for
+        a micro-batch."""
+        n = len(issued) // count
+        pattern = issued[:n]
+        leftover = sorted({b.index for b in self.buckets if b.scratch is not None}
+                          | set(self.gatherer.gathered_buckets() if self.gatherer is not None else ()))
+        if issued != pattern * count or leftover:
+            raise RuntimeError(f"uneven batch shares: the {count} micro-batches of this step issued {len(issued)} "
+                               f"shard-group collectives that do not repeat one micro-batch's (buckets still "
+                               f"gathered or accumulating: {leftover}): no phantom micro-batch can join them")
+        if pattern and self.topo.pp_size > 1:
+            raise RuntimeError("uneven batch shares: phantom micro-batches follow no pipeline schedule (pp > 1)")
+        return pattern
+
+    def join_microbatch(self, pattern: list) -> None:
+        """Join the shard-group collectives of one micro-batch without computing (a phantom micro-batch):
+        ``pattern`` as :meth:`lockstep` recorded it, issued in its order through the same code, one
+        bucket at a time. A parameter all-gather sends this rank's slice and drops the gathered bucket at
+        once; a gradient reduce-scatter contributes zeros and adds what it receives (the other ranks'
+        sum of this rank's slice) to the rank's gradient slice, as a real micro-batch's does."""
+        for kind, index, phase in pattern:
+            bucket = self.buckets[index]
+            if kind == "all_gather":
+                self.gatherer.gather(index, phase=phase)
+                self.gatherer.release(index)
+            else:
+                bucket.scratch = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.grad_shard.device)
+                self._flush(bucket)
 
     # -- parameters (distributed optimizer) ---------------------------------------------------------
     def start_param_sync(self):

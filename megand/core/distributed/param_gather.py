@@ -82,6 +82,10 @@ class ParamGatherer:
         bucket = self.buckets[i]
         return bucket.gathered or (bucket.fp8 is not None and bool(bucket.fp8.formats))
 
+    def gathered_buckets(self) -> list[int]:
+        """The buckets holding anything gathered now."""
+        return [b.index for b in self.buckets if self._gathered(b.index)]
+
     def gather(self, i, wait=True, phase=None):
         """Gather bucket ``i`` for ``phase`` (forward or backward: FP8 operands where the bucket's recipe
         gathers FP8 for it, else the high-precision parameters, which serve any phase; None: nothing
@@ -95,6 +99,8 @@ class ParamGatherer:
                 self._n_gathered += 1
                 self.max_gathered = max(self.max_gathered, self._n_gathered)
             reduce = bucket.buffer.reduce  # the buffer's shard group (experts: their expert-dp group)
+            if reduce.size > 1:
+                self.engine.record("all_gather", i, phase)
             if fp8 is not None:
                 self._gathers.setdefault(i, []).append(fp8.start(phase, self.engine))
             else:

@@ -9,7 +9,8 @@ group with k micro-batches (its pipeline replayed on k micro-batches, the gradie
 replica, the optimizer), under the rules a run checks: the shares sum to ``global batch / micro batch``,
 each satisfies the pipeline schedule's micro-batch rule (at least its minimum, a multiple of its multiple),
 and no group that meets once per micro-batch spans replicas of different shares (core/batch_shares.py:
-the planner keeps ZeRO-0/1 here, whose shard groups meet once per step; ep is 1 in the planner).
+the planner keeps ZeRO-0/1 here, whose shard groups meet once per step, :data:`ONCE_PER_STEP_SHARDING`
+says why; ep is 1 in the planner).
 
 Each plan reports its predicted speed-up over the same layout at equal shares (when the batch splits
 evenly), over the best plan of each group alone (the fastest group's among them) and, as the pipeline
@@ -26,8 +27,12 @@ from megand.tools.planner.cost import Prediction, predict, stage_times
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import MICRO_BATCHES, VPP, Plan
 
-# the sharding levels whose shard groups meet once per step (batch_shares.GROUPS_PER_MICROBATCH: ZeRO-2/3's
-# per-micro-batch reduce-scatters would mix replicas of different shares)
+# the sharding levels whose shard groups meet once per step, the only ones offered with uneven shares. ZeRO-2/3
+# runs them too (batch_shares.py: phantom micro-batches), but its shard groups meet in every micro-batch, so
+# micro-batch j lasts as long as the slowest replica still computing one: a step of sum_j max_{r: k_r > j} t_r
+# (t_r: replica r's time per micro-batch) instead of max_r k_r t_r, never faster than ZeRO-1 at the same shares,
+# and faster than the even split only where a replica is over twice as fast as a slower one (two replicas:
+# (k_fast - k_slow)(t_fast - t_slow / 2) < 0): a plan that needs ZeRO-2/3's memory runs its replicas evenly
 ONCE_PER_STEP_SHARDING = ("none", "optim")
 
 
