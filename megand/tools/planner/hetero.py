@@ -26,11 +26,12 @@ recomputed layers over the chunks it holds. Interleaved 1F1B is not searched her
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
-from megand.tools.planner.cost import rank_virtual_stages, stage_times
+from megand.tools.planner.cost import rank_virtual_stages
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
 
@@ -40,20 +41,26 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
     its stages' groups, before the sharding, overlap and schedule choices, the layer split and memory) are
     weighed in order of :func:`split_bound`, a bound for all of their candidates; only the shapes that can
     still enter the top ``top`` are expanded, split (the estimator: most of the time) and timed."""
-    shapes = []
+    queue = []  # (bound, order, stage groups, expand() of a shape or one candidate), least bound first
     for c, stage_groups, expand in hetero_shapes(planner):
-        shapes.append((split_bound(planner, c, stage_groups), len(shapes), stage_groups, expand))
+        queue.append((split_bound(planner, c, stage_groups), len(queue), stage_groups, expand))
         if planner.out_of_time():
             break
-    shapes.sort(key=lambda x: x[:2])
+    heapq.heapify(queue)
+    order = len(queue)
     plans = []
-    for bound, _, stage_groups, expand in shapes:
+    while queue:
+        bound, _, stage_groups, item = heapq.heappop(queue)
         if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
             break
-        for c in expand():
-            if plans and planner.out_of_time():
-                return plans
-            plans = planner.best(_split(planner, c, stage_groups), top, plans)
+        if plans and planner.out_of_time():
+            break
+        if callable(item):  # a shape: its candidates go back in line at their own (memory-aware) bounds
+            for c in item():
+                heapq.heappush(queue, (max(bound, recompute_bound(planner, c, stage_groups)), order, stage_groups, c))
+                order += 1
+        else:
+            plans = planner.best(_split(planner, item, stage_groups), top, plans)
     return plans
 
 
@@ -146,10 +153,8 @@ def split_bound(planner, c: Candidate, stage_groups) -> float:
            tuple(g.name for g in stage_groups))
     if key not in planner._bounds:
         pp, L = c.pp, planner.shape.layers
-        t1 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [1] * pp)),
-                                   planner.gbs, stage_groups), c)
-        t2 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [2] * pp)),
-                                   planner.gbs, stage_groups), c)
+        t1 = rank_step(planner.times(base.with_(pipeline_layout=chunk_layout(c, [1] * pp)), stage_groups), c)
+        t2 = rank_step(planner.times(base.with_(pipeline_layout=chunk_layout(c, [2] * pp)), stage_groups), c)
         slope = [max(b - a, 1e-15) for a, b in zip(t1, t2)]
         fixed = [a - k for a, k in zip(t1, slope)]
         least = _least_layers(c)
@@ -166,6 +171,75 @@ def split_bound(planner, c: Candidate, stage_groups) -> float:
         m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
         planner._bounds[key] = m * lo * (1 - 1e-9)
     return planner._bounds[key]
+
+
+def recompute_bound(planner, c: Candidate, stage_groups) -> float:
+    """A lower bound on the step of every layer split of ``c`` (its own sharding, schedule and memory), the
+    recomputation its memory forces counted: per rank and layer count n, the fastest of storing every
+    activation (where that fits) and of each recompute mode on the fewest layers that fit, each rank's time
+    per micro-batch ``fixed + slope·n + extra·k`` at ZeRO-0 (:func:`split_bound`'s, plus ``extra`` per
+    recomputed layer: both exact), its memory linear in n and k from the estimator at the points
+    :func:`balanced_recomputing_layout` reads (cached: the split asks for the same ones); then the least
+    slowest rank over every split of the layers (each rank's possible layer counts relaxed to an interval).
+    0 where the split is pinned or the times are not linear (FP8)."""
+    if c.fp8 or "parallel.pipeline_layout" in planner.pinned or not planner.per_stage_recompute:
+        return 0.0
+    L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
+    if pp * least > L:
+        return 0.0
+    m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
+    one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
+    zero = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
+                   overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
+    t1 = rank_step(planner.times(zero.with_(pipeline_layout=one), stage_groups), c)
+    t2 = rank_step(planner.times(zero.with_(pipeline_layout=two), stage_groups), c)
+    stored = c.with_(recompute="none", recompute_layers=None)
+    m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
+    m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
+    modes = []  # per recompute mode: per rank (extra seconds, memory saved per recomputed layer, working set)
+    for mode in planner._dom("train.recompute", RECOMPUTE):
+        if mode == "none":
+            continue
+        tr = rank_step(planner.times(zero.with_(recompute=mode, pipeline_layout=one), stage_groups), c)
+        recomputing = c.with_(recompute=mode, pipeline_layout=two)
+        m21 = planner.memory(recomputing.with_(recompute_layers=chunk_recompute(c, two, [1] * pp)), microbatches=m)
+        m22 = planner.memory(recomputing.with_(recompute_layers=None), microbatches=m)
+        modes.append([(tr[r] - t1[r], m21[r] - m22[r], m21[r] - m2[r] + (m21[r] - m22[r])) for r in range(pp)])
+    table = []  # per rank: (n, fastest time per micro-batch) for the n that can fit
+    for r, g in enumerate(stage_groups):
+        slope = t2[r] - t1[r]
+        fixed, per_layer = t1[r] - slope, m2[r] - m1[r]
+        base = m1[r] - per_layer
+        times = []
+        for n in range(least, L + 1):
+            need = base + per_layer * n - g.memory_gib
+            best = fixed + slope * n if need <= 1e-9 else math.inf
+            for per_rank in modes:
+                extra, saved, working = per_rank[r]
+                if best > fixed + slope * n and saved > 0:
+                    k = max(1, math.ceil((need + working) / saved - 1e-9))
+                    if k <= n:
+                        best = min(best, fixed + slope * n + extra * k)
+            if best < math.inf:
+                times.append((n, best))
+        if not times:
+            return math.inf  # no layer count fits this rank: no split of c fits
+        table.append(times)
+
+    def feasible(limit):
+        lo = hi = 0
+        for times in table:
+            ns = [n for n, t in times if t <= limit]
+            if not ns:
+                return False
+            lo, hi = lo + ns[0], hi + ns[-1]
+        return lo <= L <= hi
+
+    limits = sorted({t for times in table for _, t in times})
+    i = bisect.bisect_left(range(len(limits)), True, key=lambda j: feasible(limits[j]))
+    if i == len(limits):
+        return math.inf
+    return m * limits[i] * (1 - 1e-9)
 
 
 def hetero_schedules(planner, pp: int) -> list:
@@ -254,7 +328,7 @@ def _split(planner, c: Candidate, stage_groups) -> list:
                         trials.append(fewer)
     entries = []
     for trial in trials:
-        times = stage_times(planner.model, trial, planner.gbs, stage_groups)
+        times = planner.times(trial, stage_groups)
         entries.append((times.lower_bound(c.pp), trial, list(stage_groups), times))
     return entries
 
@@ -275,8 +349,8 @@ def balanced_layout(planner, c: Candidate, stage_groups):
     # per-rank time and memory as a + b * layers, from the model at two layer counts
     one = c.with_(pipeline_layout=chunk_layout(c, [1] * pp))
     two = c.with_(pipeline_layout=chunk_layout(c, [2] * pp))
-    t1 = rank_step(stage_times(planner.model, one, planner.gbs, stage_groups), c)
-    t2 = rank_step(stage_times(planner.model, two, planner.gbs, stage_groups), c)
+    t1 = rank_step(planner.times(one, stage_groups), c)
+    t2 = rank_step(planner.times(two, stage_groups), c)
     m1, m2 = planner.memory(one, microbatches=m), planner.memory(two, microbatches=m)  # cached
     slope = [t2[r] - t1[r] for r in range(pp)]
     fixed = [t1[r] - slope[r] for r in range(pp)]
@@ -317,12 +391,11 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     if pp * least > L:
         return None
     m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
-    model, gbs = planner.model, planner.gbs
     stored = c.with_(recompute="none", recompute_layers=None)
     one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
-    t1 = rank_step(stage_times(model, stored.with_(pipeline_layout=one), gbs, stage_groups), c)
-    t2 = rank_step(stage_times(model, stored.with_(pipeline_layout=two), gbs, stage_groups), c)
-    tr = rank_step(stage_times(model, c.with_(pipeline_layout=one, recompute_layers=None), gbs, stage_groups), c)
+    t1 = rank_step(planner.times(stored.with_(pipeline_layout=one), stage_groups), c)
+    t2 = rank_step(planner.times(stored.with_(pipeline_layout=two), stage_groups), c)
+    tr = rank_step(planner.times(c.with_(pipeline_layout=one, recompute_layers=None), stage_groups), c)
     m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
     m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
     m21 = planner.memory(c.with_(pipeline_layout=two, recompute_layers=chunk_recompute(c, two, [1] * pp)),

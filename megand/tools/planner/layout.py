@@ -4,7 +4,7 @@ megand's own rank grid)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -117,7 +117,14 @@ class Candidate:
         sizes = {k: changes.pop(k) for k in PARALLEL_KEYS if k in changes}
         if sizes:
             changes["parallel"] = self.parallel.with_(**sizes)
-        return replace(self, **changes)
+        if not changes.keys() <= _FIELDS:
+            return replace(self, **changes)  # names the unknown key
+        # dataclasses.replace re-runs __init__ over every field: the search makes millions of these copies,
+        # and a candidate has no __post_init__ to skip
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def layout_setting(self):
         """``parallel.pipeline_layout``: layers per virtual stage, or with :attr:`stage_widths` one entry per
@@ -149,6 +156,9 @@ class Candidate:
             # always written: a schedule left out would keep a preset's (or the previous trial's) choice
             "parallel.pp_schedule": self.pp_schedule,
         }
+
+
+_FIELDS = frozenset(f.name for f in fields(Candidate))
 
 
 @lru_cache(maxsize=65536)

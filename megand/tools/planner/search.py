@@ -151,6 +151,7 @@ class Planner:
         self.rejected = []
         self._memory = {}  # (estimator layout, stage) -> peak GiB
         self._bounds = {}  # compute_bound's answers
+        self._times = {}  # cost.stage_times' answers (cost.times_key, stage groups) -> StageTimes
         self._config_keys = None  # _base()'s values read from the config
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
@@ -280,6 +281,10 @@ class Planner:
                 self._memory[(layout, st.stage)] = st.total_bytes / GIB
         return [self._memory[(layout, s)] for s in stages]
 
+    def times(self, c: Candidate, stage_groups):
+        """:func:`cost.stage_times` of ``c`` on ``stage_groups``, memoised (shared: not to be changed)."""
+        return stage_times(self.model, c, self.gbs, stage_groups, self._times)
+
     def fits(self, c: Candidate, stage_groups) -> bool:
         """Every stage within its device memory. On one group with an even split and the output layer on
         the last rank only the first and last stages need checking: the others hold fewer micro-batches
@@ -393,7 +398,7 @@ class Planner:
                        overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
         key = (base, tuple(g.name for g in stage_groups))
         if key not in self._bounds:
-            times = stage_times(self.model, base, self.gbs, stage_groups)
+            times = self.times(base, stage_groups)
             self._bounds[key] = (times.lower_bound(c.pp), times.busiest())
         return self._bounds[key][0 if fill else 1]
 
@@ -465,7 +470,7 @@ class Planner:
             groups = [group] * base.pp
             scored = []
             for c in self._fitting(base, groups):
-                times = stage_times(self.model, c, self.gbs, groups)
+                times = self.times(c, groups)
                 scored.append((times.lower_bound(c.pp), c, groups, times))
             plans = self.best(scored, top, plans)
         return plans
