@@ -36,12 +36,15 @@ from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
 
 
-def plan_heterogeneous(planner, top: int = 5) -> list:
+def plan_heterogeneous(planner, top: int = 5, ceiling: float = math.inf) -> list:
     """The best heterogeneous plans of ``planner`` (a search.Planner) on its cluster. Shapes (a layout and
     its stages' groups, before the sharding, overlap and schedule choices, the layer split and memory) are
     weighed in order of :func:`split_bound`, a bound for all of their candidates; only the shapes that can
-    still enter the top ``top`` are expanded, split (the estimator: most of the time) and timed."""
-    queue = []  # (bound, order, stage groups, expand() of a shape or one candidate), least bound first
+    still enter the top ``top`` are expanded, their candidates weighed again at their own
+    :func:`recompute_bound` (when their turn comes: most never need it), and only those that can still enter
+    are split (the estimator: most of the time) and timed. ``ceiling``: a step no plan of interest reaches
+    (the caller's top so far: nothing at or above it is split)."""
+    queue = []  # (bound, order, stage groups, expand() of a shape or (candidate, bound refined?)), least first
     for c, stage_groups, expand in hetero_shapes(planner):
         queue.append((split_bound(planner, c, stage_groups), len(queue), stage_groups, expand))
         if planner.out_of_time():
@@ -51,16 +54,23 @@ def plan_heterogeneous(planner, top: int = 5) -> list:
     plans = []
     while queue:
         bound, _, stage_groups, item = heapq.heappop(queue)
-        if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+        if bound >= ceiling or (len(plans) >= top and bound >= plans[-1].prediction.step_time_s):
             break
         if plans and planner.out_of_time():
             break
-        if callable(item):  # a shape: its candidates go back in line at their own (memory-aware) bounds
+        if callable(item):  # a shape: its candidates wait in line at its bound until their turn
             for c in item():
-                heapq.heappush(queue, (max(bound, recompute_bound(planner, c, stage_groups)), order, stage_groups, c))
+                heapq.heappush(queue, (bound, order, stage_groups, (c, False)))
                 order += 1
-        else:
-            plans = planner.best(_split(planner, item, stage_groups), top, plans)
+            continue
+        c, refined = item
+        if not refined:  # its own bound, the recomputation its memory forces counted: back in line if higher
+            own = recompute_bound(planner, c, stage_groups)
+            if own > bound:
+                heapq.heappush(queue, (own, order, stage_groups, (c, True)))
+                order += 1
+                continue
+        plans = planner.best(_split(planner, c, stage_groups), top, plans)
     return plans
 
 
@@ -196,6 +206,16 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
     stored = c.with_(recompute="none", recompute_layers=None)
     m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
     m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
+    lines = []  # per rank: (fixed, slope) seconds per micro-batch, (base, per_layer) GiB, its device's GiB
+    for r, g in enumerate(stage_groups):
+        slope, per_layer = t2[r] - t1[r], m2[r] - m1[r]
+        lines.append((t1[r] - slope, slope, m1[r] - per_layer, per_layer, g.memory_gib))
+    counts = range(least, L + 1)
+    free = _least_slowest([[(n, f + k * n) for n in counts] for f, k, *_ in lines], L)  # memory aside
+    kept = _least_slowest([[(n, f + k * n) for n in counts if base + per * n - cap <= 1e-9]
+                           for f, k, base, per, cap in lines], L)  # every activation stored
+    if kept <= free:  # the memory forces nothing at the best split: no recomputation can do better
+        return m * kept * (1 - 1e-9)
     modes = []  # per recompute mode: per rank (extra seconds, memory saved per recomputed layer, working set)
     for mode in planner._dom("train.recompute", RECOMPUTE):
         if mode == "none":
@@ -206,13 +226,10 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
         m22 = planner.memory(recomputing.with_(recompute_layers=None), microbatches=m)
         modes.append([(tr[r] - t1[r], m21[r] - m22[r], m21[r] - m2[r] + (m21[r] - m22[r])) for r in range(pp)])
     table = []  # per rank: (n, fastest time per micro-batch) for the n that can fit
-    for r, g in enumerate(stage_groups):
-        slope = t2[r] - t1[r]
-        fixed, per_layer = t1[r] - slope, m2[r] - m1[r]
-        base = m1[r] - per_layer
+    for r, (fixed, slope, base, per_layer, cap) in enumerate(lines):
         times = []
-        for n in range(least, L + 1):
-            need = base + per_layer * n - g.memory_gib
+        for n in counts:
+            need = base + per_layer * n - cap
             best = fixed + slope * n if need <= 1e-9 else math.inf
             for per_rank in modes:
                 extra, saved, working = per_rank[r]
@@ -222,9 +239,16 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
                         best = min(best, fixed + slope * n + extra * k)
             if best < math.inf:
                 times.append((n, best))
-        if not times:
-            return math.inf  # no layer count fits this rank: no split of c fits
         table.append(times)
+    return m * _least_slowest(table, L) * (1 - 1e-9)
+
+
+def _least_slowest(table, L: int) -> float:
+    """The least time ``T`` such that every rank has a layer count of time at most ``T`` (``table``: per rank,
+    ``(layers, time)`` in increasing layers) and the layers can sum to ``L`` with each rank's count between
+    its fewest and most within ``T`` (a relaxation: so a lower bound); inf if none."""
+    if any(not times for times in table):
+        return math.inf
 
     def feasible(limit):
         lo = hi = 0
@@ -237,9 +261,7 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
 
     limits = sorted({t for times in table for _, t in times})
     i = bisect.bisect_left(range(len(limits)), True, key=lambda j: feasible(limits[j]))
-    if i == len(limits):
-        return math.inf
-    return m * limits[i] * (1 - 1e-9)
+    return limits[i] if i < len(limits) else math.inf
 
 
 def hetero_schedules(planner, pp: int) -> list:

@@ -476,10 +476,10 @@ class Planner:
         return plans
 
     # --- heterogeneous (hetero.py) ----------------------------------------------------------
-    def plan_heterogeneous(self, top: int = 5) -> list:
+    def plan_heterogeneous(self, top: int = 5, ceiling: float = float("inf")) -> list:
         from megand.tools.planner.hetero import plan_heterogeneous
 
-        return plan_heterogeneous(self, top)
+        return plan_heterogeneous(self, top, ceiling)
 
     # --- everything ----------------------------------------------------------------------------
     def plan(self, top: int = 5) -> list:
@@ -501,12 +501,14 @@ class Planner:
         if self.cluster.heterogeneous:
             total = sum(alone.values())
             self._start_phase(2)
-            hetero = [] if shares_only else self.plan_heterogeneous(top)
+            # a later phase's plan enters the top only if faster than the top-th so far (an equal one sorts after)
+            hetero = [] if shares_only else self.plan_heterogeneous(top, _ceiling(plans, top))
             for p in hetero:
                 p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
                 p.alone_tokens_per_s = dict(alone)
             self._start_phase(1)
-            plans += hetero + plan_shares(self, top, alone)
+            plans += hetero
+            plans += plan_shares(self, top, alone, _ceiling(plans, top))
         plans.sort(key=lambda p: p.prediction.step_time_s)
         if not plans:
             raise PlanError(self.why_impossible())
@@ -559,6 +561,12 @@ class Planner:
                         best = (tp * pp * dp, g.memory_gib, f"tp={tp} pp={pp} dp={dp}, ZeRO-3, full recompute")
                         break
         return best
+
+
+def _ceiling(plans, top: int) -> float:
+    """The step a new plan must beat to enter the best ``top`` of ``plans`` (inf while fewer)."""
+    steps = sorted(p.prediction.step_time_s for p in plans)
+    return steps[top - 1] if len(steps) >= top else float("inf")
 
 
 def candidate_from_config(cfg, world_size: int) -> Candidate:
