@@ -168,19 +168,24 @@ def split_bound(planner, c: Candidate, stage_groups) -> float:
         slope = [max(b - a, 1e-15) for a, b in zip(t1, t2)]
         fixed = [a - k for a, k in zip(t1, slope)]
         least = _least_layers(c)
-
-        def layers_within(limit):
-            return sum(max(0.0, (limit - f) / k) for f, k in zip(fixed, slope))
-
         lo = max(f + k * least for f, k in zip(fixed, slope))  # every rank holds at least a layer per chunk
-        hi = max(f + k * L for f, k in zip(fixed, slope))
-        if layers_within(lo) < L:
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if layers_within(mid) >= L else (mid, hi)
         m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
-        planner._bounds[key] = m * lo * (1 - 1e-9)
+        planner._bounds[key] = m * max(lo, _level(fixed, slope, L)) * (1 - 1e-9)
     return planner._bounds[key]
+
+
+def _level(fixed, slope, L: float) -> float:
+    """The time T at which ranks of time ``fixed + slope * x`` for x layers hold ``L`` layers together, each
+    ``max(0, (T - fixed) / slope)`` (continuous): water-filling over the ranks in order of ``fixed``."""
+    ranks = sorted(zip(fixed, slope))
+    total_f = total_inv = 0.0
+    level = ranks[0][0]
+    for i, (f, k) in enumerate(ranks):
+        total_f, total_inv = total_f + f / k, total_inv + 1 / k
+        level = (L + total_f) / total_inv
+        if i + 1 == len(ranks) or level <= ranks[i + 1][0]:  # the next rank would start above this level
+            break
+    return level
 
 
 def recompute_bound(planner, c: Candidate, stage_groups) -> float:
@@ -211,11 +216,16 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
         slope, per_layer = t2[r] - t1[r], m2[r] - m1[r]
         lines.append((t1[r] - slope, slope, m1[r] - per_layer, per_layer, g.memory_gib))
     counts = range(least, L + 1)
-    free = _least_slowest([[(n, f + k * n) for n in counts] for f, k, *_ in lines], L)  # memory aside
-    kept = _least_slowest([[(n, f + k * n) for n in counts if base + per * n - cap <= 1e-9]
-                           for f, k, base, per, cap in lines], L)  # every activation stored
-    if kept <= free:  # the memory forces nothing at the best split: no recomputation can do better
-        return m * kept * (1 - 1e-9)
+    key = ("free", zero, tuple(g.name for g in stage_groups))  # alike for every sharding and schedule placed so
+    if key not in planner._bounds:  # the least slowest rank, memory aside
+        planner._bounds[key] = _least_slowest([[(n, f + k * n) for n in counts] for f, k, *_ in lines], L)
+    free = planner._bounds[key]
+    # every rank can hold its layer counts within ``free`` storing all activations: the memory forces nothing
+    # at the best split, and no recomputation can do better (a count misjudged at the edge only loosens this)
+    within = [min(L, math.floor((free - f) / k + 1e-9) if k > 0 else L,
+                  math.floor((cap - base + 1e-9) / per) if per > 0 else L) for f, k, base, per, cap in lines]
+    if min(within) >= least and sum(within) >= L:
+        return m * free * (1 - 1e-9)
     modes = []  # per recompute mode: per rank (extra seconds, memory saved per recomputed layer, working set)
     for mode in planner._dom("train.recompute", RECOMPUTE):
         if mode == "none":
