@@ -29,6 +29,7 @@ is the slowest rank's. Memory per stage is megand/tools/estimate_memory.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, layer_params
 from megand.core.optimizer.registry import optimizer_for, record
@@ -240,8 +241,14 @@ class StageTimes:
 def rank_virtual_stages(c: Candidate) -> list:
     """Per pipeline rank, the virtual stages it holds under its schedule's placement (interleaved:
     ``r, r + pp, ...``; a V: ``r`` and ``2·pp - 1 - r``)."""
-    placement = c.parallel.placement
-    return [placement.stages_of(r) for r in range(c.pp)]
+    return _rank_stages(c.parallel)
+
+
+@lru_cache(maxsize=4096)
+def _rank_stages(parallel) -> tuple:
+    """:func:`rank_virtual_stages` once per layout (tuples: the answer is shared)."""
+    placement = parallel.placement
+    return tuple(tuple(placement.stages_of(r)) for r in range(parallel.pp))
 
 
 def mixed_stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups, cache=None) -> StageTimes:
