@@ -238,17 +238,17 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
     table = []  # per rank: (n, fastest time per micro-batch) for the n that can fit
     for r, (fixed, slope, base, per_layer, cap) in enumerate(lines):
         times = []
+        own = [per_rank[r] for per_rank in modes if per_rank[r][1] > 0]  # (extra, saved, working)
         for n in counts:
             need = base + per_layer * n - cap
-            best = fixed + slope * n if need <= 1e-9 else math.inf
-            for per_rank in modes:
-                extra, saved, working = per_rank[r]
-                if best > fixed + slope * n and saved > 0:
-                    k = max(1, math.ceil((need + working) / saved - 1e-9))
-                    if k <= n:
-                        best = min(best, fixed + slope * n + extra * k)
-            if best < math.inf:
-                times.append((n, best))
+            if need <= 1e-9:
+                times.append((n, fixed + slope * n))
+                continue
+            # the fewest recomputed layers that fit, k <= n, and their cost, in the cheapest mode
+            ks = [(extra, max(1, math.ceil((need + working) / saved - 1e-9))) for extra, saved, working in own]
+            best = min((extra * k for extra, k in ks if k <= n), default=None)
+            if best is not None:
+                times.append((n, fixed + slope * n + best))
         table.append(times)
     return m * _least_slowest(table, L) * (1 - 1e-9)
 
