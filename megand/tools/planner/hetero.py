@@ -65,9 +65,9 @@ def plan_heterogeneous(planner, top: int = 5, ceiling: float = math.inf) -> list
             continue
         c, refined = item
         if not refined:  # its own bound, the recomputation its memory forces counted: back in line if higher
-            own = recompute_bound(planner, c, stage_groups)
+            own, refined = _recompute_bound(planner, c, stage_groups, above=bound)
             if own > bound:
-                heapq.heappush(queue, (own, order, stage_groups, (c, True)))
+                heapq.heappush(queue, (own, order, stage_groups, (c, refined)))
                 order += 1
                 continue
         plans = planner.best(_split(planner, c, stage_groups), top, plans)
@@ -197,17 +197,31 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
     :func:`balanced_recomputing_layout` reads (cached: the split asks for the same ones); then the least
     slowest rank over every split of the layers (each rank's possible layer counts relaxed to an interval).
     0 where the split is pinned or the times are not linear (FP8)."""
+    return _recompute_bound(planner, c, stage_groups)[0]
+
+
+def _recompute_bound(planner, c: Candidate, stage_groups, above: float = math.inf):
+    """(:func:`recompute_bound`, True), or where the whole numbers of layers per rank alone put the bound
+    above ``above`` (memory aside: no estimator question asked), (that bound, False)."""
     if c.fp8 or "parallel.pipeline_layout" in planner.pinned or not planner.per_stage_recompute:
-        return 0.0
+        return 0.0, True
     L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
     if pp * least > L:
-        return 0.0
+        return 0.0, True
     m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
     one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
     zero = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
                    overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
     t1 = rank_step(planner.times(zero.with_(pipeline_layout=one), stage_groups), c)
     t2 = rank_step(planner.times(zero.with_(pipeline_layout=two), stage_groups), c)
+    counts = range(least, L + 1)
+    key = ("free", zero, tuple(g.name for g in stage_groups))  # alike for every sharding and schedule placed so
+    if key not in planner._bounds:  # the least slowest rank, memory aside
+        planner._bounds[key] = _least_slowest([[(n, t1[r] + (t2[r] - t1[r]) * (n - 1)) for n in counts]
+                                               for r in range(pp)], L)
+    free = planner._bounds[key]
+    if m * free * (1 - 1e-9) > above:
+        return m * free * (1 - 1e-9), False
     stored = c.with_(recompute="none", recompute_layers=None)
     m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
     m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
@@ -215,17 +229,12 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
     for r, g in enumerate(stage_groups):
         slope, per_layer = t2[r] - t1[r], m2[r] - m1[r]
         lines.append((t1[r] - slope, slope, m1[r] - per_layer, per_layer, g.memory_gib))
-    counts = range(least, L + 1)
-    key = ("free", zero, tuple(g.name for g in stage_groups))  # alike for every sharding and schedule placed so
-    if key not in planner._bounds:  # the least slowest rank, memory aside
-        planner._bounds[key] = _least_slowest([[(n, f + k * n) for n in counts] for f, k, *_ in lines], L)
-    free = planner._bounds[key]
     # every rank can hold its layer counts within ``free`` storing all activations: the memory forces nothing
     # at the best split, and no recomputation can do better (a count misjudged at the edge only loosens this)
     within = [min(L, math.floor((free - f) / k + 1e-9) if k > 0 else L,
                   math.floor((cap - base + 1e-9) / per) if per > 0 else L) for f, k, base, per, cap in lines]
     if min(within) >= least and sum(within) >= L:
-        return m * free * (1 - 1e-9)
+        return m * free * (1 - 1e-9), True
     modes = []  # per recompute mode: per rank (extra seconds, memory saved per recomputed layer, working set)
     for mode in planner._dom("train.recompute", RECOMPUTE):
         if mode == "none":
@@ -250,7 +259,7 @@ def recompute_bound(planner, c: Candidate, stage_groups) -> float:
             if best is not None:
                 times.append((n, fixed + slope * n + best))
         table.append(times)
-    return m * _least_slowest(table, L) * (1 - 1e-9)
+    return m * _least_slowest(table, L) * (1 - 1e-9), True
 
 
 def _least_slowest(table, L: int) -> float:
