@@ -4,7 +4,7 @@
         [--repo DIR] [--time-budget S]
 
 Each case runs ``tools/plan.py`` as a user would (a fresh process: imports included) and prints its wall
-time, the best plan's predicted tokens/s and the load average. ``--repo DIR`` runs another checkout's
+time, its CPU seconds, the best plan's predicted tokens/s and the load average. ``--repo DIR`` runs another checkout's
 ``tools/plan.py`` on the same cases (e.g. the commit before a speed-up, for before/after figures; the
 cluster files are written here, so any checkout reads them). ``--time-budget S`` passes the planner's budget.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,13 +67,21 @@ def run_case(repo: str, overrides, cluster: str, budget, timeout: float) -> dict
     if budget is not None:
         args += ["--time-budget", str(budget)]
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), _children_cpu()
     try:
         out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=repo, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"wall_s": time.monotonic() - t0, "timed_out": True, "stdout": "", "rc": None}
-    return {"wall_s": time.monotonic() - t0, "timed_out": False, "stdout": out.stdout, "stderr": out.stderr,
-            "rc": out.returncode}
+        return {"wall_s": time.monotonic() - t0, "cpu_s": _children_cpu() - cpu0, "timed_out": True, "stdout": "",
+                "rc": None}
+    return {"wall_s": time.monotonic() - t0, "cpu_s": _children_cpu() - cpu0, "timed_out": False,
+            "stdout": out.stdout, "stderr": out.stderr, "rc": out.returncode}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of the finished child processes (on a loaded machine the wall time also
+    counts the time others held the cores; the CPU seconds do not)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def summary(stdout: str) -> str:
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
         before = load_average()
         r = run_case(os.path.abspath(args.repo), overrides, cluster, args.time_budget, args.timeout)
         state = "TIMED OUT" if r["timed_out"] else f"rc {r['rc']}"
-        print(f"{name}: {r['wall_s']:.1f} s ({state}; load average {before} -> {load_average()}): "
+        print(f"{name}: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU ({state}; load average {before} -> {load_average()}): "
               f"{summary(r['stdout'])}", flush=True)
         if r["rc"] not in (0, None):
             print("  " + (r.get("stderr") or "").strip().splitlines()[-1:][0] if r.get("stderr") else "", flush=True)

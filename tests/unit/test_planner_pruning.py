@@ -1,13 +1,14 @@
-"""The planner's pruning never changes the answer: with every lower bound at zero (nothing pruned, every
-candidate timed) the search returns the same best plans, on homogeneous and heterogeneous clusters (stages
-of different widths, replicas of different speeds)."""
+"""The planner's pruning and caches never change the answer: with every lower bound at zero (nothing pruned,
+every candidate timed) and the stage times computed afresh for each question, the search returns the same
+best plans, on homogeneous and heterogeneous clusters (stages of different widths, replicas of different
+speeds, devices so small that recomputation is forced)."""
 
 import pytest
 
 from megand.tools.plan import pinned_keys
-from megand.tools.planner import hetero
+from megand.tools.planner import hetero, search
 from megand.tools.planner.cluster import parse_cluster
-from megand.tools.planner.cost import StageTimes
+from megand.tools.planner.cost import StageTimes, stage_times
 from megand.tools.planner.search import Planner, config_validator
 from megand.training.config import compose
 
@@ -23,6 +24,8 @@ CLUSTERS = {
     "one_group": [_group("h100", 1, 4, "h100")],
     "two_types": [_group("h200", 1, 4, "h200"), _group("h100", 1, 2, "h100")],  # nodes of different sizes
     "two_speeds": [_group("h100", 1, 2, "h100"), _group("a100", 1, 2, "a100")],
+    # devices of a few tens of MiB: most layouts fit only by recomputing some layers (the bound counts it)
+    "tight": [_group("h200", 1, 4, "h200", memory_gib=0.03), _group("h100", 1, 2, "h100", memory_gib=0.02)],
 }
 
 
@@ -34,14 +37,22 @@ def _plans(cluster, top=3):
     return [(p.prediction.step_time_s, p.overrides()) for p in plans]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "two_types" else [pytest.mark.slow])
+def _exhaustive(m):
+    """Every bound (next to) zero: nothing can be pruned; the stage times not memoised."""
+    m.setattr(Planner, "compute_bound", lambda self, c, groups, fill=True: 1e-30)
+    m.setattr(StageTimes, "lower_bound", lambda self, pp: 0.0)
+    m.setattr(hetero, "split_bound", lambda planner, c, groups: 0.0)
+    m.setattr(hetero, "recompute_bound", lambda planner, c, groups: 0.0)
+    m.setattr(Planner, "times", lambda self, c, groups: stage_times(self.model, c, self.gbs, groups))
+    m.setattr(search, "_ceiling", lambda plans, top: float("inf"))  # each phase's whole top, not only what enters
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ("two_types", "tight") else [pytest.mark.slow])
                                   for n in sorted(CLUSTERS)])  # two_types: stages of different widths, replicas
 def test_pruned_search_returns_the_exhaustive_best(name, monkeypatch):
     pruned = _plans(CLUSTERS[name])
-    with monkeypatch.context() as m:  # every bound (next to) zero: nothing can be pruned
-        m.setattr(Planner, "compute_bound", lambda self, c, groups, fill=True: 1e-30)
-        m.setattr(StageTimes, "lower_bound", lambda self, pp: 0.0)
-        m.setattr(hetero, "split_bound", lambda planner, c, groups: 0.0)
+    with monkeypatch.context() as m:
+        _exhaustive(m)
         exhaustive = _plans(CLUSTERS[name])
     assert [t for t, _ in pruned] == pytest.approx([t for t, _ in exhaustive], rel=1e-12)
     assert pruned[0][1] == exhaustive[0][1] and pruned[3:4] == exhaustive[3:4]
@@ -56,6 +67,29 @@ def test_the_split_bound_is_below_every_split():
     assert plans
     for p in plans:
         assert hetero.split_bound(planner, p.candidate, p.stage_groups) <= p.prediction.step_time_s
+
+
+@pytest.mark.parametrize("case", [pytest.param(0, id="tight")] + [pytest.param(i, marks=pytest.mark.slow) for i in range(1, 6)])
+def test_the_recompute_bound_is_below_every_split(case, monkeypatch):
+    """recompute_bound is a lower bound on every split the exhaustive search times of a candidate (its own
+    sharding, schedule and memory), however much recomputation the memory forces: random small cases."""
+    import random
+
+    rng = random.Random(case)
+    layers = 6 if case == 0 else rng.choice([4, 5, 6, 8])
+    small = [o for o in SMALL if not o.startswith("model.num_layers")] + [f"model.num_layers={layers}"]
+    mem = 0.025 if case == 0 else rng.uniform(0.012, 0.06)
+    cluster = [_group("h200", 1, 4, "h200", memory_gib=mem * rng.uniform(1.0, 2.0) if case else mem * 1.2),
+               _group("h100", 1, rng.choice([2, 4]) if case else 2, "h100", memory_gib=mem)]
+    cfg = compose(small)
+    with monkeypatch.context() as m:
+        _exhaustive(m)
+        planner = Planner(cfg, pinned_keys(small), parse_cluster({"groups": cluster}), validate_fn=None)
+        plans = planner.plan_heterogeneous(top=10_000)
+    assert sum(p.candidate.recompute != "none" for p in plans) > 0  # the memory forces recomputation somewhere
+    for p in plans:
+        split = p.candidate.with_(recompute="none", recompute_layers=None, pipeline_layout=None)  # as expanded
+        assert hetero.recompute_bound(planner, split, p.stage_groups) <= p.prediction.step_time_s, p.overrides()
 
 
 def test_the_fill_bound_is_below_every_replayed_pipeline():

@@ -29,6 +29,7 @@ is the slowest rank's. Memory per stage is megand/tools/estimate_memory.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megand.models.flops import Shape, flops_per_iteration, fp8_flops_fraction, layer_params
 from megand.core.optimizer.registry import optimizer_for, record
@@ -240,15 +241,21 @@ class StageTimes:
 def rank_virtual_stages(c: Candidate) -> list:
     """Per pipeline rank, the virtual stages it holds under its schedule's placement (interleaved:
     ``r, r + pp, ...``; a V: ``r`` and ``2·pp - 1 - r``)."""
-    placement = c.parallel.placement
-    return [placement.stages_of(r) for r in range(c.pp)]
+    return _rank_stages(c.parallel)
 
 
-def mixed_stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
+@lru_cache(maxsize=4096)
+def _rank_stages(parallel) -> tuple:
+    """:func:`rank_virtual_stages` once per layout (tuples: the answer is shared)."""
+    placement = parallel.placement
+    return tuple(tuple(placement.stages_of(r)) for r in range(parallel.pp))
+
+
+def mixed_stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups, cache=None) -> StageTimes:
     """Stages of different widths (``c.stage_widths``): each virtual stage's times, links and groups are
     those of the uniform layout at its rank's width (its groups sit on its own group's nodes in the same
     place); a boundary between widths costs the slower side's send (the narrower side sends more per rank)."""
-    by_width = {w: stage_times(model, c.of_rank(c.stage_widths.index(w)), global_batch_size, stage_groups)
+    by_width = {w: stage_times(model, c.of_rank(c.stage_widths.index(w)), global_batch_size, stage_groups, cache)
                 for w in dict.fromkeys(c.stage_widths)}
     ranks = rank_virtual_stages(c)
     width_of_stage = {s: c.stage_widths[r] for r, stages in enumerate(ranks) for s in stages}
@@ -264,9 +271,37 @@ def mixed_stage_times(model: dict, c: Candidate, global_batch_size: int, stage_g
                       weight_grad=[t.weight_grad[s] for s, t in enumerate(of)], rank_stages=ranks)
 
 
-def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
+_ZERO_2_3 = ("optim_grads", "optim_grads_params")
+
+
+def times_key(c: Candidate) -> tuple:
+    """What :func:`stage_times` reads of ``c``: candidates alike in these have the same stage times (the
+    overlap flags and the optimizer do not enter them; the sharding level, its bucket and resharding only
+    where ZeRO-2/3 adds its collectives to the stages)."""
+    zero = c.sharding if c.sharding in _ZERO_2_3 else "none"
+    return (c.parallel, c.sequence_parallel, c.micro_batch_size, c.precision, c.fused_attention, c.recompute,
+            c.recompute_layers, c.pipeline_layout, c.fp8, c.fp8_bf16_layers, c.cp_comm, zero,
+            c.bucket_size if zero != "none" else None,
+            c.reshard_after_forward if zero == "optim_grads_params" else None, c.stage_widths)
+
+
+def stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups, cache=None) -> StageTimes:
+    """``cache``: a dict memoising the answers for one ``model``, batch and cluster (the planner's: its search
+    asks for the same stages' times many times over, under candidates that differ only in keys the times do
+    not read, :func:`times_key`); the answers are shared, not to be changed."""
+    if cache is not None:
+        key = (times_key(c), tuple(g.name for g in stage_groups))
+        times = cache.get(key)
+        if times is None:
+            times = cache[key] = (mixed_stage_times(model, c, global_batch_size, stage_groups, cache)
+                                  if c.stage_widths is not None else _stage_times(model, c, global_batch_size, stage_groups))
+        return times
     if c.stage_widths is not None:
         return mixed_stage_times(model, c, global_batch_size, stage_groups)
+    return _stage_times(model, c, global_batch_size, stage_groups)
+
+
+def _stage_times(model: dict, c: Candidate, global_batch_size: int, stage_groups) -> StageTimes:
     shape = Shape.from_config(model)
     m = c.parallel.microbatches(global_batch_size, c.micro_batch_size)
     stages = c.pp * (c.vpp or 1)

@@ -26,34 +26,51 @@ recomputed layers over the chunks it holds. Interleaved 1F1B is not searched her
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_record
-from megand.tools.planner.cost import rank_virtual_stages, stage_times
+from megand.tools.planner.cost import rank_virtual_stages
 from megand.tools.planner.layout import Candidate
 from megand.tools.planner.search import RECOMPUTE, spread
 
 
-def plan_heterogeneous(planner, top: int = 5) -> list:
+def plan_heterogeneous(planner, top: int = 5, ceiling: float = math.inf) -> list:
     """The best heterogeneous plans of ``planner`` (a search.Planner) on its cluster. Shapes (a layout and
     its stages' groups, before the sharding, overlap and schedule choices, the layer split and memory) are
     weighed in order of :func:`split_bound`, a bound for all of their candidates; only the shapes that can
-    still enter the top ``top`` are expanded, split (the estimator: most of the time) and timed."""
-    shapes = []
+    still enter the top ``top`` are expanded, their candidates weighed again at their own
+    :func:`recompute_bound` (when their turn comes: most never need it), and only those that can still enter
+    are split (the estimator: most of the time) and timed. ``ceiling``: a step no plan of interest reaches
+    (the caller's top so far: nothing at or above it is split)."""
+    queue = []  # (bound, order, stage groups, expand() of a shape or (candidate, bound refined?)), least first
     for c, stage_groups, expand in hetero_shapes(planner):
-        shapes.append((split_bound(planner, c, stage_groups), len(shapes), stage_groups, expand))
+        queue.append((split_bound(planner, c, stage_groups), len(queue), stage_groups, expand))
         if planner.out_of_time():
             break
-    shapes.sort(key=lambda x: x[:2])
+    heapq.heapify(queue)
+    order = len(queue)
     plans = []
-    for bound, _, stage_groups, expand in shapes:
-        if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+    while queue:
+        bound, _, stage_groups, item = heapq.heappop(queue)
+        if bound >= ceiling or (len(plans) >= top and bound >= plans[-1].prediction.step_time_s):
             break
-        for c in expand():
-            if plans and planner.out_of_time():
-                return plans
-            plans = planner.best(_split(planner, c, stage_groups), top, plans)
+        if plans and planner.out_of_time():
+            break
+        if callable(item):  # a shape: its candidates wait in line at its bound until their turn
+            for c in item():
+                heapq.heappush(queue, (bound, order, stage_groups, (c, False)))
+                order += 1
+            continue
+        c, refined = item
+        if not refined:  # its own bound, the recomputation its memory forces counted: back in line if higher
+            own, refined = _recompute_bound(planner, c, stage_groups, above=bound)
+            if own > bound:
+                heapq.heappush(queue, (own, order, stage_groups, (c, refined)))
+                order += 1
+                continue
+        plans = planner.best(_split(planner, c, stage_groups), top, plans)
     return plans
 
 
@@ -146,26 +163,124 @@ def split_bound(planner, c: Candidate, stage_groups) -> float:
            tuple(g.name for g in stage_groups))
     if key not in planner._bounds:
         pp, L = c.pp, planner.shape.layers
-        t1 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [1] * pp)),
-                                   planner.gbs, stage_groups), c)
-        t2 = rank_step(stage_times(planner.model, base.with_(pipeline_layout=chunk_layout(c, [2] * pp)),
-                                   planner.gbs, stage_groups), c)
+        t1 = rank_step(planner.times(base.with_(pipeline_layout=chunk_layout(c, [1] * pp)), stage_groups), c)
+        t2 = rank_step(planner.times(base.with_(pipeline_layout=chunk_layout(c, [2] * pp)), stage_groups), c)
         slope = [max(b - a, 1e-15) for a, b in zip(t1, t2)]
         fixed = [a - k for a, k in zip(t1, slope)]
         least = _least_layers(c)
-
-        def layers_within(limit):
-            return sum(max(0.0, (limit - f) / k) for f, k in zip(fixed, slope))
-
         lo = max(f + k * least for f, k in zip(fixed, slope))  # every rank holds at least a layer per chunk
-        hi = max(f + k * L for f, k in zip(fixed, slope))
-        if layers_within(lo) < L:
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if layers_within(mid) >= L else (mid, hi)
         m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
-        planner._bounds[key] = m * lo * (1 - 1e-9)
+        planner._bounds[key] = m * max(lo, _level(fixed, slope, L)) * (1 - 1e-9)
     return planner._bounds[key]
+
+
+def _level(fixed, slope, L: float) -> float:
+    """The time T at which ranks of time ``fixed + slope * x`` for x layers hold ``L`` layers together, each
+    ``max(0, (T - fixed) / slope)`` (continuous): water-filling over the ranks in order of ``fixed``."""
+    ranks = sorted(zip(fixed, slope))
+    total_f = total_inv = 0.0
+    level = ranks[0][0]
+    for i, (f, k) in enumerate(ranks):
+        total_f, total_inv = total_f + f / k, total_inv + 1 / k
+        level = (L + total_f) / total_inv
+        if i + 1 == len(ranks) or level <= ranks[i + 1][0]:  # the next rank would start above this level
+            break
+    return level
+
+
+def recompute_bound(planner, c: Candidate, stage_groups) -> float:
+    """A lower bound on the step of every layer split of ``c`` (its own sharding, schedule and memory), the
+    recomputation its memory forces counted: per rank and layer count n, the fastest of storing every
+    activation (where that fits) and of each recompute mode on the fewest layers that fit, each rank's time
+    per micro-batch ``fixed + slope·n + extra·k`` at ZeRO-0 (:func:`split_bound`'s, plus ``extra`` per
+    recomputed layer: both exact), its memory linear in n and k from the estimator at the points
+    :func:`balanced_recomputing_layout` reads (cached: the split asks for the same ones); then the least
+    slowest rank over every split of the layers (each rank's possible layer counts relaxed to an interval).
+    0 where the split is pinned or the times are not linear (FP8)."""
+    return _recompute_bound(planner, c, stage_groups)[0]
+
+
+def _recompute_bound(planner, c: Candidate, stage_groups, above: float = math.inf):
+    """(:func:`recompute_bound`, True), or where the whole numbers of layers per rank alone put the bound
+    above ``above`` (memory aside: no estimator question asked), (that bound, False)."""
+    if c.fp8 or "parallel.pipeline_layout" in planner.pinned or not planner.per_stage_recompute:
+        return 0.0, True
+    L, pp, least = planner.shape.layers, c.pp, _least_layers(c)
+    if pp * least > L:
+        return 0.0, True
+    m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
+    one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
+    zero = c.with_(sharding="none", dp_shard=None, recompute="none", recompute_layers=None,
+                   overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
+    t1 = rank_step(planner.times(zero.with_(pipeline_layout=one), stage_groups), c)
+    t2 = rank_step(planner.times(zero.with_(pipeline_layout=two), stage_groups), c)
+    counts = range(least, L + 1)
+    key = ("free", zero, tuple(g.name for g in stage_groups))  # alike for every sharding and schedule placed so
+    if key not in planner._bounds:  # the least slowest rank, memory aside
+        planner._bounds[key] = _least_slowest([[(n, t1[r] + (t2[r] - t1[r]) * (n - 1)) for n in counts]
+                                               for r in range(pp)], L)
+    free = planner._bounds[key]
+    if m * free * (1 - 1e-9) > above:
+        return m * free * (1 - 1e-9), False
+    stored = c.with_(recompute="none", recompute_layers=None)
+    m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
+    m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
+    lines = []  # per rank: (fixed, slope) seconds per micro-batch, (base, per_layer) GiB, its device's GiB
+    for r, g in enumerate(stage_groups):
+        slope, per_layer = t2[r] - t1[r], m2[r] - m1[r]
+        lines.append((t1[r] - slope, slope, m1[r] - per_layer, per_layer, g.memory_gib))
+    # every rank can hold its layer counts within ``free`` storing all activations: the memory forces nothing
+    # at the best split, and no recomputation can do better (a count misjudged at the edge only loosens this)
+    within = [min(L, math.floor((free - f) / k + 1e-9) if k > 0 else L,
+                  math.floor((cap - base + 1e-9) / per) if per > 0 else L) for f, k, base, per, cap in lines]
+    if min(within) >= least and sum(within) >= L:
+        return m * free * (1 - 1e-9), True
+    modes = []  # per recompute mode: per rank (extra seconds, memory saved per recomputed layer, working set)
+    for mode in planner._dom("train.recompute", RECOMPUTE):
+        if mode == "none":
+            continue
+        tr = rank_step(planner.times(zero.with_(recompute=mode, pipeline_layout=one), stage_groups), c)
+        recomputing = c.with_(recompute=mode, pipeline_layout=two)
+        m21 = planner.memory(recomputing.with_(recompute_layers=chunk_recompute(c, two, [1] * pp)), microbatches=m)
+        m22 = planner.memory(recomputing.with_(recompute_layers=None), microbatches=m)
+        modes.append([(tr[r] - t1[r], m21[r] - m22[r], m21[r] - m2[r] + (m21[r] - m22[r])) for r in range(pp)])
+    table = []  # per rank: (n, fastest time per micro-batch) for the n that can fit
+    for r, (fixed, slope, base, per_layer, cap) in enumerate(lines):
+        times = []
+        own = [per_rank[r] for per_rank in modes if per_rank[r][1] > 0]  # (extra, saved, working)
+        for n in counts:
+            need = base + per_layer * n - cap
+            if need <= 1e-9:
+                times.append((n, fixed + slope * n))
+                continue
+            # the fewest recomputed layers that fit, k <= n, and their cost, in the cheapest mode
+            ks = [(extra, max(1, math.ceil((need + working) / saved - 1e-9))) for extra, saved, working in own]
+            best = min((extra * k for extra, k in ks if k <= n), default=None)
+            if best is not None:
+                times.append((n, fixed + slope * n + best))
+        table.append(times)
+    return m * _least_slowest(table, L) * (1 - 1e-9), True
+
+
+def _least_slowest(table, L: int) -> float:
+    """The least time ``T`` such that every rank has a layer count of time at most ``T`` (``table``: per rank,
+    ``(layers, time)`` in increasing layers) and the layers can sum to ``L`` with each rank's count between
+    its fewest and most within ``T`` (a relaxation: so a lower bound); inf if none."""
+    if any(not times for times in table):
+        return math.inf
+
+    def feasible(limit):
+        lo = hi = 0
+        for times in table:
+            ns = [n for n, t in times if t <= limit]
+            if not ns:
+                return False
+            lo, hi = lo + ns[0], hi + ns[-1]
+        return lo <= L <= hi
+
+    limits = sorted({t for times in table for _, t in times})
+    i = bisect.bisect_left(range(len(limits)), True, key=lambda j: feasible(limits[j]))
+    return limits[i] if i < len(limits) else math.inf
 
 
 def hetero_schedules(planner, pp: int) -> list:
@@ -254,7 +369,7 @@ def _split(planner, c: Candidate, stage_groups) -> list:
                         trials.append(fewer)
     entries = []
     for trial in trials:
-        times = stage_times(planner.model, trial, planner.gbs, stage_groups)
+        times = planner.times(trial, stage_groups)
         entries.append((times.lower_bound(c.pp), trial, list(stage_groups), times))
     return entries
 
@@ -275,8 +390,8 @@ def balanced_layout(planner, c: Candidate, stage_groups):
     # per-rank time and memory as a + b * layers, from the model at two layer counts
     one = c.with_(pipeline_layout=chunk_layout(c, [1] * pp))
     two = c.with_(pipeline_layout=chunk_layout(c, [2] * pp))
-    t1 = rank_step(stage_times(planner.model, one, planner.gbs, stage_groups), c)
-    t2 = rank_step(stage_times(planner.model, two, planner.gbs, stage_groups), c)
+    t1 = rank_step(planner.times(one, stage_groups), c)
+    t2 = rank_step(planner.times(two, stage_groups), c)
     m1, m2 = planner.memory(one, microbatches=m), planner.memory(two, microbatches=m)  # cached
     slope = [t2[r] - t1[r] for r in range(pp)]
     fixed = [t1[r] - slope[r] for r in range(pp)]
@@ -317,12 +432,11 @@ def balanced_recomputing_layout(planner, c: Candidate, stage_groups):
     if pp * least > L:
         return None
     m = c.parallel.microbatches(planner.gbs, c.micro_batch_size)
-    model, gbs = planner.model, planner.gbs
     stored = c.with_(recompute="none", recompute_layers=None)
     one, two = chunk_layout(c, [1] * pp), chunk_layout(c, [2] * pp)
-    t1 = rank_step(stage_times(model, stored.with_(pipeline_layout=one), gbs, stage_groups), c)
-    t2 = rank_step(stage_times(model, stored.with_(pipeline_layout=two), gbs, stage_groups), c)
-    tr = rank_step(stage_times(model, c.with_(pipeline_layout=one, recompute_layers=None), gbs, stage_groups), c)
+    t1 = rank_step(planner.times(stored.with_(pipeline_layout=one), stage_groups), c)
+    t2 = rank_step(planner.times(stored.with_(pipeline_layout=two), stage_groups), c)
+    tr = rank_step(planner.times(c.with_(pipeline_layout=one, recompute_layers=None), stage_groups), c)
     m1 = planner.memory(stored.with_(pipeline_layout=one), microbatches=m)
     m2 = planner.memory(stored.with_(pipeline_layout=two), microbatches=m)
     m21 = planner.memory(c.with_(pipeline_layout=two, recompute_layers=chunk_recompute(c, two, [1] * pp)),

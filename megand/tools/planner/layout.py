@@ -4,7 +4,7 @@ megand's own rank grid)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -116,8 +116,18 @@ class Candidate:
         """This candidate with ``changes`` (flat keys, as :meth:`of` takes them)."""
         sizes = {k: changes.pop(k) for k in PARALLEL_KEYS if k in changes}
         if sizes:
-            changes["parallel"] = self.parallel.with_(**sizes)
-        return replace(self, **changes)
+            try:
+                changes["parallel"] = _layout_with(self.parallel, tuple(sorted(sizes.items())))
+            except TypeError:  # a value that is not hashable (a list of shares): uncached
+                changes["parallel"] = self.parallel.with_(**sizes)
+        if not changes.keys() <= _FIELDS:
+            return replace(self, **changes)  # names the unknown key
+        # dataclasses.replace re-runs __init__ over every field: the search makes millions of these copies,
+        # and a candidate has no __post_init__ to skip
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def layout_setting(self):
         """``parallel.pipeline_layout``: layers per virtual stage, or with :attr:`stage_widths` one entry per
@@ -149,6 +159,15 @@ class Candidate:
             # always written: a schedule left out would keep a preset's (or the previous trial's) choice
             "parallel.pp_schedule": self.pp_schedule,
         }
+
+
+@lru_cache(maxsize=65536)
+def _layout_with(parallel: ParallelLayout, sizes: tuple) -> ParallelLayout:
+    """``parallel.with_(**sizes)`` once per layout and change (each copy re-checks every rule of the layout)."""
+    return parallel.with_(**dict(sizes))
+
+
+_FIELDS = frozenset(f.name for f in fields(Candidate))
 
 
 @lru_cache(maxsize=65536)

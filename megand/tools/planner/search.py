@@ -151,6 +151,7 @@ class Planner:
         self.rejected = []
         self._memory = {}  # (estimator layout, stage) -> peak GiB
         self._bounds = {}  # compute_bound's answers
+        self._times = {}  # cost.stage_times' answers (cost.times_key, stage groups) -> StageTimes
         self._config_keys = None  # _base()'s values read from the config
         self.fused_attention = None  # None: megand's SDPA (fused in 16-bit); False: a system that stores s x s  # (candidate, validate's message) of plans validate() refused
         profiles = {g.profile.dtype for g in cluster.groups}
@@ -271,14 +272,24 @@ class Planner:
         even split), memoised: many candidates differ only in what memory does not see."""
         m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
-        if c.stage_widths is not None:  # each stage at its own width
-            return [self.memory(c.of_rank(r), [r], m)[0] for r in stages]
+        if c.stage_widths is not None:  # each stage at its own width: one question per width
+            by_width = {}
+            for r in stages:
+                by_width.setdefault(c.stage_widths[r], []).append(r)
+            peak = {}
+            for ranks in by_width.values():
+                peak.update(zip(ranks, self.memory(c.of_rank(ranks[0]), ranks, m)))
+            return [peak[r] for r in stages]
         layout = memory_layout(c, m)
         missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
         if missing:  # all of them, fewest_recomputed for one at a time
             for st in estimate_memory(self.model, layout, stages=missing).stages:
                 self._memory[(layout, st.stage)] = st.total_bytes / GIB
         return [self._memory[(layout, s)] for s in stages]
+
+    def times(self, c: Candidate, stage_groups):
+        """:func:`cost.stage_times` of ``c`` on ``stage_groups``, memoised (shared: not to be changed)."""
+        return stage_times(self.model, c, self.gbs, stage_groups, self._times)
 
     def fits(self, c: Candidate, stage_groups) -> bool:
         """Every stage within its device memory. On one group with an even split and the output layer on
@@ -393,7 +404,7 @@ class Planner:
                        overlap_grad_reduce=False, overlap_param_gather=False, reshard_after_forward=False)
         key = (base, tuple(g.name for g in stage_groups))
         if key not in self._bounds:
-            times = stage_times(self.model, base, self.gbs, stage_groups)
+            times = self.times(base, stage_groups)
             self._bounds[key] = (times.lower_bound(c.pp), times.busiest())
         return self._bounds[key][0 if fill else 1]
 
@@ -465,16 +476,16 @@ class Planner:
             groups = [group] * base.pp
             scored = []
             for c in self._fitting(base, groups):
-                times = stage_times(self.model, c, self.gbs, groups)
+                times = self.times(c, groups)
                 scored.append((times.lower_bound(c.pp), c, groups, times))
             plans = self.best(scored, top, plans)
         return plans
 
     # --- heterogeneous (hetero.py) ----------------------------------------------------------
-    def plan_heterogeneous(self, top: int = 5) -> list:
+    def plan_heterogeneous(self, top: int = 5, ceiling: float = float("inf")) -> list:
         from megand.tools.planner.hetero import plan_heterogeneous
 
-        return plan_heterogeneous(self, top)
+        return plan_heterogeneous(self, top, ceiling)
 
     # --- everything ----------------------------------------------------------------------------
     def plan(self, top: int = 5) -> list:
@@ -496,12 +507,14 @@ class Planner:
         if self.cluster.heterogeneous:
             total = sum(alone.values())
             self._start_phase(2)
-            hetero = [] if shares_only else self.plan_heterogeneous(top)
+            # a later phase's plan enters the top only if faster than the top-th so far (an equal one sorts after)
+            hetero = [] if shares_only else self.plan_heterogeneous(top, _ceiling(plans, top))
             for p in hetero:
                 p.hetero_ratio = p.prediction.tokens_per_s / total if total else None
                 p.alone_tokens_per_s = dict(alone)
             self._start_phase(1)
-            plans += hetero + plan_shares(self, top, alone)
+            plans += hetero
+            plans += plan_shares(self, top, alone, _ceiling(plans, top))
         plans.sort(key=lambda p: p.prediction.step_time_s)
         if not plans:
             raise PlanError(self.why_impossible())
@@ -554,6 +567,12 @@ class Planner:
                         best = (tp * pp * dp, g.memory_gib, f"tp={tp} pp={pp} dp={dp}, ZeRO-3, full recompute")
                         break
         return best
+
+
+def _ceiling(plans, top: int) -> float:
+    """The step a new plan must beat to enter the best ``top`` of ``plans`` (inf while fewer)."""
+    steps = sorted(p.prediction.step_time_s for p in plans)
+    return steps[top - 1] if len(steps) >= top else float("inf")
 
 
 def candidate_from_config(cfg, world_size: int) -> Candidate:

@@ -286,12 +286,13 @@ def replica_plan(planner, c: Candidate, groups, counts, per_group=None) -> Optio
                        even_step_s=even, gbs=planner.gbs)
 
 
-def plan_shares(planner, top: int = 5, alone: dict | None = None) -> list:
+def plan_shares(planner, top: int = 5, alone: dict | None = None, ceiling: float = float("inf")) -> list:
     """The best replica plans of ``planner`` (a search.Planner) on its cluster, best first; ``alone``: each
     group's best throughput alone (for the speed-ups). Layouts are weighed in order of a lower bound (each
     replica's busiest rank's compute per micro-batch, water-filled as if shares were continuous:
     T >= total / sum_g(n_g / busy_g)); only those that can still enter the top ``top`` are checked against
-    the memory and water-filled."""
+    the memory and water-filled. ``ceiling``: a step no plan of interest reaches (the caller's top so far:
+    layouts whose bound is at or above it are never water-filled)."""
     groups = list(planner.cluster.groups)
     smallest = min(groups, key=lambda g: g.memory_gib)
     bases = []
@@ -308,7 +309,7 @@ def plan_shares(planner, top: int = 5, alone: dict | None = None) -> list:
     bases.sort(key=lambda x: x[:2])
     plans = []
     for bound, _, base, used, counts in bases:
-        if len(plans) >= top and bound >= plans[-1].prediction.step_time_s:
+        if bound >= ceiling or (len(plans) >= top and bound >= plans[-1].prediction.step_time_s):
             break
         if plans and planner.out_of_time():
             break
