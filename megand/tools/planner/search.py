@@ -271,8 +271,6 @@ class Planner:
         even split), memoised: many candidates differ only in what memory does not see."""
         m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
-        if c.stage_widths is not None:  # each stage at its own width
-            return [self.memory(c.of_rank(r), [r], m)[0] for r in stages]
         layout = memory_layout(c, m)
         missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
         if missing:  # all of them, fewest_recomputed for one at a time
