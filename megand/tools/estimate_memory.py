@@ -53,6 +53,13 @@ m = pp it runs every forward first: m·v chunks on every stage). Both are counte
 executor runs (megand/core/pipeline_parallel/actions.py), not from these formulas. An uneven
 ``parallel.pipeline_layout`` counts each stage's own layers (its chunks at their mean size).
 
+Stages of different widths (the per-stage ``parallel.pipeline_layout``, ``ParallelLayout.stage_tp``): each stage is
+counted at its own width (:meth:`Layout.at_stage`: every term above with its tp and sequence parallelism, the
+embedding on the first stage and the output layer on the last at theirs, the micro-batches in flight of the
+common schedule), plus what the hand-off between widths holds (:func:`hand_off_bytes`): the outputs a stage
+sent to another width, kept until their backward (a one-width pipeline frees each once sent), and on a
+sequence-parallel sender one gathered whole message.
+
 Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_freq == 0):
     weights: the routed experts ``[E, ...]`` are split over ``ep`` (whole experts) and ``etp`` (expert
         tensor parallelism, 1 or tp); they are replicated over the expert-data-parallel group of

@@ -24,7 +24,9 @@ bytes of the storages alive after every operation; each phase reports the peak o
   (model pieces and the optimizer's per-parameter states), built but not written.
 
 The estimator (megand/tools/estimate_memory.py) predicts states for build and the optimizer step, and
-states plus activations for forward_backward. The number of micro-batches per dp rank is cut to the
+states plus activations for forward_backward. With stages of different widths (the per-stage
+``parallel.pipeline_layout``) the rank is built at its own stage's width and set against that stage's
+estimate at its width. The number of micro-batches per dp rank is cut to the
 fewest that reach the schedule's steady state (2 without a pipeline, pp for 1F1B, 2*pp interleaved;
 ``--microbatches`` overrides): more only repeat it.
 
