@@ -763,6 +763,7 @@ def _stage_at_width(model: Mapping[str, Any], layout: Layout, stage: int) -> Sta
     return estimate_memory(model, layout, [stage]).stages[0]
 
 
+@per_frozen_model
 def hand_off_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     """What the hand-off between stages of different widths (megand/core/pipeline_parallel/hand_off.py) holds
     on a rank of pipeline ``stage`` beyond a one-width pipeline (0 where every stage has one width):
