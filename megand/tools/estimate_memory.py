@@ -53,6 +53,13 @@ m = pp it runs every forward first: m·v chunks on every stage). Both are counte
 executor runs (megand/core/pipeline_parallel/actions.py), not from these formulas. An uneven
 ``parallel.pipeline_layout`` counts each stage's own layers (its chunks at their mean size).
 
+Stages of different widths (the per-stage ``parallel.pipeline_layout``, ``ParallelLayout.stage_tp``): each stage is
+counted at its own width (:meth:`Layout.at_stage`: every term above with its tp and sequence parallelism, the
+embedding on the first stage and the output layer on the last at theirs, the micro-batches in flight of the
+common schedule), plus what the hand-off between widths holds (:func:`hand_off_bytes`): the outputs a stage
+sent to another width, kept until their backward (a one-width pipeline frees each once sent), and on a
+sequence-parallel sender one gathered whole message.
+
 Mixture of Experts (``model.num_experts``; layer i is MoE when i % moe_layer_freq == 0):
     weights: the routed experts ``[E, ...]`` are split over ``ep`` (whole experts) and ``etp`` (expert
         tensor parallelism, 1 or tp); they are replicated over the expert-data-parallel group of
@@ -90,13 +97,14 @@ keeps fp32 intermediates, its SwiGLU four f-wide tensors), and 15% less for GPT-
 """
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache, wraps
 from typing import Any, Mapping, Optional
 
 from megand.core.optimizer.registry import optimizer_for, record
 from megand.core.parallel_layout import LayoutError, ParallelLayout
 from megand.core.pipeline_parallel.actions import peak_live_chunks
+from megand.core.pipeline_parallel.layout import stage_layers as layers_of_stages
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.models.flops import FrozenModel, Shape, layer_params, mtp_depth_extra, norm_params
@@ -152,10 +160,6 @@ class Layout:
                     world_size: Optional[int] = None) -> "Layout":
         """From the ``parallel``, ``train`` and ``optim`` config groups (``dp: null`` needs world_size)."""
         layout = ParallelLayout.from_keys(parallel, world_size)
-        if layout.heterogeneous:  # every term below takes one tp: a per-stage estimate is not written yet
-            raise LayoutError(f"parallel.pipeline_layout gives the stages different widths (tp {list(layout.stage_tp)}, "
-                              f"sequence parallel {list(layout.stage_sp)}): the estimate takes one width; estimate "
-                              f"each stage's width as its own layout (parallel.tp=w)")
         micro = int(train.get("micro_batch_size") or 1)
         gbs = train.get("global_batch_size")
         return cls(parallel=layout, sequence_parallel=bool(parallel.get("sequence_parallel", False)),
@@ -167,10 +171,22 @@ class Layout:
                                      else None),
                    micro_batch_size=micro,
                    num_microbatches=layout.microbatches(int(gbs), micro) if gbs else None,
-                   pipeline_layout=tuple(parallel.get("pipeline_layout")) if parallel.get("pipeline_layout") else None,
+                   pipeline_layout=(tuple(layers_of_stages(parallel.get("pipeline_layout")))
+                                    if parallel.get("pipeline_layout") else None),
                    optimizer=optim.get("name") or "adamw",
                    fp8_gather=None if train.get("compile") else train.get("fp8"),
                    fp8_bf16_layers=int(train.get("fp8_bf16_layers", 1)))
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Pipeline stages of different tensor-parallel widths (or sequence parallelism)."""
+        return self.parallel.heterogeneous
+
+    def at_stage(self, stage: int) -> "Layout":
+        """The one-width layout the ranks of pipeline rank ``stage`` see (its own tp and sequence
+        parallelism; the pipeline, layers and batch unchanged): every term of that stage but the hand-off
+        between widths is counted at it. ``self`` where the stages have one width."""
+        return _at_stage(self, stage) if self.heterogeneous else self
 
     @property
     def level(self) -> str:
@@ -220,6 +236,13 @@ class Layout:
     def sp(self) -> bool:
         """Sequence parallelism only changes anything with tensor parallelism."""
         return self.sequence_parallel and self.tp > 1
+
+
+@lru_cache(maxsize=4096)
+def _at_stage(layout: Layout, stage: int) -> Layout:
+    """:meth:`Layout.at_stage`, once per layout and stage (the planner asks for every stage of many)."""
+    return replace(layout, parallel=layout.parallel.for_stage(stage),
+                   sequence_parallel=layout.parallel.stage_sp_of(stage))
 
 
 @lru_cache(maxsize=4096)
@@ -398,10 +421,16 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     """Layers × micro-batches whose activations are alive at once on pipeline ``stage`` (peak): the most
     chunk forwards the stage's action list holds before their backward (the schedule the executor runs),
     each chunk counted at the stage's mean chunk size."""
-    pp, m = layout.pp, layout.num_microbatches
-    if pp == 1:
+    if layout.pp == 1:
         return float(num_layers)  # one micro-batch at a time through every layer
-    layers = stage_layer_count(num_layers, layout, stage)
+    v = layout.vpp if layout.interleaved else 1
+    return chunks_in_flight(layout, stage) * stage_layer_count(num_layers, layout, stage) / v
+
+
+def chunks_in_flight(layout: Layout, stage: int) -> int:
+    """Chunk forwards (a micro-batch through one of the stage's model chunks) alive at once on pipeline
+    ``stage`` at its peak (pp > 1), on the schedule's action list."""
+    pp, m = layout.pp, layout.num_microbatches
     v = layout.vpp if layout.interleaved else 1
     if m is None:  # enough micro-batches to reach the steady state (m == pp would run interleaving all warm-up)
         m = 2 * pp if v > 1 else pp
@@ -412,7 +441,7 @@ def layer_microbatches_in_flight(num_layers: int, layout: Layout, stage: int) ->
     # its peak at any more (tests/unit/test_estimate_saturation.py), and replaying thousands is what the
     # planner cannot afford on every layout
     m = min(m, rule.smallest_at_least(2 * pp * v))
-    return _live_chunks(pp, v, m, stage, layout.pp_schedule) * layers / v
+    return _live_chunks(pp, v, m, stage, layout.pp_schedule)
 
 
 # the planner asks for every rank of hundreds of pipelines: more distinct answers than core's own cache
@@ -562,11 +591,14 @@ class StageMemory:
     moe_layers: int = 0                    # MoE layers on this stage
     all_to_all_bytes_per_step: float = 0.0  # expert-parallel dispatch + combine, sent by this rank per step
     fp8_cache_bytes: float = 0.0           # the FP8 layers' weights quantised once for the step (train.fp8)
+    tp: int = 1                            # the stage's tensor-parallel width (its own, with stages of different widths)
+    sequence_parallel: bool = False        # the stage's sequence parallelism (over tp > 1)
+    hand_off_bytes: float = 0.0            # stages of different widths: what the hand-off holds (:func:`hand_off_bytes`)
     total_bytes: float = field(init=False)
 
     def __post_init__(self):
         self.total_bytes = (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.gathered_bytes
-                            + self.fp8_cache_bytes
+                            + self.fp8_cache_bytes + self.hand_off_bytes
                             + self.layer_activation_bytes
                             + self.extra_activation_bytes + self.recompute_working_bytes)
 
@@ -679,14 +711,21 @@ def stage_optimizer_bytes(model: Mapping[str, Any], layout: Layout, stage: int) 
 
 def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> MemoryEstimate:
     """Per-rank memory of ``stages`` (default: the first and the last pipeline stage, and the most loaded
-    one when it is another: with dense first layers (DeepSeek-V3) or an uneven layout a middle stage peaks)."""
+    one when it is another: with dense first layers (DeepSeek-V3) or an uneven layout a middle stage peaks).
+
+    Stages of different widths: each stage is counted at its own width (:meth:`Layout.at_stage`: its
+    parameters, gradients and optimizer shard, its activations with its micro-batches in flight under the
+    schedule), plus the hand-off between widths (:func:`hand_off_bytes`)."""
     if stages is None:
         every = estimate_memory(model, layout, range(layout.pp)).stages
         peak = max(every, key=lambda st: st.total_bytes).stage
         return MemoryEstimate(stages=[st for st in every if st.stage in {0, layout.pp - 1, peak}])
+    wanted = sorted(set(stages))
+    if layout.heterogeneous:
+        return MemoryEstimate(stages=[replace(_stage_at_width(model, layout.at_stage(s), s),
+                                              hand_off_bytes=hand_off_bytes(model, layout, s)) for s in wanted])
     shape = Shape.from_config(model)
     dense_bytes, expert_bytes = state_bytes_per_param(layout), state_bytes_per_param(layout, layout.expert_shards)
-    wanted = sorted(set(stages))
     mode = layer_recompute(shape.layers, layout)
     stages = []
     for stage in wanted:
@@ -713,8 +752,48 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
             gathered_bytes=gathered_bytes(params, layout, stage_fp8_gathered_params(model, layout, stage)),
             recompute_working_bytes=working, expert_params=experts, moe_layers=n_moe,
             all_to_all_bytes_per_step=all_to_all_bytes_per_step(model, layout, stage),
-            fp8_cache_bytes=stage_fp8_cache_bytes(model, layout, stage)))
+            fp8_cache_bytes=stage_fp8_cache_bytes(model, layout, stage), tp=layout.tp, sequence_parallel=layout.sp))
     return MemoryEstimate(stages=stages)
+
+
+@per_frozen_model
+def _stage_at_width(model: Mapping[str, Any], layout: Layout, stage: int) -> StageMemory:
+    """``stage`` of the one-width ``layout`` (memoised for the planner, whose pipelines of different widths
+    share their stages' one-width layouts; callers copy it, never change it)."""
+    return estimate_memory(model, layout, [stage]).stages[0]
+
+
+@per_frozen_model
+def hand_off_bytes(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
+    """What the hand-off between stages of different widths (megand/core/pipeline_parallel/hand_off.py) holds
+    on a rank of pipeline ``stage`` beyond a one-width pipeline (0 where every stage has one width):
+
+    - each output a chunk sent to a virtual stage of another width (or sequence parallelism) stays alive
+      until its backward: a one-width pipeline releases an activation's storage once it is sent (its
+      backward needs only the shape), the hand-off's messages do not (a message may be the activation
+      itself, sent to several receivers). Counted for the chunks in flight (:func:`chunks_in_flight`), in
+      proportion of the rank's chunks that send to another width: e·h per token (/tp under sequence
+      parallelism);
+    - a sequence-parallel rank sending to another width gathers the whole activation (or, backward, the
+      gradient) over its tp group first: one such message, e·h per token, while it is sent.
+    """
+    if not layout.heterogeneous:
+        return 0.0
+    par, own = layout.parallel, layout.at_stage(stage)
+    placement = par.placement
+
+    def width(virtual: int):
+        rank = placement.location(virtual)[0]
+        return par.stage_tp_of(rank), par.stage_sp_of(rank)
+
+    mine, last = placement.stages_of(stage), placement.num_stages - 1
+    to_other = sum(j < last and width(j + 1) != width(j) for j in mine)
+    from_other = sum(j > 0 and width(j - 1) != width(j) for j in mine)
+    shape = Shape.from_config(model)
+    whole = own.micro_batch_size * shape.seq / own.cp * _activation_elem_bytes(own) * shape.hidden
+    kept = chunks_in_flight(own, stage) * to_other / len(mine) * whole / (own.tp if own.sp else 1)
+    gathered = whole if own.sp and (to_other or from_other) else 0.0
+    return kept + gathered
 
 
 # --- human-readable report -------------------------------------------------------------------------
@@ -754,10 +833,13 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
     else:
         head.append(f"        {_count(counts.total)} parameters ({_count(counts.non_embedding)} non-embedding), "
                     f"{model_flops_per_token(model, layout.tp) / 1e9:,.2f} GFLOP/token (fwd+bwd)")
+    widths = (f"tp={list(layout.parallel.stage_tp)} (per stage) " if layout.heterogeneous else f"tp={layout.tp} ")
+    sp = (f"sp={['on' if x else 'off' for x in layout.parallel.stage_sp]}" if layout.heterogeneous
+          else f"sp={'on' if layout.sp else 'off'}")
     head += [
-        f"layout  tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
+        f"layout  {widths}pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
         + (f"ep={layout.ep} etp={layout.expert_tp} expert-dp={layout.edp} " if moe else "")
-        + f"sp={'on' if layout.sp else 'off'} sharding={layout.level} over {layout.shards} "
+        + f"{sp} sharding={layout.level} over {layout.shards} "
         f"{layout.precision} recompute={layout.recompute}"
         + (f" recompute_layers={list(layout.recompute_layers)}" if layout.recompute_layers is not None else "")
         + f" micro_batch={layout.micro_batch_size} "
@@ -768,6 +850,7 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
     names = {0: "first", layout.pp - 1: "last"}
     cols = [f"stage {st.stage} ({'only' if layout.pp == 1 else names.get(st.stage, 'most loaded')})" for st in estimate.stages]
     rows = [
+        ("tensor-parallel width", lambda st: f"tp {st.tp}{' + sp' if st.sequence_parallel else ''}"),
         ("parameters per rank", lambda st: _count(st.params)),
         *([("  of which routed experts", lambda st: _count(st.expert_params))] if moe else []),
         ("  params", lambda st: _gib(st.param_bytes)),
@@ -781,12 +864,13 @@ def format_report(model: Mapping[str, Any], layout: Layout, estimate: MemoryEsti
         ("  activations of the layers", lambda st: _gib(st.layer_activation_bytes)),
         ("  embedding / logits activations", lambda st: _gib(st.extra_activation_bytes)),
         ("  full-recompute working set", lambda st: _gib(st.recompute_working_bytes)),
+        *([("  hand-off between widths", lambda st: _gib(st.hand_off_bytes))] if layout.heterogeneous else []),
         ("total", lambda st: _gib(st.total_bytes)),
         *([("all-to-all sent per step (ep)", lambda st: _gib(st.all_to_all_bytes_per_step))] if moe else []),
         *([(f"{record(layout.optimizer).matrix_step} GFLOP per step",
-            lambda st: f"{matrix_step_cost(model, layout, st.stage)['flops'] / 1e9:,.1f}"),
+            lambda st: f"{matrix_step_cost(model, layout.at_stage(st.stage), st.stage)['flops'] / 1e9:,.1f}"),
            (f"{layout.optimizer.capitalize()} pieces moved per step",
-            lambda st: _gib(matrix_step_cost(model, layout, st.stage)["bytes"]))]
+            lambda st: _gib(matrix_step_cost(model, layout.at_stage(st.stage), st.stage)["bytes"]))]
           if record(layout.optimizer).matrix_flops is not None else []),
     ]
     width = max(len(r[0]) for r in rows) + 2

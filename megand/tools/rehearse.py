@@ -24,7 +24,9 @@ bytes of the storages alive after every operation; each phase reports the peak o
   (model pieces and the optimizer's per-parameter states), built but not written.
 
 The estimator (megand/tools/estimate_memory.py) predicts states for build and the optimizer step, and
-states plus activations for forward_backward. The number of micro-batches per dp rank is cut to the
+states plus activations for forward_backward. With stages of different widths (the per-stage
+``parallel.pipeline_layout``) the rank is built at its own stage's width and set against that stage's
+estimate at its width. The number of micro-batches per dp rank is cut to the
 fewest that reach the schedule's steady state (2 without a pipeline, pp for 1F1B, 2*pp interleaved;
 ``--microbatches`` overrides): more only repeat it.
 
@@ -170,9 +172,6 @@ def prepare_config(args):
         layout = ParallelLayout.from_keys({**p, "dp": None}, world)  # a parallel.dp that disagrees: validate() below
     except LayoutError as e:
         raise SystemExit(f"rehearse: {e}")
-    if layout.heterogeneous:  # the rehearsal's bytes are set against the estimate, which takes one width
-        raise SystemExit(f"rehearse: parallel.pipeline_layout gives the stages different widths (tp "
-                         f"{list(layout.stage_tp)}): rehearse each stage's width as its own layout (parallel.tp=w)")
     if not 0 <= args.rank < world:
         raise SystemExit(f"rehearse: --rank {args.rank} is not in a world of {world} ranks")
     configured = layout.microbatches(t.global_batch_size, t.micro_batch_size)
@@ -488,8 +487,10 @@ def format_report(cfg, world: int, rank: int, result: dict, estimate: dict) -> s
     from megand.core.parallel_layout import ParallelLayout
 
     p = cfg.parallel
-    coords = ParallelLayout.from_keys(p, world).coords(rank)
-    lines = [f"rank {rank}/{world} on {result['device']}: tp {coords['tp']}/{p.tp} cp {coords['cp']}/{p.cp} "
+    layout = ParallelLayout.from_keys(p, world)
+    coords = layout.coords(rank)
+    width = layout.stage_tp_of(coords["pp"])  # with stages of different widths: its stage's own
+    lines = [f"rank {rank}/{world} on {result['device']}: tp {coords['tp']}/{width} cp {coords['cp']}/{p.cp} "
              f"dp {coords['dp']} pp {coords['pp']}/{p.pp} vpp {p.vpp}; {result['local_params']:,} parameters; "
              f"{result['microbatches']} micro-batches of {cfg.train.micro_batch_size} x {cfg.model.seq_length} tokens, "
              f"{cfg.train.precision}",

@@ -27,10 +27,37 @@ LAYOUTS = {
 }
 
 
+# stages of different widths, 3 ranks: ranks 0-1 are the first stage at tp=2 with sequence parallelism, rank 2
+# the last at tp=1; each rank is built at its stage's width and set against that stage's estimate
+STAGE_WIDTHS = ["parallel.pp=2", "parallel.pipeline_layout=[{layers:3,tp:2,sp:true},{layers:1,tp:1}]",
+                "--world-size", "3"]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rehearsal_of_a_4_rank_layout_matches_the_estimator(layout, capsys):
     main(["+experiment=tiny_llama", "--world-size", "4", "--json", *LAYOUTS[layout]])
+    _within_tolerances(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("rank, width", [(1, 2), (2, 1)])
+def test_rehearsal_of_a_rank_of_stages_of_different_widths(rank, width, capsys):
+    from omegaconf import OmegaConf
+
+    from megand.tools.estimate_memory import Layout, estimate_memory
+    from megand.training.config import compose
+
+    overrides = ["+experiment=tiny_llama", *STAGE_WIDTHS[:2]]
+    main([*overrides, *STAGE_WIDTHS[2:], "--rank", str(rank), "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    _within_tolerances(report)
+    # the rank holds its stage at its own width: the parameters the estimator counts there
+    cfg = compose(overrides)
+    layout = Layout.from_config(cfg.parallel, cfg.train, cfg.optim, world_size=3)
+    st = estimate_memory(OmegaConf.to_container(cfg.model, resolve=True), layout, [report["stage"]]).stages[0]
+    assert (report["stage"], st.tp) == (rank // 2, width) and report["local_params"] == st.params
+
+
+def _within_tolerances(report):
     peak = {name: ph["peak_bytes"] for name, ph in report["phases"].items()}
     est = report["estimate_bytes"]
     assert report["local_params"] > 0 and report["microbatches"] == 2

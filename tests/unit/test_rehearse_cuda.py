@@ -56,6 +56,10 @@ LAYOUTS = {  # one tiny layout per dimension (tiny_llama: 4 layers, h 64, 4 head
     "fp8_moe_ep2": T + ["model=moe_tiny", "train.fp8=rowwise", "train.fp8_bf16_layers=0", "parallel.ep=2",
                         "--world-size", "2", "--rank", "1"],
 }
+# stages of different widths (3 ranks): a rank of the first stage (tp=2, sequence parallel) and of the last
+# (tp=1), each built at its own width, its hand-off on NCCL's path, set against its stage's estimate
+WIDTHS = ["parallel.pp=2", "parallel.pipeline_layout=[{layers:3,tp:2,sp:true},{layers:1,tp:1}]", "--world-size", "3"]
+STAGE_WIDTHS = {"stage_widths_tp2sp": T + WIDTHS + ["--rank", "1"], "stage_widths_tp1": T + WIDTHS + ["--rank", "2"]}
 CAUGHT = {  # layouts on which earlier code synchronised with the host where a GPU run should not (now fixed)
     "cp2_ring_documents": (T + DOCS + ["parallel.cp=2", "--world-size", "2", "--rank", "1"],
                            "per-block host reads in ring attention with documents (ring_attention.py "
@@ -96,7 +100,7 @@ def rehearsed():
     if refusal():  # a CUDA build of torch (a GPU machine): the stand-in runtime cannot load there
         pytest.skip(refusal())
     default = {k: v for k, v in PRESETS.items() if k not in SLOW_PRESETS}
-    return Rehearsed(rehearse_cases({**default, **LAYOUTS, **{k: v for k, (v, _) in CAUGHT.items()}, **EXTRA,
+    return Rehearsed(rehearse_cases({**default, **LAYOUTS, **STAGE_WIDTHS, **{k: v for k, (v, _) in CAUGHT.items()}, **EXTRA,
                                      **DEVICE_CASES}))
 
 
@@ -160,6 +164,17 @@ def test_tiny_layout_runs_as_on_a_gpu_node(rehearsed, name):
         assert backends == {"flash (aten op)"} and where == {"megand/core/context_parallel/block_kernels.py"}
     else:  # the layer calls SDPA, which chooses cuDNN on an SM 9.0 device (megand/core/sdpa.py)
         assert backends == {"sdpa:cudnn"} and where == {"megand/core/sdpa.py"}, report["attention"]
+
+
+@pytest.mark.parametrize("name", STAGE_WIDTHS)
+def test_rank_of_stages_of_different_widths_runs_as_on_a_gpu_node(rehearsed, name):
+    report = _ok(rehearsed[name])
+    _syncs_within_allowance(report)
+    assert report["fit"]["fits"] and report["stage"] == (0 if name.endswith("tp2sp") else 1)
+    peak = {n: ph["peak_bytes"] for n, ph in report["phases"].items()}
+    est = report["estimate_bytes"]  # its stage's, at its own width (tests/unit/test_rehearse.py's tolerances)
+    assert abs(peak["build"] / est["build"] - 1) <= 0.02, (peak, est)
+    assert 1.0 <= peak["forward_backward"] / est["forward_backward"] <= 1.35, (peak, est)
 
 
 def test_fp8_experts_run_the_grouped_fp8_kernels(rehearsed):

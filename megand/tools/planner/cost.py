@@ -65,13 +65,21 @@ class Prediction:
 
 
 def memory_layout(c: Candidate, num_microbatches: int) -> Layout:
-    """The estimator's layout for a candidate (16-bit runs use SDPA's flash kernel: no s x s stored)."""
-    return Layout(parallel=c.parallel, sequence_parallel=c.sequence_parallel,
+    """The estimator's layout for a candidate (16-bit runs use SDPA's flash kernel: no s x s stored); with
+    stages of different widths, their widths (the estimator counts each stage at its own)."""
+    parallel = c.parallel if c.stage_widths is None else _stage_widths(c.parallel, c.stage_widths)
+    return Layout(parallel=parallel, sequence_parallel=c.sequence_parallel,
                   sharding=c.sharding, bucket_size=c.bucket_size,
                   reshard_after_forward=c.reshard_after_forward, precision=c.precision, recompute=c.recompute,
                   recompute_layers=c.recompute_layers,
                   micro_batch_size=c.micro_batch_size, num_microbatches=num_microbatches,
                   fused_attention=c.fused, pipeline_layout=c.pipeline_layout, optimizer=c.optimizer)
+
+
+@lru_cache(maxsize=4096)
+def _stage_widths(parallel, widths):
+    """``parallel`` with each pipeline rank at its ``(tp, sequence_parallel)`` of ``widths``."""
+    return parallel.with_(stage_tp=tuple(tp for tp, _ in widths), stage_sp=tuple(sp for _, sp in widths))
 
 
 def stage_memory_gib(model: dict, c: Candidate, num_microbatches: int) -> list:
@@ -388,9 +396,7 @@ def predict(model: dict, c: Candidate, global_batch_size: int, stage_groups, tim
     fraction = fp8_flops_fraction(model, round(fp8_layers_in(layers, c, 0, layers)), c.tp) if c.fp8 else 0.0
     peak_sum = sum(mixed_peak(g.profile.peak_tflops, g.profile.peak_fp8_tflops, fraction) * size
                    for g, size in zip(stage_groups, c.stage_sizes)) * 1e12
-    mem = memory if memory is not None else (
-        stage_memory_gib(model, c, m) if c.stage_widths is None
-        else [stage_memory_gib(model, c.of_rank(r), m)[r] for r in range(c.pp)])
+    mem = memory if memory is not None else stage_memory_gib(model, c, m)
     return Prediction(
         step_time_s=step, tokens_per_s=flops["tokens"] / step,
         tflops_per_device=flops["hardware_flops"] / step / world / 1e12,

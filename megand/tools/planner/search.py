@@ -272,14 +272,6 @@ class Planner:
         even split), memoised: many candidates differ only in what memory does not see."""
         m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
-        if c.stage_widths is not None:  # each stage at its own width: one question per width
-            by_width = {}
-            for r in stages:
-                by_width.setdefault(c.stage_widths[r], []).append(r)
-            peak = {}
-            for ranks in by_width.values():
-                peak.update(zip(ranks, self.memory(c.of_rank(ranks[0]), ranks, m)))
-            return [peak[r] for r in stages]
         layout = memory_layout(c, m)
         missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
         if missing:  # all of them, fewest_recomputed for one at a time
