@@ -21,9 +21,11 @@ over all indexer heads; splitting them would all-reduce an ``s x s`` score matri
 selection depend on the tp summation order (a different top-k on a near tie), while the replicated
 projections are small (``heads_i x d_i`` from the query latent). Every rank then selects the same keys.
 
-The attention itself is the reference path: a dense boolean mask of the selected keys with SDPA, O(s^2)
-memory and FLOPs (as the dense attention it replaces), on one process and under context parallelism. Under
-cp each rank gathers the indexer keys and the attention's keys and values of the whole sequence (its queries'
+The attention takes one of two paths (:func:`megand.core.transformer.dsa_sparse.use_sparse`, the one rule): the
+reference, a dense boolean mask of the selected keys with SDPA, O(s^2) memory and FLOPs (as the dense attention
+it replaces: short sequences, attention dropout, generation), or the top-k path of
+:mod:`megand.core.transformer.dsa_sparse` (the same keys, memory O(s·k)), on one process and under context
+parallelism. Under cp each rank gathers the indexer keys and the attention's keys and values of the whole sequence (its queries'
 top-k may lie on any rank), selects among all earlier keys exactly as one process does, and attends its own
 queries (backward: the gathered keys' and values' gradients are summed over cp and each rank keeps its own).
 """
