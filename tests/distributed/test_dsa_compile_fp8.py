@@ -14,6 +14,11 @@ from tests.harness import assert_parity, read_metrics, run_pretrain
 
 DSA = [*MLA, "model.dsa_index_topk=4", "model.dsa_index_heads=4", "model.dsa_index_head_dim=16",
        "model.dsa_indexer_loss_coeff=10"]
+# fp32 parity holds the indexer loss to the loss's tolerances: peaked distributions then (at the default 0.02
+# the attention's and the indexer's are near uniform, and their KL, ~3e-5, is all cancellation, whose fp32
+# noise exceeds 1e-4 of it on any layout). FP8's per-shard scales move that KL by ~1e-2 at 0.2: the FP8 and
+# bf16 cases keep the default.
+PEAKED = ["model.init_std=0.2"]
 TP2_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
@@ -43,9 +48,9 @@ def test_bf16_tp2_sp_follows_the_bf16_one_process_run_and_fp8_tracks_it(referenc
 
 @pytest.mark.slow
 def test_compiled_equals_the_eager_one_process_run(reference, tmp_path):
-    proc = run_pretrain(tmp_path, ["+experiment=tiny_llama", *DSA, "train.compile=true", *TP2_SP], nproc=2)
+    proc = run_pretrain(tmp_path, ["+experiment=tiny_llama", *DSA, *PEAKED, "train.compile=true", *TP2_SP], nproc=2)
     assert "train.compile: transformer layers compiled in" in proc.stdout
-    run, ref = read_metrics(tmp_path), reference("tiny_llama", *DSA)
+    run, ref = read_metrics(tmp_path), reference("tiny_llama", *DSA, *PEAKED)
     assert_parity(ref, run)
     for i, (x, r) in enumerate(zip(run, ref)):  # the indexer loss within the loss bounds (step 1: 1e-5, then 1e-4)
         assert abs(x["indexer_loss"] - r["indexer_loss"]) <= (1e-5 if i == 0 else 1e-4) * r["indexer_loss"], (i, x, r)
