@@ -103,3 +103,28 @@ def test_model_on_the_top_k_path_equals_the_dense_mask(topo, monkeypatch, dtype)
         assert diff <= tol, (name, diff.item())
         indexer_grads += ".indexer." in name and grad.norm() > 0
     assert indexer_grads == 2 * 5  # wq, wk, k_norm (weight, bias), weights: trained by the indexer loss
+
+
+def saved_bytes_per_token(model, seq):
+    """Bytes autograd keeps for backward (distinct storages) per token of a training forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 128, (1, seq + 1), generator=torch.Generator().manual_seed(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids[:, :-1], positions=torch.arange(seq), labels=ids[:, 1:])
+    return sum(storages.values()) / seq
+
+
+def test_top_k_path_memory_grows_with_the_sequence_times_k_not_its_square(topo, monkeypatch):
+    """Doubling the sequence at a fixed k keeps the bytes per token the top-k path saves for backward (its
+    blocks keep their inputs and the chosen indices), while the dense mask's grow with s."""
+    model = full.build_full_model(dict(V32, seq_length=256), topo=topo).train()
+    sparse = [saved_bytes_per_token(model, s) for s in (128, 256)]
+    monkeypatch.setattr(dsa, "use_sparse", lambda keys, topk: False)
+    dense = [saved_bytes_per_token(model, s) for s in (128, 256)]
+    assert sparse[1] <= sparse[0] * 1.01, sparse
+    assert dense[1] - dense[0] >= 2 * 128 * 4, dense  # at least the s-wide bool mask and fp32 scores per token
