@@ -128,3 +128,18 @@ def test_top_k_path_memory_grows_with_the_sequence_times_k_not_its_square(topo, 
     dense = [saved_bytes_per_token(model, s) for s in (128, 256)]
     assert sparse[1] <= sparse[0] * 1.01, sparse
     assert dense[1] - dense[0] >= 2 * 128 * 4, dense  # at least the s-wide bool mask and fp32 scores per token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_top_k_path_under_recomputation_is_unchanged(topo, recompute):
+    """Recomputation replays the top-k path (its blocks recompute inside the replay): the same loss, gradients
+    and indexer loss (counted once: the replay adds no term)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (2, 33), generator=g)
+    runs = [model_step(full.build_full_model(dict(V32, recompute=rc), topo=topo).double(), ids, None)
+            for rc in ("none", recompute)]
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-12, atol=0)
+    for name, grad in runs[0][2].items():
+        torch.testing.assert_close(runs[1][2][name], grad, rtol=1e-12, atol=1e-15)
