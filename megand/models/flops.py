@@ -48,6 +48,12 @@ Conventions (shared by every function here):
 * Hardware FLOPs add what recomputation really executes: ``full`` re-runs the whole forward of every
   layer (+1 forward of the layers; the logits are never recomputed), ``selective`` re-runs only the
   attention core (+4·s·h per token per layer).
+* DeepSeek Sparse Attention (``model.dsa_index_topk``), DeepSeek's definition: the attention core over each
+  query's top-k keys (what a sparse kernel computes), the indexer's scores over every key (its forward: the
+  selection), and with the indexer loss its backward and target over the chosen keys (``Shape.indexer_step``),
+  whichever path runs (the dense mask on short sequences computes the same over every key). The top-k path
+  (megand/core/transformer/dsa_sparse.py) recomputes its blocks in backward: hardware FLOPs add its attention
+  cores and the indexer loss's chosen scores once more (``selective``'s core recompute is that one).
 
 With these conventions ``model_flops_per_token ≈ 6·N + 12·L·h·s + 6·h·V`` where N counts the non-embedding
 matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; for MoE models N is the
@@ -58,6 +64,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping
 
 from megand.core.transformer.config import TransformerConfig
+from megand.core.transformer.dsa_sparse import use_sparse
 from megand.core.transformer.gated_deltanet import CHUNK as LINEAR_CHUNK
 from megand.core.vocab_padding import MAKE_VOCAB_SIZE_DIVISIBLE_BY, padded_vocab_size
 
@@ -178,18 +185,35 @@ class Shape:
         return 2 * (self.q_lora * hi * di + h * di + h * hi) + 2 * (hi * di + hi) * self.seq
 
     @property
+    def index_keys(self) -> int:
+        """DeepSeek Sparse Attention: the keys each query attends to (its top-k, or the whole sequence)."""
+        return min(self.seq, self.index_topk)
+
+    @property
+    def topk_path(self) -> bool:
+        """DeepSeek Sparse Attention runs its top-k gather, not the dense mask (the model's one rule)."""
+        return bool(self.index_topk) and use_sparse(self.seq, self.index_topk)
+
+    @property
+    def index_loss_scores(self) -> int:
+        """Per token: one layer's indexer scores over the chosen keys (the indexer loss's input)."""
+        return 2 * (self.index_heads * self.index_dim + self.index_heads) * self.index_keys
+
+    @property
     def indexer_step(self) -> int:
         """What a training step computes per token for one layer's indexer: its forward only (no gradient
-        reaches it) or, with the indexer loss, also its backward (weight gradients of the projections: 1x,
-        both operands of the score products: 2x; its inputs are detached) and the loss's target, the main
-        attention's scores over every key (2·s·H·width, the kernels' padded width)."""
+        reaches it) or, with the indexer loss, also its backward (weight gradients of the projections: 1x;
+        both operands of the score products over the chosen keys: 2x; its inputs are detached) and the loss's
+        target, the main attention's scores over the chosen keys (2·k·H·width, the kernels' padded width).
+        DeepSeek's definition, as for the attention: the top-k path's arithmetic, whichever path runs (the
+        dense mask computes the same over every key; equal when the top-k covers the sequence)."""
         if not self.index_topk or not self.index_loss:
             return self.indexer_forward
         hi, di, h = self.index_heads, self.index_dim, self.hidden
         projections = 2 * (self.q_lora * hi * di + h * di + h * hi)
         scores = 2 * (hi * di + hi) * self.seq
-        target = 2 * self.heads * max(self.head_dim, self.v_head) * self.seq
-        return 2 * projections + 3 * scores + target
+        target = 2 * self.heads * max(self.head_dim, self.v_head) * self.index_keys
+        return 2 * projections + scores + 2 * self.index_loss_scores + target
 
     @property
     def kv_dim(self) -> int:
@@ -559,6 +583,11 @@ class ForwardFlopsPerToken:
     # computes for it (not 3x its forward: see Shape.indexer_step); outside ``total``
     indexer: int = 0
     indexer_step: int = 0
+    # DeepSeek Sparse Attention's top-k path: what its blocks compute again in every backward (they keep only
+    # their inputs): the attention cores over the chosen keys, the indexer loss's chosen scores. Hardware
+    # FLOPs, never model FLOPs; 0 on the dense mask
+    topk_core_recompute: int = 0
+    topk_loss_recompute: int = 0
 
     @property
     def attention(self) -> int:
@@ -610,7 +639,15 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
         mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
         mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits,
-        indexer=(s.layers + s.mtp_layers) * s.indexer_forward, indexer_step=(s.layers + s.mtp_layers) * s.indexer_step)
+        indexer=(s.layers + s.mtp_layers) * s.indexer_forward, indexer_step=(s.layers + s.mtp_layers) * s.indexer_step,
+        **_topk_recompute(s, windowed + sum(core * s.keys_seen(i) for i in s.mtp_layer_ids) if s.topk_path else 0))
+
+
+def _topk_recompute(s: Shape, cores: int) -> dict:
+    if not s.topk_path:
+        return {}
+    return dict(topk_core_recompute=cores,
+                topk_loss_recompute=(s.layers + s.mtp_layers) * s.index_loss_scores if s.index_loss else 0)
 
 
 def model_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> int:
@@ -627,10 +664,14 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
     fwd = forward_flops_per_token(model, tp)
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none|selective|full, got {recompute!r}")
+    # the top-k path's blocks recompute in backward whatever train.recompute (selective's core is theirs)
+    blocks = fwd.topk_core_recompute + fwd.topk_loss_recompute
     if recompute == "none":
-        return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step
+        return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step + blocks
     if recomputed_layers is None:  # the multi-token prediction layers recompute as the others do
         extra = fwd.attention + fwd.mtp_attention
+        if recompute == "selective":
+            blocks -= fwd.topk_core_recompute
         if recompute == "full":
             extra += fwd.layers_matmul + fwd.mtp_layers_matmul + fwd.indexer
     else:
@@ -638,12 +679,14 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
         extra = 0
         for i in recomputed_layers:
             extra += s.core_flops(i)  # the token-mixing core (attention's scores and context)
+            if recompute == "selective" and fwd.topk_core_recompute:
+                blocks -= s.core_flops(i)
             if recompute == "full":
                 extra += fwd.layer_moe if s.is_moe(i) else fwd.layer_dense
                 extra += s.indexer_forward
                 if i in s.linear:
                     extra += fwd.linear_layers_delta // len(s.linear)
-    return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step + extra
+    return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step + extra + blocks
 
 
 def flops_per_iteration(model: Mapping[str, Any], global_batch_size: int,

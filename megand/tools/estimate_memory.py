@@ -37,6 +37,11 @@ A Gated DeltaNet layer (``model.layer_types``) stores its token mixer's terms in
 :func:`linear_attention_bytes`: its projections, its fp32 chunked core with the C×C chunk matrices, and the
 recurrent state at each chunk boundary); ``selective`` drops its core.
 
+DeepSeek Sparse Attention (``model.dsa_index_topk``, see :func:`sparse_attention_bytes`) replaces the attention
+core's term by its path's (megand/core/transformer/dsa_sparse.py chooses the dense mask or the top-k gather
+by the sequence and k) and adds its lightning indexer's (replicated over tp) and, under cp, the whole
+sequence's gathered keys and values.
+
 Recompute: ``selective`` drops the attention-core term (Megatron recomputes core attention);
 ``full`` stores only each layer's input (e·h per token, /tp with sequence parallelism) and adds one
 layer's full activations for one micro-batch as the working set of the recomputation in backward.
@@ -372,6 +377,37 @@ def linear_attention_bytes(shape: Shape, e: int, recompute: str) -> float:
     return kept + core * shape.linear_padded_seq / shape.seq
 
 
+def sparse_attention_bytes(shape: Shape, layout: Layout, e: int, recompute: str, dropout: bool) -> tuple:
+    """DeepSeek Sparse Attention per token of one layer: (its attention core, split over tp; its other terms,
+    not split). ``s`` keys, ``k`` = min(top-k, s) chosen, ``a`` heads at the kernels' padded width ``w``,
+    ``hi`` x ``di`` indexer heads.
+
+    The dense mask (short sequences): the core's a·s·e (a·s·(2e + 1) with dropout) as dense attention, and
+    the chosen-key mask s bytes; with the indexer loss the indexer's score products and scores in fp32,
+    4·s·(hi + 3) (products, scores, their log-softmax, the target).
+    The top-k path: no core (its blocks keep only their inputs and recompute in backward), the chosen keys'
+    indices and validity 9·k; with the indexer loss the target over them 4·k.
+    Both, with the indexer loss (else no gradient reaches the indexer and it keeps nothing): its queries
+    e·hi·di, its key and key-norm input 2·e·di, its head weights 4·hi. Under cp (cp > 1) the keys and values
+    of the other ranks' tokens, gathered for every query's top-k: 2·a·w·e·(cp - 1), and their indexer keys
+    e·di·(cp - 1). Not counted: one block's working set (``BLOCK_ELEMENTS`` elements, whatever s)."""
+    s, k, a, hi, di = shape.seq, shape.index_keys, shape.heads, shape.index_heads, shape.index_dim
+    w = max(shape.head_dim, shape.v_head)
+    loss = shape.index_loss
+    if shape.topk_path:
+        core, kept = 0.0, 9 * k + (4 * k if loss else 0)
+    else:
+        core = a * s * ((2 * e + 1) if dropout else e)
+        if layout.fused_attention:
+            core = 4 * a
+        core = 0.0 if recompute == "selective" else core
+        kept = s + (4 * s * (hi + 3) if loss else 0)
+    if loss:
+        kept += e * hi * di + 2 * e * di + 4 * hi
+    gathered = layout.cp - 1
+    return core + 2 * a * w * e * gathered, kept + e * di * gathered
+
+
 def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None,
                            moe: bool = False, linear: bool = False) -> float:
     """Bytes one layer (``moe``: a MoE layer; ``linear``: a Gated DeltaNet layer) stores for backward for one
@@ -392,11 +428,14 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
     if recompute == "selective":
         core = 0
+    indexer = 0.0
+    if shape.index_topk and not linear:
+        core, indexer = sparse_attention_bytes(shape, layout, e, recompute, _dropout(model, "attention_dropout"))
     if linear:  # the token mixer is Gated DeltaNet's instead of attention's
         split = linear_attention_bytes(shape, e, recompute) + (0 if moe else (3 if shape.swiglu else 2) * e * f)
         core = 0
     block = moe_block_activation_bytes(model, layout) if moe else 0.0
-    return tokens * (replicated / seq_split + (split + core) / layout.tp) + block
+    return tokens * (replicated / seq_split + (split + core) / layout.tp + indexer) + block
 
 
 def stage_layer_count(num_layers: int, layout: Layout, stage: int) -> float:

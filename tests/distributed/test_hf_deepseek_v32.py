@@ -114,6 +114,21 @@ def test_documents_restart_the_selection_at_cp2_with_selective_recompute(importe
     plain = str(tmp_path / "plain")
     run_pretrain(plain, [f"checkpoint.load={imported[2]}", "train.iters=1", "train.eval_iters=0"])
     assert records[1][0]["loss"] != read_metrics(plain)[0]["loss"]  # the documents change the model's input
-    for one, cp in zip(records[1], records[2]):
+    # the protocol's tolerances: step 1 1e-5, later steps 1e-4 (Adam's first update turns fp32 noise in the
+    # indexer's near-zero gradients into ~3e-5 of the second step's tiny indexer loss, on either attention path)
+    for tol, one, cp in zip((1e-5, 1e-4), records[1], records[2]):
         for key in ("loss", "indexer_loss", "grad_norm"):
-            assert abs(cp[key] - one[key]) <= 1e-5 * abs(one[key]), (key, cp[key], one[key])
+            assert abs(cp[key] - one[key]) <= tol * abs(one[key]), (key, cp[key], one[key])
+
+
+@pytest.mark.slow
+def test_indexer_loss_under_uneven_batch_shares_equals_one_process(imported, tmp_path):
+    """Replicas taking 1 and 3 micro-batches (``parallel.dp_microbatches``): the indexer loss is the mean over
+    every replica's micro-batches, as on one process (the metric once counted only the first replica's)."""
+    common = [f"checkpoint.load={imported[2]}", "train.iters=1", "train.eval_iters=0", "train.global_batch_size=4",
+              "train.micro_batch_size=1", *INDEXER_LOSS]
+    run_pretrain(str(tmp_path / "one"), common)
+    run_pretrain(str(tmp_path / "shares"), [*common, "parallel.dp_microbatches=[1,3]"], nproc=2)
+    one, ours = (read_metrics(str(tmp_path / d))[0] for d in ("one", "shares"))
+    for key in ("loss", "indexer_loss", "grad_norm"):
+        assert abs(ours[key] - one[key]) <= 1e-5 * abs(one[key]), (key, ours[key], one[key])

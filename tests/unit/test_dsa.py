@@ -31,3 +31,21 @@ def test_indexer_loss_is_deepseeks_kl_over_the_chosen_keys():
             p = probs[b, t, keep] / probs[b, t, keep].sum()
             log_q = torch.log_softmax(scores[b, t, keep], -1)
             torch.testing.assert_close(ours[b, t], (p * (p.log() - log_q)).sum())
+
+
+def test_indexer_loss_metric_counts_every_replicas_terms_under_uneven_shares():
+    """Under uneven batch shares (``parallel.dp_microbatches``) each replica's micro-batches are its own terms:
+    every replica's first rank counts its terms (even shares: one micro-batch spans the replicas, counted once)."""
+    from types import SimpleNamespace
+
+    from megand.core.transformer.dsa import step_metrics
+
+    indexer = Indexer.__new__(Indexer)
+    torch.nn.Module.__init__(indexer)
+    indexer.loss_sum, indexer.terms = torch.tensor(0.75), 3
+    cfg = SimpleNamespace(dsa_index_topk=4, dsa_indexer_loss_coeff=1.0)
+    for uneven, dp_rank, count in ((True, 1, 3.0), (False, 1, 0.0), (False, 0, 3.0), (True, 0, 3.0)):
+        topo = SimpleNamespace(tp_rank=0, cp_rank=0, dp_rank=dp_rank, device="cpu",
+                               layout=SimpleNamespace(uneven_shares=uneven))
+        (metric,) = step_metrics([indexer], cfg, topo)
+        assert float(metric.value) == 0.75 and metric.count == count, (uneven, dp_rank, metric)

@@ -21,9 +21,11 @@ over all indexer heads; splitting them would all-reduce an ``s x s`` score matri
 selection depend on the tp summation order (a different top-k on a near tie), while the replicated
 projections are small (``heads_i x d_i`` from the query latent). Every rank then selects the same keys.
 
-The attention itself is the reference path: a dense boolean mask of the selected keys with SDPA, O(s^2)
-memory and FLOPs (as the dense attention it replaces), on one process and under context parallelism. Under
-cp each rank gathers the indexer keys and the attention's keys and values of the whole sequence (its queries'
+The attention takes one of two paths (:func:`megand.core.transformer.dsa_sparse.use_sparse`, the one rule): the
+reference, a dense boolean mask of the selected keys with SDPA, O(s^2) memory and FLOPs (as the dense attention
+it replaces: short sequences, attention dropout, generation), or the top-k path of
+:mod:`megand.core.transformer.dsa_sparse` (the same keys, memory O(s·k)), on one process and under context
+parallelism. Under cp each rank gathers the indexer keys and the attention's keys and values of the whole sequence (its queries'
 top-k may lie on any rank), selects among all earlier keys exactly as one process does, and attends its own
 queries (backward: the gathered keys' and values' gradients are summed over cp and each rank keeps its own).
 """
@@ -37,6 +39,8 @@ from megand.core.metrics import MEAN, Metric
 from megand.core.context_parallel.sequence import cp_positions, merge_cp_shards, split_for_cp
 from megand.core.sharding import MATRIX, ParamMeta, split_by_tokens, tag
 from megand.core.tensor_parallel import gather_from_sp
+from megand.core.transformer.dsa_sparse import (head_summed_probs, select_topk, sparse_attention, sparse_indexer_kl,
+                                                use_sparse, wide)
 from megand.core.transformer.moe import AddLossGradient, in_recompute
 from megand.core.transformer.norms import Norm
 from megand.core.transformer.rope import apply_rope
@@ -106,7 +110,7 @@ class Indexer(torch.nn.Module):
         k = self.k_norm(k).unsqueeze(2)
         if rope is not None:  # rotate-half on the first qk_rope_head_dim dims (unlike the MLA heads' last dims)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k.squeeze(2), w.float() * self.heads ** -0.5
+        return q, k.squeeze(2), wide(w) * self.heads ** -0.5
 
     def attend(self, block, x, q, k, v, q_latent, rope, cache=None, documents=None):
         """The sparse attention of ``block`` (the latent attention): its queries ``q [b, heads, s, d]`` over the
@@ -120,6 +124,9 @@ class Indexer(torch.nn.Module):
         else:
             ki = gather_cp(ki, block.cp_group)
             q_pos, k_pos = dsa_positions(qi.shape[0], block.cp_group, q.device)
+        dropout = block.cfg.attention_dropout if block.training else 0.0
+        if cache is None and dropout == 0.0 and use_sparse(k_pos.numel(), self.topk):
+            return self.attend_topk(block, q, k, v, qi, ki, wi, q_pos, k_pos, documents)
         allowed = allowed_keys(q_pos, k_pos, documents, block.window)
         index_scores = self.scores(qi, ki, wi)
         chosen = self.select(index_scores.detach(), allowed)
@@ -130,6 +137,22 @@ class Indexer(torch.nn.Module):
             out = self._core(block, q, k, v, mask)
         if self.training and torch.is_grad_enabled() and cache is None and block.cfg.dsa_indexer_loss_coeff:
             out = AddLossGradient.apply(out, self.indexer_loss(block, q, k, index_scores, chosen), self.loss_scale)
+        return out
+
+    def attend_topk(self, block, q, k, v, qi, ki, wi, q_pos, k_pos, documents):
+        """The top-k path (:mod:`megand.core.transformer.dsa_sparse`): the same keys as the dense mask, gathered per
+        block of queries. Its blocks are recomputed in backward already: selective recomputation has nothing
+        more to drop."""
+        b = q.shape[0]
+        with torch.no_grad():
+            index, valid = select_topk(lambda lo, hi: self.scores(qi[lo:hi], ki, wi[lo:hi]),
+                                       lambda lo, hi: allowed_keys(q_pos[lo:hi], k_pos, documents, block.window),
+                                       qi.shape[0], ki.shape[0], self.topk, b * self.heads * ki.shape[0])
+        out = sparse_attention(q, k, v, index, valid)
+        if self.training and torch.is_grad_enabled() and block.cfg.dsa_indexer_loss_coeff:
+            probs = head_summed_probs(q, k, index, valid, q.shape[-1] ** -0.5)
+            kl = sparse_indexer_kl(indexer_kl, qi, ki, wi, self._summed_over_tp(block, probs), index, valid)
+            out = AddLossGradient.apply(out, self._mean_loss(block, kl), self.loss_scale)
         return out
 
     def _core(self, block, q, k, v, mask):
@@ -143,11 +166,19 @@ class Indexer(torch.nn.Module):
         """This rank's share of the micro-batch's mean indexer loss (its queries' KL summed, over the micro-batch's
         global tokens): the target is the main attention's probabilities summed over every head (over tp)."""
         with torch.no_grad():
-            logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+            logits = torch.einsum("bhqd,bhkd->bhqk", wide(q), wide(k)) * q.shape[-1] ** -0.5
             probs = torch.softmax(logits.masked_fill(~chosen[:, None], float("-inf")), dim=-1).sum(1)
-            if block.tp_group is not None and dist.get_world_size(block.tp_group) > 1:
-                dist.all_reduce(probs, group=block.tp_group)
-        kl = indexer_kl(index_scores, probs, chosen)
+        return self._mean_loss(block, indexer_kl(index_scores, self._summed_over_tp(block, probs), chosen))
+
+    @staticmethod
+    def _summed_over_tp(block, probs):
+        """The main attention's probabilities summed over this rank's heads -> over every head."""
+        if block.tp_group is not None and dist.get_world_size(block.tp_group) > 1:
+            dist.all_reduce(probs, group=block.tp_group)
+        return probs
+
+    def _mean_loss(self, block, kl):
+        """This rank's share of the micro-batch's mean indexer loss from its queries' KL ``[b, sq]``."""
         tokens = kl.numel() * self.microbatch_ranks
         loss = kl.sum() / tokens
         if not in_recompute() and self.loss_sum is not None:
@@ -158,7 +189,7 @@ class Indexer(torch.nn.Module):
     def scores(self, q, k, w):
         """``[b, sq, sk]`` fp32 index scores of queries ``[sq, b, h, d]`` (head weights ``[sq, b, h]``) over keys
         ``[sk, b, d]``."""
-        dots = torch.einsum("qbhd,kbd->bqhk", q.float(), k.float()) * self.dim ** -0.5
+        dots = torch.einsum("qbhd,kbd->bqhk", wide(q), wide(k)) * self.dim ** -0.5
         return torch.einsum("qbh,bqhk->bqk", w, F.relu(dots))
 
     def select(self, scores, allowed):
@@ -221,11 +252,12 @@ def start_step(chunks, loss_scale: float, num_microbatches: int) -> None:
 def step_metrics(chunks, cfg, topo) -> list[Metric]:
     """``indexer_loss``: the step's indexer loss, the mean over layers and micro-batches. Each rank holds its
     share of each micro-batch's mean (its cp shard and data-parallel replica), identical over tp: tp rank 0's
-    shares are summed, and each term counted once (on the first rank of its micro-batch)."""
+    shares are summed, and each term counted once (on the first rank of its micro-batch: every replica's first cp
+    rank under uneven batch shares, where each replica's micro-batches are its own)."""
     if cfg.dsa_index_topk is None or not cfg.dsa_indexer_loss_coeff:
         return []
     layers = indexers(chunks)
     mine = topo.tp_rank == 0
     total = sum((m.loss_sum for m in layers), torch.zeros((), device=topo.device)) if mine and layers else 0.0
-    first = mine and topo.cp_rank == 0 and topo.dp_rank == 0
+    first = mine and topo.cp_rank == 0 and (topo.dp_rank == 0 or topo.layout.uneven_shares)
     return [Metric("indexer_loss", total, MEAN, count=float(sum(m.terms for m in layers)) if first else 0.0)]
