@@ -59,21 +59,25 @@ class TransformerLayer(torch.nn.Module):
     def _norm(norm, x):
         return x if norm is None else norm(x)
 
-    def _forward(self, x, rope, cache=None, documents=None):
-        h = self.attention(self._norm(self.input_norm, x), rope, cache, documents)
+    def _forward(self, x, rope, cache=None, documents=None, shared=None):
+        h = self.attention(self._norm(self.input_norm, x), rope, cache, documents, **self._shared(shared))
         x = x + self.dropout(self._norm(self.attention_output_norm, h))
         h = self.mlp(self._norm(self.post_attention_norm, x))
         return x + self.dropout(self._norm(self.mlp_output_norm, h))
 
-    def forward(self, x, rope=None, cache=None, documents=None):
+    def _shared(self, shared) -> dict:
+        """The keys and values shared across layers (model.num_kv_shared_layers), for attention that reads them."""
+        return {} if shared is None else {"shared": shared}
+
+    def forward(self, x, rope=None, cache=None, documents=None, shared=None):
         """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation);
         ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents);
         ``rope``: the model's RoPE tables by kind (``{"global": (cos, sin), "local": ...}``), of which the layer
-        reads its own."""
+        reads its own; ``shared``: the forward's keys and values by layer id (model.num_kv_shared_layers)."""
         rope = None if rope is None or self.rope_kind is None else rope[self.rope_kind]
         if cache is not None:
-            return self._forward(x, rope, cache)
+            return self._forward(x, rope, cache, shared=shared)
         body = self._forward if self.compiled is None else self.compiled
-        if self.cfg.recompute == "full":
-            return checkpoint(body, x, rope, None, documents, rng=self.rng)
-        return body(x, rope, None, documents)
+        if self.cfg.recompute == "full":  # what this layer leaves in ``shared`` is recomputed in backward too
+            return checkpoint(body, x, rope, None, documents, shared, rng=self.rng)
+        return body(x, rope, None, documents, shared)
