@@ -50,7 +50,7 @@ LAYOUTS = {"one": (1, []),
            "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                            "parallel.pipeline_layout=[2,4]"]),
            "cp2": (2, ["parallel.cp=2"]),
-           "tp2_recompute_bf16": (2, ["parallel.tp=2", "train.recompute=full", "optim.sharding=optim_grads_params"])}
+           "tp2_recompute": (2, ["parallel.tp=2", "train.recompute=full", "optim.sharding=optim_grads_params"])}
 DEFAULT = ["one"]
 SLOW = [name for name in LAYOUTS if name not in DEFAULT]
 
