@@ -355,7 +355,10 @@ def _layer_attention_fields(attention: TransformerConfig) -> dict:
 
 def _attention_schema(model: Mapping[str, Any]) -> TransformerConfig:
     """Core's config of ``model``'s attention keys: its derived head width and query groups."""
-    return TransformerConfig(**{k: model[k] for k in _ATTENTION_KEYS if k in model})
+    keys = {k: model[k] for k in _ATTENTION_KEYS if k in model}
+    if hasattr(keys.get("sliding_window"), "__len__"):  # a list of the run's config (OmegaConf's, too)
+        keys["sliding_window"] = tuple(keys["sliding_window"])
+    return TransformerConfig(**keys)
 
 
 def _windows(model: Mapping[str, Any], layers: int) -> tuple:
