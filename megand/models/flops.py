@@ -135,6 +135,7 @@ class Shape:
     # key/value heads), its key/value projections per head (2; 1: values equal to the keys; 0: none) and the
     # layer whose keys and values it reads (None: its own); () where every layer is alike
     layer_attention: tuple = ()
+    layer_ffn: tuple = ()  # and each layer's dense MLP width (model.double_wide_mlp: the sharing layers' twice)
     layer_kv_rows: tuple = ()
     kv_sources: tuple = ()
 
@@ -152,16 +153,21 @@ class Shape:
         return self if (head_dim, groups) == (self.head_dim, self.groups) else replace(self, head_dim=head_dim,
                                                                                       groups=groups)
 
+    def ffn_of(self, layer: int | None) -> int:
+        """The dense MLP width of layer ``layer`` (None: ffn_hidden_size)."""
+        return self.ffn if layer is None or not self.layer_ffn else self.layer_ffn[layer]
+
     def kv_rows(self, layer: int | None) -> int:
         """Key/value projections of layer ``layer`` per key/value head: 2, 1 (values equal to the keys), 0 (an
         earlier layer's keys and values)."""
         return 2 if layer is None or not self.layer_kv_rows else self.layer_kv_rows[layer]
 
     def projection_flops(self, layer: int | None = None) -> int:
-        """Forward FLOPs per token of the QKV and output projections of standard attention in ``layer`` (None:
-        a layer without a shape of its own)."""
-        s = self.at(layer)
-        return 2 * self.hidden * (s.q_dim * (2 if self.gate else 1) + self.kv_rows(layer) * s.kv_dim) + 2 * s.q_dim * self.hidden
+        """Forward FLOPs per token of the QKV and output projections of standard attention and of the dense MLP
+        in ``layer`` (None: a layer without a shape of its own)."""
+        s, h = self.at(layer), self.hidden
+        mlp = (6 if self.swiglu else 4) * h * self.ffn_of(layer)
+        return 2 * h * (s.q_dim * (2 if self.gate else 1) + self.kv_rows(layer) * s.kv_dim) + 2 * s.q_dim * h + mlp
 
     @property
     def linear_padded_seq(self) -> int:
@@ -338,7 +344,7 @@ class FrozenModel(dict):
 _ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "position_embedding",
                    "qk_norm", "qk_norm_scope", "qkv_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                    "v_head_dim", "num_layers", "sliding_window", "global_head_dim", "num_global_query_groups",
-                   "global_k_eq_v", "num_kv_shared_layers")
+                   "global_k_eq_v", "num_kv_shared_layers", "ffn_hidden_size", "double_wide_mlp")
 
 
 def _layer_attention_fields(attention: TransformerConfig) -> dict:
@@ -349,6 +355,7 @@ def _layer_attention_fields(attention: TransformerConfig) -> dict:
     layers = range(attention.num_layers)
     shapes = (attention.layer_config(i) for i in layers)
     return dict(layer_attention=tuple((c.head_dim, c.query_groups) for c in shapes),
+                layer_ffn=tuple(attention.ffn_width(i) for i in layers),
                 layer_kv_rows=tuple(attention.kv_rows(i) for i in layers),
                 kv_sources=tuple(attention.kv_source(i) for i in layers))
 
@@ -490,7 +497,7 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
     if layer in shape.linear:
         attention = _linear_params(shape)
     if not moe:
-        return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
+        return LayerParams(**attention, **_mlp_params(shape, shape.ffn_of(layer)))
     E, fe = shape.experts, shape.moe_ffn
     expert_in = (2 if shape.swiglu else 1) * fe
     bias = bias or shape.moe_bias
@@ -602,8 +609,8 @@ class ForwardFlopsPerToken:
     windowed_attention: int | None = None  # the token-mixing cores of all layers when they differ per layer
     # (sliding windows, Gated DeltaNet layers)
     linear_layers_delta: int = 0  # Gated DeltaNet layers: their projections' FLOPs minus attention's, all of them
-    # layers whose attention projections differ from ``layer_dense``'s (a full layer's own shape, keys as values,
-    # an earlier layer's keys and values): their projections' FLOPs minus a plain layer's, all of them
+    # layers whose projections differ from ``layer_dense``'s (a full layer's own shape, keys as values, an earlier
+    # layer's keys and values, a double-wide MLP): their projections' FLOPs minus a plain layer's, all of them
     attention_layers_delta: int = 0
     backward_extra: float = 0  # what the backward computes beyond twice the forward (Gated DeltaNet's solves)
     # multi-token prediction depths (all of them): their transformer layers' matmuls, the 2h->h projections,

@@ -13,11 +13,10 @@ from ``global_head_dim`` and ``num_global_key_value_heads``: megand's ``model.gl
 ``model.num_global_query_groups``) and values equal to its keys' projection (``attention_k_eq_v``:
 ``model.global_k_eq_v``, no ``v_proj``); the last ``num_kv_shared_layers`` layers read the keys and values of
 the last earlier layer of their type (``model.num_kv_shared_layers``: no ``k_proj``, ``v_proj`` nor
-``k_norm``).
+``k_norm``), with an MLP twice as wide under ``use_double_wide_mlp`` (``model.double_wide_mlp``).
 
 Refused by name (megand cannot express them yet): per-layer input embeddings (``hidden_size_per_layer_input``),
-the MoE block (``enable_moe_block``), the key/value-sharing layers' double-wide MLP (``use_double_wide_mlp``),
-a ``per_layer_config`` that sets anything but a layer type's head width and key/value heads, bidirectional
+the MoE block (``enable_moe_block``), a ``per_layer_config`` that sets anything but a layer type's head width and key/value heads, bidirectional
 attention.
 """
 
@@ -47,7 +46,8 @@ EXPRESSES = {**SIZE, **ATTENTION, **{k: equals(k, v) for k, v in dict(
                                                                      and LAST_FULL.holds(m)),
     "rope_local_theta": lg.LOCAL_THETA, "final_logit_softcapping": None,
     # the full layers' own attention shape, their keys as values, the last layers reading earlier keys/values
-    "global_head_dim": None, "num_global_query_groups": None, "global_k_eq_v": None, "num_kv_shared_layers": None}
+    "global_head_dim": None, "num_global_query_groups": None, "global_k_eq_v": None, "num_kv_shared_layers": None,
+    "double_wide_mlp": None}
 # what megand cannot follow: the config.json key and the value that leaves it inert
 INERT = {"hidden_size_per_layer_input": "per-layer input embeddings",
          "enable_moe_block": "the MoE block beside the MLP",
@@ -77,7 +77,7 @@ def hf_config(m: dict):
         attention_dropout=m.get("attention_dropout", 0.0), **lg.layer_types(m),
         final_logit_softcapping=m.get("final_logit_softcapping"), use_bidirectional_attention=None,
         hidden_size_per_layer_input=0, num_kv_shared_layers=m.get("num_kv_shared_layers") or 0, enable_moe_block=False,
-        attention_k_eq_v=bool(m.get("global_k_eq_v")), use_double_wide_mlp=False,
+        attention_k_eq_v=bool(m.get("global_k_eq_v")), use_double_wide_mlp=bool(m.get("double_wide_mlp")),
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -88,9 +88,6 @@ def model_config(config) -> dict:
             raise ValueError(f"{key}={getattr(config, key)}: megand has no {what}")
     if config.hidden_activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={config.hidden_activation!r}: megand's GeGLU uses gelu_pytorch_tanh")
-    if config.use_double_wide_mlp and config.num_kv_shared_layers:
-        raise ValueError(f"use_double_wide_mlp=true with num_kv_shared_layers={config.num_kv_shared_layers}: megand "
-                         f"has no double-wide MLP for the key/value-sharing layers")
     sliding, full = attention_shapes(config)
     plain = types.SimpleNamespace(**{**config.to_dict(), "hidden_act": "silu", "rope_parameters": None,
                                      "use_sliding_window": False, "head_dim": sliding[0],
@@ -101,7 +98,9 @@ def model_config(config) -> dict:
                 query_pre_attn_scalar=1, final_logit_softcapping=None if cap is None else float(cap),
                 global_head_dim=full[0] if full[0] != sliding[0] else None,
                 num_global_query_groups=full[1] if full[1] != sliding[1] else None,
-                global_k_eq_v=bool(config.attention_k_eq_v), num_kv_shared_layers=int(config.num_kv_shared_layers))
+                global_k_eq_v=bool(config.attention_k_eq_v), num_kv_shared_layers=int(config.num_kv_shared_layers),
+                # inert without key/value-sharing layers
+                double_wide_mlp=bool(config.use_double_wide_mlp and config.num_kv_shared_layers))
 
 
 def attention_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:

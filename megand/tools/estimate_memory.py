@@ -364,7 +364,7 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
     own, rows = shape.at(layer), shape.kv_rows(layer)
-    h, q, f, kv, a, s = shape.hidden, own.q_dim, shape.ffn, own.kv_dim, shape.heads, shape.seq
+    h, q, f, kv, a, s = shape.hidden, own.q_dim, shape.ffn_of(layer), own.kv_dim, shape.heads, shape.seq
     tokens = layout.micro_batch_size * s / layout.cp
     seq_split = layout.tp if layout.sp else 1
     if recompute == "full":  # a layer whose keys and values later layers read keeps them for those layers

@@ -1,7 +1,7 @@
 """Gemma 4's attention shapes reproduce the one-process run at every layout, per tensor: full layers with a head
 width (32) and one key/value head of their own (replicated over the tp ranks whose queries use it), their keys
 as values, and the last two layers attending over the keys and values of layers 3 and 2 (whose gradients then
-gather both layers' contributions). AdamW's first moment after step 1, ``(1 - beta1) g``, from the checkpoints,
+gather both layers' contributions), those two with an MLP twice as wide. AdamW's first moment after step 1, ``(1 - beta1) g``, from the checkpoints,
 within the protocol's 5e-6, and the step's loss and grad norm within 1e-5 (tests/harness.py)."""
 
 import pytest
@@ -11,7 +11,7 @@ from tests.harness import assert_parity, read_metrics, run_pretrain
 
 MODEL = ("model.num_layers=6", "model.sliding_window=[8,8,null,8,8,null]", "model.global_head_dim=32",
          "model.num_global_query_groups=1", "model.global_k_eq_v=true", "model.num_kv_shared_layers=2",
-         "model.qk_norm=true", "model.v_norm=true", "model.rope_local_theta=1000.0")
+         "model.double_wide_mlp=true", "model.qk_norm=true", "model.v_norm=true", "model.rope_local_theta=1000.0")
 CASES = {  # name: (processes, run overrides); the sources (layers 2, 3) beside their readers (4, 5)
     "tp2_sp": (2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
     "tp4": (4, ("parallel.tp=4",)),

@@ -14,13 +14,15 @@ GEMMA4_LIKE = ["model=llama_tiny", "model.num_layers=6", "model.sliding_window=[
 
 
 def test_the_sharing_layers_read_the_last_earlier_layer_with_their_window():
-    cfg = TransformerConfig(num_layers=6, sliding_window=(8, 8, None, 8, 8, None), global_head_dim=32, position_embedding="rope",
-                            num_global_query_groups=1, global_k_eq_v=True, num_kv_shared_layers=3)
+    cfg = TransformerConfig(num_layers=6, sliding_window=(8, 8, None, 8, 8, None), global_head_dim=32,
+                            position_embedding="rope", num_global_query_groups=1, global_k_eq_v=True,
+                            num_kv_shared_layers=3, double_wide_mlp=True)
     assert [cfg.kv_source(i) for i in range(6)] == [None, None, None, 1, 1, 2]
     assert [cfg.kv_rows(i) for i in range(6)] == [2, 2, 1, 0, 0, 0]
     assert [cfg.kv_shared(i) for i in range(6)] == [False, True, True, False, False, False]
     assert [(c.head_dim, c.query_groups) for c in map(cfg.layer_config, range(6))] == \
         [(16, 4), (16, 4), (32, 1), (16, 4), (16, 4), (32, 1)]
+    assert [cfg.ffn_width(i) for i in range(6)] == [256, 256, 256, 512, 512, 512]
     assert cfg.global_rope_dim == 32 and cfg.rope_dim == 16 and cfg.layer_rope(0) == "local"
 
 
@@ -31,6 +33,7 @@ def test_the_sharing_layers_read_the_last_earlier_layer_with_their_window():
     (dict(num_global_query_groups=3), r"model.num_global_query_groups=3: model.num_attention_heads=4 is not"),
     (dict(global_head_dim=0), r"model.global_head_dim=0: expected a positive int"),
     (dict(mtp_layers=1), r"model.global_head_dim=32 .*: needs standard attention on every layer"),
+    (dict(num_kv_shared_layers=0, double_wide_mlp=True), r"model.double_wide_mlp with model.num_kv_shared_layers=0"),
 ])
 def test_the_schema_refuses_what_cannot_be_built(changes, message):
     model = dict(num_layers=6, sliding_window=(8, 8, None, 8, 8, None), global_head_dim=32, num_kv_shared_layers=1)

@@ -104,6 +104,7 @@ class TransformerConfig:
     num_global_query_groups: int | None = None  # key/value heads of the full-attention layers (Gemma 4's num_global_key_value_heads); null: num_query_groups
     global_k_eq_v: bool = False  # the full-attention layers' values are their keys' projection (before the key norm and RoPE; the value norm still applies): no value rows (Gemma 4's attention_k_eq_v)
     num_kv_shared_layers: int = 0  # the last N layers compute no keys/values: each attends over those of the last earlier layer with its window (full or sliding; Gemma 4); 0: none
+    double_wide_mlp: bool = False  # the layers that read earlier keys/values (model.num_kv_shared_layers) have an MLP of twice ffn_hidden_size (Gemma 4's use_double_wide_mlp)
     # runtime: from parallel.* and train.*, not model keys
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective (attention core) | full (whole layer)
@@ -225,7 +226,8 @@ class TransformerConfig:
     def _check_layer_shapes(self):
         """One line naming the values for the full-attention layers' own shape and key/value sharing."""
         own = dict(global_head_dim=self.global_head_dim, num_global_query_groups=self.num_global_query_groups,
-                   global_k_eq_v=self.global_k_eq_v, num_kv_shared_layers=self.num_kv_shared_layers)
+                   global_k_eq_v=self.global_k_eq_v, num_kv_shared_layers=self.num_kv_shared_layers,
+                   double_wide_mlp=self.double_wide_mlp)
         if not any(own.values()):
             return
         given = " ".join(f"model.{k}={v}" for k, v in own.items() if v)
@@ -245,6 +247,15 @@ class TransformerConfig:
             raise ValueError(f"model.num_kv_shared_layers={n!r}: expected 0 <= it < model.num_layers={self.num_layers}")
         for i in range(self.num_layers - n, self.num_layers):
             self.kv_source(i)  # each sharing layer has a source
+        if self.double_wide_mlp and (not n or self.num_experts is not None):
+            raise ValueError(f"model.double_wide_mlp with model.num_kv_shared_layers={n}, model.num_experts="
+                             f"{self.num_experts}: it widens the dense MLP of the key/value-sharing layers")
+
+    def ffn_width(self, layer_id: int) -> int:
+        """The MLP width of layer ``layer_id``: twice ffn_hidden_size in a key/value-sharing layer under
+        model.double_wide_mlp."""
+        wide = self.double_wide_mlp and self.kv_source(layer_id) is not None
+        return self.ffn_hidden_size * (2 if wide else 1)
 
     def layer_config(self, layer_id: int) -> "TransformerConfig":
         """The attention shape of layer ``layer_id``: a full-attention layer's own head width and key/value heads

@@ -1,6 +1,8 @@
 """A transformer layer: its norms placed before each branch (pre-norm), on each branch's output (post:
 OLMo 2/3) or both (sandwich: Gemma 2/3), as ``model.norm_placement`` says."""
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,9 @@ class TransformerLayer(torch.nn.Module):
         # the norms on the branch outputs (before the residual add)
         self.attention_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if pre else None  # the MLP's input norm
-        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
+        width = cfg.ffn_width(layer_id)  # the key/value-sharing layers' double-wide MLP (model.double_wide_mlp)
+        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(
+            cfg if width == cfg.ffn_hidden_size else replace(cfg, ffn_hidden_size=width), topo, device)
         self.mlp_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
         self.rope_kind = cfg.layer_rope(layer_id)  # which of the model's RoPE tables this layer reads (None: NoPE)
         self.compiled = None  # the compiled body (compile_body), else the body runs eagerly
