@@ -714,7 +714,8 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
         working = 0.0
         if any(k[0] == "full" for k in kinds):  # one recomputed layer's activations, during its backward
-            working = layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0)
+            working = max(layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0, layer=k[3])
+                          for k in set(kinds) if k[0] == "full")  # the widest recomputed layer's
         stages.append(StageMemory(
             stage=stage, params=params,
             param_bytes=held["params"], grad_bytes=held["grads"], optimizer_bytes=held["optimizer"],
