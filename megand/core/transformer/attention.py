@@ -168,7 +168,7 @@ class Attention(AttentionCore):
         qkv_size = cfg.query_width * (2 if self.gated else 1) + self.kv_rows * cfg.kv_width
         common = dict(tp_group=topo.tp_group, bias=cfg.add_bias, sequence_parallel=cfg.sequence_parallel,
                       dtype=cfg.params_dtype, device=topo.device if device is None else device)
-        if tp > cfg.query_groups and self.kv_rows:  # fewer key/value heads than ranks: each rank's one, shared with its neighbours
+        if tp > cfg.query_groups and self.kv_rows:  # fewer key/value heads than ranks: each shared with neighbours
             divide(tp, cfg.query_groups, "parallel.tp over model.num_query_groups")
             if self.gated:  # a rank's gate rows would be a third part of each group's rows
                 raise ValueError(f"model.attention_output_gate with model.num_query_groups={cfg.query_groups} < "
