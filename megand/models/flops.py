@@ -60,7 +60,7 @@ matmul weights, which is the usual ``6N + 12Lhs`` figure plus the logits term; f
 *active* count (``ParamCounts.active_non_embedding``), not the total.
 """
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Mapping
 
 from megand.core.transformer.config import TransformerConfig
@@ -137,6 +137,44 @@ class Shape:
     index_heads: int = 0       # its lightning indexer's heads and head width
     index_dim: int = 0
     index_loss: bool = False   # the indexer loss trains the indexer (model.dsa_indexer_loss_coeff > 0)
+    # per layer where the layers' attention differs (model.global_head_dim, num_global_query_groups,
+    # global_k_eq_v, num_kv_shared_layers; core's TransformerConfig derives them): each layer's (head width,
+    # key/value heads), its key/value projections per head (2; 1: values equal to the keys; 0: none) and the
+    # layer whose keys and values it reads (None: its own); () where every layer is alike
+    layer_attention: tuple = ()
+    layer_ffn: tuple = ()  # and each layer's dense MLP width (model.double_wide_mlp: the sharing layers' twice)
+    layer_kv_rows: tuple = ()
+    kv_sources: tuple = ()
+
+    @property
+    def varied(self) -> bool:
+        """Whether the layers' attention differs from layer to layer (their shapes or key/value projections)."""
+        return bool(self.layer_attention)
+
+    def at(self, layer: int | None) -> "Shape":
+        """The shape of layer ``layer``'s attention (a full-attention layer's own head width and key/value
+        heads); None: the layers without a shape of their own."""
+        if layer is None or not self.layer_attention:
+            return self
+        head_dim, groups = self.layer_attention[layer]
+        return self if (head_dim, groups) == (self.head_dim, self.groups) else replace(self, head_dim=head_dim,
+                                                                                      groups=groups)
+
+    def ffn_of(self, layer: int | None) -> int:
+        """The dense MLP width of layer ``layer`` (None: ffn_hidden_size)."""
+        return self.ffn if layer is None or not self.layer_ffn else self.layer_ffn[layer]
+
+    def kv_rows(self, layer: int | None) -> int:
+        """Key/value projections of layer ``layer`` per key/value head: 2, 1 (values equal to the keys), 0 (an
+        earlier layer's keys and values)."""
+        return 2 if layer is None or not self.layer_kv_rows else self.layer_kv_rows[layer]
+
+    def projection_flops(self, layer: int | None = None) -> int:
+        """Forward FLOPs per token of the QKV and output projections of standard attention and of the dense MLP
+        in ``layer`` (None: a layer without a shape of its own)."""
+        s, h = self.at(layer), self.hidden
+        mlp = (6 if self.swiglu else 4) * h * self.ffn_of(layer)
+        return 2 * h * (s.q_dim * (2 if self.gate else 1) + self.kv_rows(layer) * s.kv_dim) + 2 * s.q_dim * h + mlp
 
     @property
     def linear_padded_seq(self) -> int:
@@ -159,7 +197,8 @@ class Shape:
             per_head = (4 * C * dk + 2 * C * dv + 6 * dk * dv) * self.linear_padded_seq // self.seq
             conv = 2 * self.lin_kernel * (2 * self.lin_k_heads * dk + self.lin_v_heads * dv)
             return conv + self.lin_v_heads * per_head
-        return 2 * (self.q_dim + self.value_dim) * self.keys_seen(layer)
+        s = self.at(layer)
+        return 2 * (s.q_dim + s.value_dim) * self.keys_seen(layer)
 
     @property
     def q_dim(self) -> int:
@@ -301,6 +340,7 @@ class Shape:
             **_linear_fields(model),
             **_sparse_fields(model),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
+            **_layer_attention_fields(attention),
         )
 
 
@@ -327,12 +367,29 @@ class FrozenModel(dict):
 # the model keys that shape the attention heads
 _ATTENTION_KEYS = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "position_embedding",
                    "qk_norm", "qk_norm_scope", "qkv_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                   "v_head_dim")
+                   "v_head_dim", "num_layers", "sliding_window", "global_head_dim", "num_global_query_groups",
+                   "global_k_eq_v", "num_kv_shared_layers", "ffn_hidden_size", "double_wide_mlp")
+
+
+def _layer_attention_fields(attention: TransformerConfig) -> dict:
+    """Each layer's attention shape, key/value projections and key/value source, where they differ per layer."""
+    if not (attention.global_head_dim or attention.num_global_query_groups or attention.global_k_eq_v
+            or attention.num_kv_shared_layers):
+        return {}
+    layers = range(attention.num_layers)
+    shapes = (attention.layer_config(i) for i in layers)
+    return dict(layer_attention=tuple((c.head_dim, c.query_groups) for c in shapes),
+                layer_ffn=tuple(attention.ffn_width(i) for i in layers),
+                layer_kv_rows=tuple(attention.kv_rows(i) for i in layers),
+                kv_sources=tuple(attention.kv_source(i) for i in layers))
 
 
 def _attention_schema(model: Mapping[str, Any]) -> TransformerConfig:
     """Core's config of ``model``'s attention keys: its derived head width and query groups."""
-    return TransformerConfig(**{k: model[k] for k in _ATTENTION_KEYS if k in model})
+    keys = {k: model[k] for k in _ATTENTION_KEYS if k in model}
+    if hasattr(keys.get("sliding_window"), "__len__"):  # a list of the run's config (OmegaConf's, too)
+        keys["sliding_window"] = tuple(keys["sliding_window"])
+    return TransformerConfig(**keys)
 
 
 def _windows(model: Mapping[str, Any], layers: int) -> tuple:
@@ -447,23 +504,24 @@ def _mlp_params(shape: Shape, width: int) -> dict:
 def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> LayerParams:
     """One layer's parameters: a dense layer, or (``moe``) a MoE layer of ``shape``; ``layer``: its id (a
     Gated DeltaNet layer has its own token mixer; None: an attention layer)."""
-    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    own = shape.at(layer)  # the layer's attention shape; its key/value projections: rows per head
+    h, q, kv, rows = shape.hidden, own.q_dim, own.kv_dim, shape.kv_rows(layer)
     bias = shape.linear_bias
     attention = dict(
-        qkv_weight=h * (q * (2 if shape.gate else 1) + 2 * kv),
-        qkv_bias=(q + 2 * kv) if bias or shape.qkv_bias else 0,
+        qkv_weight=h * (q * (2 if shape.gate else 1) + rows * kv),
+        qkv_bias=(q + rows * kv) if bias or shape.qkv_bias else 0,
         proj_weight=q * h,
         proj_bias=h if bias or shape.out_bias else 0,
         sinks=shape.heads if shape.sinks else 0,
-        norms=shape.layer_norms * norm_params(shape) + (qk_norm_params(shape) if shape.qk_norm else 0),
-        kv_part=2 * kv * (h + (1 if bias or shape.qkv_bias else 0)), kv_heads=shape.groups,
+        norms=shape.layer_norms * norm_params(shape) + (qk_norm_params(own, keys=rows > 0) if shape.qk_norm else 0),
+        kv_part=rows * kv * (h + (1 if bias or shape.qkv_bias else 0)), kv_heads=own.groups,
     )
     if shape.kv_lora:
         attention.update(_latent_params(shape))
     if layer in shape.linear:
         attention = _linear_params(shape)
     if not moe:
-        return LayerParams(**attention, **_mlp_params(shape, shape.ffn))
+        return LayerParams(**attention, **_mlp_params(shape, shape.ffn_of(layer)))
     E, fe = shape.experts, shape.moe_ffn
     expert_in = (2 if shape.swiglu else 1) * fe
     bias = bias or shape.moe_bias
@@ -500,9 +558,12 @@ def _latent_params(shape: Shape) -> dict:
                 kv_part=0, kv_heads=0, indexer=indexer)
 
 
-def qk_norm_params(shape: Shape) -> int:
-    """The q and k norms' weights: one per head width, or one per channel of the whole projections."""
-    return shape.q_dim + shape.kv_dim if shape.qk_norm_projection else 2 * shape.head_dim
+def qk_norm_params(shape: Shape, keys: bool = True) -> int:
+    """The q and k norms' weights: one per head width, or one per channel of the whole projections (``keys``
+    False: a layer that reads another layer's keys has the query norm alone)."""
+    if shape.qk_norm_projection:
+        return shape.q_dim + (shape.kv_dim if keys else 0)
+    return (2 if keys else 1) * shape.head_dim
 
 
 def norm_params(shape: Shape) -> int:
@@ -572,6 +633,9 @@ class ForwardFlopsPerToken:
     windowed_attention: int | None = None  # the token-mixing cores of all layers when they differ per layer
     # (sliding windows, Gated DeltaNet layers)
     linear_layers_delta: int = 0  # Gated DeltaNet layers: their projections' FLOPs minus attention's, all of them
+    # layers whose projections differ from ``layer_dense``'s (a full layer's own shape, keys as values, an earlier
+    # layer's keys and values, a double-wide MLP): their projections' FLOPs minus a plain layer's, all of them
+    attention_layers_delta: int = 0
     backward_extra: float = 0  # what the backward computes beyond twice the forward (Gated DeltaNet's solves)
     # multi-token prediction depths (all of them): their transformer layers' matmuls, the 2h->h projections,
     # the layers' attention cores and their logits
@@ -598,7 +662,7 @@ class ForwardFlopsPerToken:
     def layers_matmul(self) -> int:
         """Every layer's matmuls except the attention core."""
         return ((self.layers - self.moe_layers) * self.layer_dense + self.moe_layers * self.layer_moe
-                + self.linear_layers_delta)
+                + self.linear_layers_delta + self.attention_layers_delta)
 
     @property
     def mtp(self) -> int:
@@ -626,7 +690,9 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
                + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
     core = 2 * (q + s.value_dim)  # per key seen: scores and context
-    windowed = sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear or s.index_topk else None
+    windowed = (sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear or s.index_topk or s.varied
+                else None)
+    varied = sum(s.projection_flops(i) - s.projection_flops() for i in range(s.layers)) if s.varied else 0
     linear = 0
     if s.linear:
         lp = _linear_params(s)
@@ -635,6 +701,7 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
     return ForwardFlopsPerToken(
         layer_dense=dense, layer_attention=core * s.seq, windowed_attention=windowed, logits=logits,
         layers=s.layers, moe_layers=s.moe_layers, layer_moe=moe, linear_layers_delta=linear,
+        attention_layers_delta=varied,
         backward_extra=s.linear_backward_extra if s.linear else 0,
         mtp_layers_matmul=sum(moe if s.is_moe(i) else dense for i in s.mtp_layer_ids),  # MoE by the same rule
         mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
@@ -686,6 +753,8 @@ def hardware_flops_per_token(model: Mapping[str, Any], recompute: str = "none", 
                 extra += s.indexer_forward
                 if i in s.linear:
                     extra += fwd.linear_layers_delta // len(s.linear)
+                if s.varied:
+                    extra += s.projection_flops(i) - s.projection_flops()
     return 3 * fwd.total + fwd.backward_extra + fwd.indexer_step + extra + blocks
 
 

@@ -173,9 +173,11 @@ class GPTModel(torch.nn.Module):
         cfg = self.cfg
         if cfg.position_embedding != "rope":
             return None
-        tables = {"global": rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)}
+        tables = {"global": rope_cos_sin(positions, cfg.global_rope_dim, cfg.rope_theta, cfg.rope_scaling)}
         if cfg.rope_local_theta is not None:  # the sliding-window layers' own base, without scaling
             tables["local"] = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_local_theta)
+        elif cfg.local_rope:  # the global RoPE at the sliding layers' own head width
+            tables["local"] = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         return tables
 
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
@@ -200,8 +202,9 @@ class GPTModel(torch.nn.Module):
             positions = torch.arange(s, device=self.topo.device)
         x = self.embedding(input_ids, positions) if self.pre_process else hidden
         rope = self.rope(positions)
+        shared = {} if self.cfg.num_kv_shared_layers else None  # keys and values layers share (by layer id)
         for name, layer in self.layers.items():
-            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents)
+            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents, shared)
         if not self.post_process:
             return x
         if self.mtp is not None and labels is not None and self.training:

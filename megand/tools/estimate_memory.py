@@ -24,7 +24,13 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
     per token, split over tp:
         Q and K  e·(q + kv), V  e·kv        (q = heads·head_dim, = h unless head_dim is set apart;
                                              GQA: kv = groups·head_dim; K/V assumed not expanded;
-                                             model.v_norm: the value norm's input, e·kv more)
+                                             model.v_norm: the value norm's input, e·kv more;
+                                             a full layer of its own shape counts its own q and kv;
+                                             values equal to the keys (model.global_k_eq_v): V is K's
+                                             rows, not stored again; a layer reading an earlier layer's
+                                             keys and values (model.num_kv_shared_layers) stores none;
+                                             under full recompute the layers they read keep K and V
+                                             (after their norms and RoPE, e·2·kv) until the backward)
         attention output-projection input e·q
         MLP: gelu  2·e·f (activation input, fc2 input) ; swiglu and geglu 3·e·f (gate, up, down input)
                                                                                     24·h for GPT-2
@@ -409,20 +415,24 @@ def sparse_attention_bytes(shape: Shape, layout: Layout, e: int, recompute: str,
 
 
 def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: Optional[str] = None,
-                           moe: bool = False, linear: bool = False) -> float:
-    """Bytes one layer (``moe``: a MoE layer; ``linear``: a Gated DeltaNet layer) stores for backward for one
-    micro-batch on one rank (see the module docstring)."""
+                           moe: bool = False, linear: bool = False, layer: Optional[int] = None) -> float:
+    """Bytes one layer (``moe``: a MoE layer; ``linear``: a Gated DeltaNet layer; ``layer``: its id, where the
+    layers' attention differs, else None) stores for backward for one micro-batch on one rank (see the module
+    docstring)."""
     shape = Shape.from_config(model)
     recompute = layout.recompute if recompute is None else recompute
     e = _activation_elem_bytes(layout)
-    h, q, f, kv, a, s = shape.hidden, shape.q_dim, shape.ffn, shape.kv_dim, shape.heads, shape.seq
+    own, rows = shape.at(layer), shape.kv_rows(layer)
+    h, q, f, kv, a, s = shape.hidden, own.q_dim, shape.ffn_of(layer), own.kv_dim, shape.heads, shape.seq
     tokens = layout.micro_batch_size * s / layout.cp
     seq_split = layout.tp if layout.sp else 1
-    if recompute == "full":
-        return tokens * e * h / seq_split
+    if recompute == "full":  # a layer whose keys and values later layers read keeps them for those layers
+        shared = layer is not None and layer in shape.kv_sources
+        return tokens * (e * h / seq_split + (e * 2 * kv / layout.tp if shared else 0))
     masks = 2 * h if _dropout(model, "hidden_dropout") else 0
     replicated = (2 + shape.layer_norms) * e * h + masks  # sandwich: the two branch-output norms' inputs too
-    split = e * (q + kv) + e * kv * (2 if shape.v_norm else 1) + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
+    values = (e * kv if shape.v_norm else 0) + (e * kv if rows == 2 else 0)  # the value norm's output, V's rows
+    split = e * (q + (kv if rows else 0)) + (values if rows else 0) + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
     core = a * s * ((2 * e + 1) if _dropout(model, "attention_dropout") else e)
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
@@ -575,7 +585,7 @@ def stage_layer_params(model: Mapping[str, Any], layout: Layout, stage: int) -> 
     n_moe = stage_moe_layers(model, layout, stage)
     layers = (stage_layer_count(shape.layers, layout, stage) if layout.pipeline_layout is not None
               else math.ceil(shape.layers / layout.pp))
-    if shape.linear:  # the token mixers differ per layer: the stage's own layers
+    if shape.linear or shape.varied:  # the token mixers (or attention shapes) differ per layer: the stage's own
         return sum(layer_params(shape, moe=shape.is_moe(i), layer=i).per_tp_rank(layout.tp, layout.ep, layout.expert_tp)
                    for i in stage_layers(shape.layers, layout, stage))
     return ((layers - n_moe) * layer_params(shape).per_tp_rank(layout.tp)
@@ -775,13 +785,15 @@ def estimate_memory(model: Mapping[str, Any], layout: Layout, stages=None) -> Me
         ids = stage_layers(shape.layers, layout, stage)
         n_moe = sum(shape.is_moe(i) for i in ids)
         # the stage's layers in proportion: every layer of a stage has the same micro-batches in flight
-        kinds = [(mode(i), shape.is_moe(i), i in shape.linear) for i in ids]
-        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1], linear=k[2]) for k in set(kinds)}
+        kinds = [(mode(i), shape.is_moe(i), i in shape.linear, i if shape.varied else None) for i in ids]
+        stored = {k: layer_activation_bytes(model, layout, recompute=k[0], moe=k[1], linear=k[2], layer=k[3])
+                  for k in set(kinds)}
         per_layer = sum(stored[k] for k in kinds) / len(ids)
         inflight = layer_microbatches_in_flight(shape.layers, layout, stage)
         working = 0.0
         if any(k[0] == "full" for k in kinds):  # one recomputed layer's activations, during its backward
-            working = layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0)
+            working = max(layer_activation_bytes(model, layout, recompute="none", moe=n_moe > 0, layer=k[3])
+                          for k in set(kinds) if k[0] == "full")  # the widest recomputed layer's
         stages.append(StageMemory(
             stage=stage, params=params,
             param_bytes=held["params"], grad_bytes=held["grads"], optimizer_bytes=held["optimizer"],

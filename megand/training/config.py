@@ -402,7 +402,42 @@ def validate(cfg, world_size: int) -> None:
     validate_moe(cfg, layout)
     validate_mtp(cfg)
     validate_fault_keys(cfg)
-    transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
+    shape = transformer_config(cfg)  # the model schema's own checks (unknown keys, rope_scaling, unused keys)
+    validate_layer_shapes(shape, cfg, layout, layers)
+
+
+def validate_layer_shapes(shape, cfg, layout, layers_per_stage) -> None:
+    """The full-attention layers' own key/value heads (``model.num_global_query_groups``) at each tensor-parallel
+    width, and each layer that reads an earlier layer's keys and values (``model.num_kv_shared_layers``) on that
+    layer's (virtual) pipeline stage: megand sends no keys and values between stages."""
+    groups = shape.num_global_query_groups
+    if groups is not None:
+        for w in sorted(set(layout.stage_tp if layout.heterogeneous else [cfg.parallel.tp])):
+            if groups % w and w % groups:
+                raise ConfigError(f"model.num_global_query_groups={groups} and tp={w}: one must divide the other")
+            if groups < w and _whole_matrix_optimizer(cfg):
+                raise ConfigError(f"optim.name={cfg.optim.name} with model.num_global_query_groups={groups} < tp={w}: "
+                                  f"it transforms each whole matrix of the fused QKV, which the replicated key/value "
+                                  f"heads cut; use an elementwise optimizer or tp <= {groups}")
+    if not shape.num_kv_shared_layers:
+        return
+    stage_of, first = {}, 0
+    for stage, n in enumerate(layers_per_stage):
+        stage_of.update(dict.fromkeys(range(first, first + n), stage))
+        first += n
+    for i in range(shape.num_layers):
+        j = shape.kv_source(i)
+        if j is not None and stage_of[j] != stage_of[i]:
+            raise ConfigError(f"model.num_kv_shared_layers={shape.num_kv_shared_layers}: layer {i} reads the keys and "
+                              f"values of layer {j}, on another (virtual) pipeline stage (layers per stage "
+                              f"{list(layers_per_stage)}): set parallel.pipeline_layout so that both are on one")
+
+
+def _whole_matrix_optimizer(cfg) -> bool:
+    """Whether ``optim.name`` transforms each whole matrix (Muon), which replicated key/value heads cut."""
+    from megand.core.optimizer.registry import OPTIMIZERS
+
+    return OPTIMIZERS[cfg.optim.name].matrix_flops is not None
 
 
 def validate_batch_shares(cfg, layout, rule) -> None:

@@ -1,8 +1,10 @@
 """Gemma 4's pieces one at a time: its proportional RoPE equals transformers' frequencies; the analytic model
 (parameters, FLOPs) equals the transformers model's (``FlopCounterMode``); the estimator's terms for the sandwich
-norms, the value norm and the soft-capped logits equal the bytes megand's layer saves; what megand cannot express
-(per-layer input embeddings, key/value sharing, the MoE block, keys equal to values, a head width of its own for
-the full layers, a layer scalar other than 1) is refused in one line naming the key."""
+norms, the value norm, the soft-capped logits and values equal to the keys equal the bytes megand's layer saves;
+the full layers' own head width and key/value heads, keys as values and key/value sharing across layers (with
+the sharing layers' double-wide MLP) count as transformers' model does; what megand cannot express (per-layer
+input embeddings, the MoE block, a per_layer_config of other keys or of several shapes per layer type, a layer scalar
+other than 1) is refused in one line naming the key."""
 
 import json
 
@@ -29,6 +31,15 @@ GEMMA4 = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, nu
               query_pre_attn_scalar=1, sliding_window=[32, 32, 32, None], rope_local_theta=10000.0, rope_theta=1e6,
               rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
               final_logit_softcapping=30.0, tie_embeddings=True)
+# the full layers (2 and 5) with a head width and one key/value head of their own and their keys as values; the
+# last two layers read the keys and values of layers 3 and 2
+GEMMA4_ATTENTION = dict(GEMMA4, num_layers=6, sliding_window=[32, 32, None, 32, 32, None], global_head_dim=32,
+                        num_global_query_groups=1, global_k_eq_v=True, num_kv_shared_layers=2)
+ATTENTION_SHAPES = {"full_layers_shape_keys_as_values_sharing": GEMMA4_ATTENTION,
+                    "sharing_three_layers_double_wide": dict(GEMMA4_ATTENTION, global_k_eq_v=False,
+                                                             num_global_query_groups=None, num_kv_shared_layers=3,
+                                                             double_wide_mlp=True),
+                    "full_layers_narrower_more_heads": dict(GEMMA4, global_head_dim=8, num_global_query_groups=4)}
 
 
 @pytest.mark.parametrize("share, factor", [(0.25, 1.0), (0.5, 2.0), (1.0, 1.0), (0.0, 1.0)])
@@ -47,19 +58,33 @@ def test_proportional_rope_equals_transformers(share, factor):
     assert scale == 1.0 and torch.equal(ours, theirs)
 
 
-def test_param_counts_and_state_bytes_match_transformers():
-    model = build_hf_model(GEMMA4, attn_implementation="eager")
-    assert flops.param_counts(GEMMA4).total == sum(p.numel() for p in model.parameters())
-    assert estimate_memory(GEMMA4, Layout(precision="fp32")).stages[0].param_bytes == 4 * flops.param_counts(GEMMA4).total
+MODELS = [GEMMA4, *ATTENTION_SHAPES.values()]
+IDS = ["gemma4", *ATTENTION_SHAPES]
 
 
-def test_flops_match_flop_counter():
-    model = build_hf_model(GEMMA4, attn_implementation="eager")
-    ids = torch.randint(0, GEMMA4["vocab_size"], (2, GEMMA4["seq_length"]), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+def test_param_counts_and_state_bytes_match_transformers(model):
+    hf = build_hf_model(model, attn_implementation="eager")
+    assert flops.param_counts(model).total == sum(p.numel() for p in hf.parameters())
+    assert estimate_memory(model, Layout(precision="fp32")).stages[0].param_bytes == 4 * flops.param_counts(model).total
+
+
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+def test_flops_match_flop_counter(model):
+    hf = build_hf_model(model, attn_implementation="eager")
+    ids = torch.randint(0, model["vocab_size"], (2, model["seq_length"]), generator=torch.Generator().manual_seed(0))
     counter = FlopCounterMode(display=False)
     with counter:
-        model(input_ids=ids, labels=ids).loss.backward()
-    assert flops.flops_per_iteration(GEMMA4, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+        hf(input_ids=ids, labels=ids).loss.backward()
+    assert flops.flops_per_iteration(model, global_batch_size=2)["model_flops"] == counter.get_total_flops()
+
+
+def test_recomputed_layers_count_their_own_attention():
+    """Recomputing exactly the layers of a shape of their own adds their own forward (the selective form: their
+    core alone)."""
+    full = flops.hardware_flops_per_token(GEMMA4_ATTENTION, "full")
+    by_layer = flops.hardware_flops_per_token(GEMMA4_ATTENTION, "full", recomputed_layers=range(6))
+    assert full == by_layer
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +93,13 @@ def topo():
     dist.destroy_process_group()
 
 
-def saved_bytes(model: dict, topo) -> int:
+def saved_bytes(model: dict, topo, layer_id: int = 0) -> int:
     """Bytes of the distinct storages one megand layer saves for backward (fp32, one sample)."""
     from megand.core.transformer.layer import TransformerLayer
 
     cfg = TransformerConfig.from_model(model)
-    layer = TransformerLayer(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")), torch.device("cpu"))
+    layer = TransformerLayer(cfg, topo, TensorParallelRNG(1, 0, torch.device("cpu")), torch.device("cpu"),
+                             layer_id=layer_id)
     storages = {}
 
     def pack(t):
@@ -82,8 +108,20 @@ def saved_bytes(model: dict, topo) -> int:
 
     x = torch.randn(cfg.seq_length, 1, cfg.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
+        layer(x, shared={})
     return sum(storages.values())
+
+
+def test_values_equal_to_the_keys_store_no_value_rows(topo):
+    """A full layer whose values are its keys' projection (layer 2) stores e·kv less per token (its own
+    kv: one head of 32): what the estimator counts and what megand's layer saves."""
+    layout = Layout(precision="fp32")
+    apart = dict(GEMMA4_ATTENTION, global_k_eq_v=False)
+    term = layer_activation_bytes(apart, layout, layer=2) - layer_activation_bytes(GEMMA4_ATTENTION, layout, layer=2)
+    assert term == 32 * 4 * 32
+    weight = 64 * 32 * 4  # the QKV weight's value rows, which its product saves too: parameters, not activations
+    measured = saved_bytes(apart, topo, 2) - saved_bytes(GEMMA4_ATTENTION, topo, 2) - weight
+    assert measured == term, (measured, term)
 
 
 def test_sandwich_and_value_norm_activation_terms_equal_what_the_layer_saves(topo):
@@ -133,18 +171,19 @@ def refusal(hf_dir, tmp_path, capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 16), ("num_kv_shared_layers", 2),
-                                        ("enable_moe_block", True), ("attention_k_eq_v", True),
+@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 16), ("enable_moe_block", True),
                                         ("use_bidirectional_attention", "all")])
 def test_what_megand_cannot_express_is_refused_in_one_line(key, value, tmp_path, capsys):
     assert key in refusal(write_hf(tmp_path / "hf", **{key: value}), tmp_path, capsys)
 
 
-@pytest.mark.parametrize("shape", [dict(global_head_dim=32), dict(attention_k_eq_v=True, num_global_key_value_heads=1)])
-def test_full_layers_of_another_attention_shape_are_refused_in_one_line(shape, tmp_path, capsys):
-    """transformers writes a full layer's own head width or key/value heads into ``per_layer_config``."""
-    line = refusal(write_hf(tmp_path / "hf", shape, attention_k_eq_v=False), tmp_path, capsys)
-    assert "per_layer_config" in line and list(shape)[-1] in line
+@pytest.mark.parametrize("per_layer, needle", [({"3": {"head_dim": 16, "sliding_window": 4}}, "['sliding_window']"),
+                                               ({"0": {"head_dim": 32}}, "sliding_attention")])
+def test_per_layer_config_megand_cannot_follow_is_refused_in_one_line(per_layer, needle, tmp_path, capsys):
+    """transformers writes the full layers' own head width and key/value heads into ``per_layer_config``; any
+    other key, or layers of one type with several shapes, is refused."""
+    line = refusal(write_hf(tmp_path / "hf", per_layer_config=per_layer), tmp_path, capsys)
+    assert "per_layer_config" in line and needle in line
 
 
 def test_a_layer_scalar_other_than_one_is_refused_by_name(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """The model's shape and the runtime choices that change how its layers are built."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 import torch
@@ -100,6 +100,11 @@ class TransformerConfig:
     dsa_index_heads: int = 64  # DeepSeek Sparse Attention: the indexer's heads (replicated over tp)
     dsa_index_head_dim: int = 128  # DeepSeek Sparse Attention: the indexer's head width (its first qk_rope_head_dim dims rotary)
     dsa_indexer_loss_coeff: float = 0.0  # DeepSeek Sparse Attention: weight of the indexer loss (KL from the main attention's head-summed distribution over the selected keys, detached, to the indexer's softmax; the only signal that trains the indexer), logged as indexer_loss; 0: the indexer is not trained
+    global_head_dim: int | None = None  # head width of the full-attention layers (those model.sliding_window leaves without a window; Gemma 4: 512); null: head_dim
+    num_global_query_groups: int | None = None  # key/value heads of the full-attention layers (Gemma 4's num_global_key_value_heads); null: num_query_groups
+    global_k_eq_v: bool = False  # the full-attention layers' values are their keys' projection (before the key norm and RoPE; the value norm still applies): no value rows (Gemma 4's attention_k_eq_v)
+    num_kv_shared_layers: int = 0  # the last N layers compute no keys/values: each attends over those of the last earlier layer with its window (full or sliding; Gemma 4); 0: none
+    double_wide_mlp: bool = False  # the layers that read earlier keys/values (model.num_kv_shared_layers) have an MLP of twice ffn_hidden_size (Gemma 4's use_double_wide_mlp)
     # runtime: from parallel.* and train.*, not model keys
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective (attention core) | full (whole layer)
@@ -150,6 +155,7 @@ class TransformerConfig:
         if self.layer_types is not None:
             self._check_layer_types()
         self._check_block_variants()
+        self._check_layer_shapes()
         if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ValueError(f"model.mtp_layers={self.mtp_layers!r}: expected an int >= 0 (0: no multi-token prediction)")
         if isinstance(self.rope_scaling, Mapping):
@@ -217,13 +223,95 @@ class TransformerConfig:
             raise ValueError(f"model.query_pre_attn_scalar={self.query_pre_attn_scalar}: expected > 0, with standard "
                              f"attention (null: head_dim)")
 
+    def _check_layer_shapes(self):
+        """One line naming the values for the full-attention layers' own shape and key/value sharing."""
+        own = dict(global_head_dim=self.global_head_dim, num_global_query_groups=self.num_global_query_groups,
+                   global_k_eq_v=self.global_k_eq_v, num_kv_shared_layers=self.num_kv_shared_layers,
+                   double_wide_mlp=self.double_wide_mlp)
+        if not any(own.values()):
+            return
+        given = " ".join(f"model.{k}={v}" for k, v in own.items() if v)
+        if self.multi_latent or self.linear_attention or self.mtp_layers or self.attention_output_gate:
+            raise ValueError(f"{given}: needs standard attention on every layer, without model.kv_lora_rank, "
+                             f"linear_attention layers, model.mtp_layers or model.attention_output_gate")
+        for key in ("global_head_dim", "num_global_query_groups"):
+            v = own[key]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"model.{key}={v!r}: expected a positive int (null: the sliding layers')")
+        groups = self.num_global_query_groups
+        if groups is not None and self.num_attention_heads % groups:
+            raise ValueError(f"model.num_global_query_groups={groups}: model.num_attention_heads="
+                             f"{self.num_attention_heads} is not divisible by it")
+        n = self.num_kv_shared_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < self.num_layers:
+            raise ValueError(f"model.num_kv_shared_layers={n!r}: expected 0 <= it < model.num_layers={self.num_layers}")
+        for i in range(self.num_layers - n, self.num_layers):
+            self.kv_source(i)  # each sharing layer has a source
+        if self.double_wide_mlp and (not n or self.num_experts is not None):
+            raise ValueError(f"model.double_wide_mlp with model.num_kv_shared_layers={n}, model.num_experts="
+                             f"{self.num_experts}: it widens the dense MLP of the key/value-sharing layers")
+
+    def ffn_width(self, layer_id: int) -> int:
+        """The MLP width of layer ``layer_id``: twice ffn_hidden_size in a key/value-sharing layer under
+        model.double_wide_mlp."""
+        wide = self.double_wide_mlp and self.kv_source(layer_id) is not None
+        return self.ffn_hidden_size * (2 if wide else 1)
+
+    def layer_config(self, layer_id: int) -> "TransformerConfig":
+        """The attention shape of layer ``layer_id``: a full-attention layer's own head width and key/value heads
+        (``global_head_dim``, ``num_global_query_groups``) as its ``head_dim`` and ``num_query_groups``; every
+        reader of one layer's widths (the layer, its cache, the adapters) reads them here."""
+        if self.window(layer_id) is not None or (self.global_head_dim is None and self.num_global_query_groups is None):
+            return self
+        return replace(self, head_dim=self.global_head_dim or self.head_dim,
+                       num_query_groups=self.num_global_query_groups or self.query_groups)
+
+    def kv_source(self, layer_id: int) -> int | None:
+        """The layer whose keys and values layer ``layer_id`` attends over (model.num_kv_shared_layers: the last
+        layer before the sharing ones with its window); None: its own."""
+        first = self.num_layers - self.num_kv_shared_layers
+        if layer_id < first or layer_id >= self.num_layers:
+            return None
+        window = self.window(layer_id)
+        for j in range(first - 1, -1, -1):
+            if self.window(j) == window:
+                return j
+        raise ValueError(f"model.num_kv_shared_layers={self.num_kv_shared_layers}: layer {layer_id} (window {window}) "
+                         f"has no earlier layer with its window among the first {first} to share keys/values with")
+
+    def kv_rows(self, layer_id: int) -> int:
+        """Key/value heads of the fused QKV weight per query group of layer ``layer_id``: 2 (key and value), 1 (the
+        values are the keys' projection: model.global_k_eq_v on a full-attention layer) or 0 (a layer that reads
+        another layer's keys and values)."""
+        if self.kv_source(layer_id) is not None:
+            return 0
+        return 1 if self.global_k_eq_v and self.window(layer_id) is None else 2
+
+    def kv_shared(self, layer_id: int) -> bool:
+        """Whether a later layer reads the keys and values of layer ``layer_id``."""
+        return any(self.kv_source(i) == layer_id for i in range(self.num_layers - self.num_kv_shared_layers,
+                                                               self.num_layers))
+
     def layer_rope(self, layer_id: int) -> str | None:
         """Which RoPE layer ``layer_id`` applies: None (NoPE, or no rotary embedding), ``local`` (a
         sliding-window layer with its own base, model.rope_local_theta) or ``global``."""
         if self.position_embedding != "rope" or (self.no_rope is not None and
                                                  self.no_rope[min(layer_id, self.num_layers - 1)]):
             return None
-        return "local" if self.rope_local_theta is not None and self.window(layer_id) is not None else "global"
+        return "local" if self.local_rope and self.window(layer_id) is not None else "global"
+
+    @property
+    def local_rope(self) -> bool:
+        """Whether the sliding-window layers have a RoPE table of their own: a base of their own
+        (model.rope_local_theta), or a head width apart from the full layers' (model.global_head_dim)."""
+        return self.rope_local_theta is not None or self.global_rope_dim != self.rope_dim
+
+    @property
+    def global_rope_dim(self) -> int:
+        """The rotated width of the full-attention layers' heads (:attr:`rope_dim` unless model.global_head_dim)."""
+        if self.global_head_dim is None:
+            return self.rope_dim
+        return int(self.global_head_dim * self.partial_rotary_factor)
 
     def is_linear_attention(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` mixes tokens with Gated DeltaNet (a multi-token prediction layer, beyond

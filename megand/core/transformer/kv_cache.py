@@ -49,15 +49,22 @@ class LayerRecurrentCache:
 class KVCache:
     """Per-layer caches for incremental decoding (one process, no tensor/context parallelism). Under latent
     attention a layer caches its normalised latent ``[b, 1, len, kv_lora_rank]`` as "k" and its rotated shared
-    key ``[b, 1, len, qk_rope_head_dim]`` as "v" (the layer expands them into every head's keys and values)."""
+    key ``[b, 1, len, qk_rope_head_dim]`` as "v" (the layer expands them into every head's keys and values). A
+    layer that reads an earlier layer's keys and values (model.num_kv_shared_layers) has that layer's cache."""
 
     def __init__(self, cfg, batch: int, max_len: int, dtype, device, layer_ids, layers=None):
         """``layers``: the model's layers by id (a Gated DeltaNet layer sizes its own recurrent cache)."""
-        groups, k_dim, v_dim = ((1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.multi_latent
-                                else (cfg.query_groups, cfg.head_dim, cfg.head_dim))
-        self.layers = {str(i): LayerRecurrentCache(layers[str(i)].attention, batch, device)
-                       if cfg.is_linear_attention(i) else LayerKVCache(batch, groups, max_len, k_dim, dtype, device, v_dim)
-                       for i in layer_ids}
+        self.layers = {}
+        for i in layer_ids:
+            shape = cfg.layer_config(i)  # a full-attention layer's own head width and key/value heads
+            groups, k_dim, v_dim = ((1, cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.multi_latent
+                                    else (shape.query_groups, shape.head_dim, shape.head_dim))
+            if cfg.kv_source(i) is not None:  # it reads an earlier layer's keys and values: that layer's cache
+                self.layers[str(i)] = self.layers[str(cfg.kv_source(i))]
+            elif cfg.is_linear_attention(i):
+                self.layers[str(i)] = LayerRecurrentCache(layers[str(i)].attention, batch, device)
+            else:
+                self.layers[str(i)] = LayerKVCache(batch, groups, max_len, k_dim, dtype, device, v_dim)
 
     @property
     def length(self) -> int:

@@ -1,6 +1,8 @@
 """A transformer layer: its norms placed before each branch (pre-norm), on each branch's output (post:
 OLMo 2/3) or both (sandwich: Gemma 2/3), as ``model.norm_placement`` says."""
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,9 @@ class TransformerLayer(torch.nn.Module):
         # the norms on the branch outputs (before the residual add)
         self.attention_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if pre else None  # the MLP's input norm
-        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(cfg, topo, device)
+        width = cfg.ffn_width(layer_id)  # the key/value-sharing layers' double-wide MLP (model.double_wide_mlp)
+        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(
+            cfg if width == cfg.ffn_hidden_size else replace(cfg, ffn_hidden_size=width), topo, device)
         self.mlp_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
         self.rope_kind = cfg.layer_rope(layer_id)  # which of the model's RoPE tables this layer reads (None: NoPE)
         self.compiled = None  # the compiled body (compile_body), else the body runs eagerly
@@ -59,21 +63,25 @@ class TransformerLayer(torch.nn.Module):
     def _norm(norm, x):
         return x if norm is None else norm(x)
 
-    def _forward(self, x, rope, cache=None, documents=None):
-        h = self.attention(self._norm(self.input_norm, x), rope, cache, documents)
+    def _forward(self, x, rope, cache=None, documents=None, shared=None):
+        h = self.attention(self._norm(self.input_norm, x), rope, cache, documents, **self._shared(shared))
         x = x + self.dropout(self._norm(self.attention_output_norm, h))
         h = self.mlp(self._norm(self.post_attention_norm, x))
         return x + self.dropout(self._norm(self.mlp_output_norm, h))
 
-    def forward(self, x, rope=None, cache=None, documents=None):
+    def _shared(self, shared) -> dict:
+        """The keys and values shared across layers (model.num_kv_shared_layers), for attention that reads them."""
+        return {} if shared is None else {"shared": shared}
+
+    def forward(self, x, rope=None, cache=None, documents=None, shared=None):
         """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation);
         ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents);
         ``rope``: the model's RoPE tables by kind (``{"global": (cos, sin), "local": ...}``), of which the layer
-        reads its own."""
+        reads its own; ``shared``: the forward's keys and values by layer id (model.num_kv_shared_layers)."""
         rope = None if rope is None or self.rope_kind is None else rope[self.rope_kind]
         if cache is not None:
-            return self._forward(x, rope, cache)
+            return self._forward(x, rope, cache, shared=shared)
         body = self._forward if self.compiled is None else self.compiled
-        if self.cfg.recompute == "full":
-            return checkpoint(body, x, rope, None, documents, rng=self.rng)
-        return body(x, rope, None, documents)
+        if self.cfg.recompute == "full":  # what this layer leaves in ``shared`` is recomputed in backward too
+            return checkpoint(body, x, rope, None, documents, shared, rng=self.rng)
+        return body(x, rope, None, documents, shared)
