@@ -1,8 +1,9 @@
 """Gemma 4's pieces one at a time: its proportional RoPE equals transformers' frequencies; the analytic model
 (parameters, FLOPs) equals the transformers model's (``FlopCounterMode``); the estimator's terms for the sandwich
 norms, the value norm and the soft-capped logits equal the bytes megand's layer saves; what megand cannot express
-(per-layer input embeddings, key/value sharing, the MoE block, keys equal to values, a head width of its own for
-the full layers, a layer scalar other than 1) is refused in one line naming the key."""
+(key/value sharing, keys equal to values, a head width of its own for the full layers, a layer scalar other than
+1) is refused in one line naming the key (per-layer input embeddings and the MoE block: test_gemma4_ple_moe.py)."""
+
 
 import json
 
@@ -133,8 +134,7 @@ def refusal(hf_dir, tmp_path, capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 16), ("num_kv_shared_layers", 2),
-                                        ("enable_moe_block", True), ("attention_k_eq_v", True),
+@pytest.mark.parametrize("key, value", [("num_kv_shared_layers", 2), ("attention_k_eq_v", True),
                                         ("use_bidirectional_attention", "all")])
 def test_what_megand_cannot_express_is_refused_in_one_line(key, value, tmp_path, capsys):
     assert key in refusal(write_hf(tmp_path / "hf", **{key: value}), tmp_path, capsys)
