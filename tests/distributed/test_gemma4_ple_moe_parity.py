@@ -23,12 +23,15 @@ LAYOUTS = {
     "tp2_pp2_sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
     "cp2": (2, ["parallel.cp=2"]),
     "ep2": (2, ["parallel.ep=2"]),
+    "tp2_sp_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    "tp2_etp1": (2, ["parallel.tp=2", "parallel.etp=1"]),  # each tp rank routes its share of the tokens
     "dp2_zero3": (2, ["optim.sharding=optim_grads_params"]),
     "tp2_sp_recompute_full": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=full"]),
 }
 # the balancing losses are over each micro-batch's global tokens (every dp rank's micro-batch of that index): the
 # reference of dp=2 ranks running micro-batches of 2 runs micro-batches of 4
-DP_REFERENCE = {"ep2": ["train.micro_batch_size=4"], "dp2_zero3": ["train.micro_batch_size=4"]}
+DP_REFERENCE = {"ep2": ["train.micro_batch_size=4"], "tp2_sp_ep2": ["train.micro_batch_size=4"],
+                "dp2_zero3": ["train.micro_batch_size=4"]}
 
 
 @pytest.mark.slow
