@@ -190,6 +190,10 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
 
+        With per-layer input embeddings the hidden states between stages carry every layer's projected word
+        embedding after the hidden size (``[s, b, h + L·p]``, :attr:`TransformerConfig.pipeline_width`) and every
+        stage reads ``input_ids`` (its layers look their own tables up).
+
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
         per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``. With
         multi-token prediction a training forward with ``labels`` returns ``(loss, mtp_loss)`` instead

@@ -95,4 +95,3 @@ class TransformerLayer(torch.nn.Module):
         if self.cfg.recompute == "full":
             return checkpoint(body, x, rope, None, documents, ids, projected, rng=self.rng)
         return body(x, rope, None, documents, ids, projected)
-
