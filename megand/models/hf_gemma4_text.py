@@ -117,6 +117,10 @@ def ple_moe_model(config) -> dict:
     out = {}
     if config.hidden_size_per_layer_input:
         rows = config.vocab_size_per_layer_input
+        if rows < config.vocab_size:  # transformers' lookup fails on the ids beyond it
+            raise ValueError(f"vocab_size_per_layer_input={rows} is below vocab_size={config.vocab_size}: megand's "
+                             f"per-layer tables hold a row for every id")
+
         out.update(per_layer_input_size=config.hidden_size_per_layer_input,
                    per_layer_input_vocab_size=None if rows == config.vocab_size else rows)
     if config.enable_moe_block:

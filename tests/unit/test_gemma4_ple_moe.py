@@ -121,3 +121,21 @@ def test_per_layer_input_activation_term_equals_what_the_layer_saves(topo):
     measured = saved_bytes(PLE, topo) - saved_bytes(GEMMA4, topo)
     cpu_norm_output, ids = 32 * 4 * 64, 32 * 8
     assert abs(measured - (term + cpu_norm_output + ids)) <= 0.05 * term, (measured, term)
+
+
+def test_a_per_layer_table_shorter_than_the_vocabulary_is_refused_in_one_line(tmp_path, capsys):
+    import json
+
+    from megand.models.hf_families import FAMILIES
+    from megand.tools import convert_checkpoint
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    build_hf_model(PLE).save_pretrained(str(hf_dir))
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), vocab_size_per_layer_input=200)))
+    assert FAMILIES["gemma4_text"].model_type == json.loads(path.read_text())["model_type"]
+    capsys.readouterr()
+    assert convert_checkpoint.main(["import", "--hf", str(hf_dir), "--save", str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "vocab_size_per_layer_input=200 is below vocab_size=256" in err[0], err
