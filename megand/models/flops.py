@@ -32,7 +32,10 @@ Conventions (shared by every function here):
                       chunk (its state is zero, a constant) and the last chunk's state update (its final state
                       is unused), 8·C·dk·dv.
     - MLP             gelu: 4·h·f (two matrices) ; swiglu: 6·h·f (gate, up, down; f is each width)
-    - MoE layer       instead of the MLP: router 2·h·E, the k routed experts a token is sent to (each an
+    - per-layer inputs (per_layer_input_size p, Gemma 4's PLE): each layer's gate and up 4·h·p; once per model
+                      the word embedding's projection to every layer's input 2·h·L·p (the tables are lookups)
+    - MoE layer       instead of the MLP (beside it with moe_beside_mlp: the dense MLP's too): router 2·h·E, the k
+                      routed experts a token is sent to (each an
                       MLP of width f_e = moe_ffn_hidden_size), the shared experts (one MLP of width
                       moe_shared_experts·f_e) and the shared-expert gate 2·h. The E - k experts a token
                       is not routed to cost it nothing: FLOPs (and MFU) follow the *active* parameters.
@@ -175,6 +178,9 @@ class Shape:
         s, h = self.at(layer), self.hidden
         mlp = (6 if self.swiglu else 4) * h * self.ffn_of(layer)
         return 2 * h * (s.q_dim * (2 if self.gate else 1) + self.kv_rows(layer) * s.kv_dim) + 2 * s.q_dim * h + mlp
+    ple: int = 0               # per-layer input embeddings' width p (0: none); each layer's table has ple_vocab rows
+    ple_vocab: int = 0
+    moe_beside: bool = False   # the MoE block beside the dense MLP (Gemma 4): the MoE layers keep the MLP too
 
     @property
     def linear_padded_seq(self) -> int:
@@ -341,6 +347,7 @@ class Shape:
             **_sparse_fields(model),
             **_moe_fields(model, int(_get(model, "ffn_hidden_size", 4 * hidden))),
             **_layer_attention_fields(attention),
+            **_per_layer_input_fields(model),
         )
 
 
@@ -423,11 +430,18 @@ def _latent_fields(model: Mapping[str, Any]) -> dict:
                 qk_rope=int(model["qk_rope_head_dim"]), v_head=int(model["v_head_dim"]))
 
 
+def _per_layer_input_fields(model: Mapping[str, Any]) -> dict:
+    width = int(_get(model, "per_layer_input_size", 0) or 0)
+    if not width:
+        return {}
+    return dict(ple=width, ple_vocab=int(_get(model, "per_layer_input_vocab_size") or _get(model, "vocab_size")))
+
+
 def _moe_fields(model: Mapping[str, Any], ffn: int) -> dict:
     experts = int(_get(model, "num_experts", 0))
     if not experts:
         return {}
-    return dict(experts=experts, top_k=int(_get(model, "moe_top_k", 2)),
+    return dict(experts=experts, top_k=int(_get(model, "moe_top_k", 2)), moe_beside=bool(_get(model, "moe_beside_mlp")),
                 moe_ffn=int(_get(model, "moe_ffn_hidden_size", ffn)),
                 shared_experts=int(_get(model, "moe_shared_experts", 0)),
                 shared_gate=bool(_get(model, "moe_shared_expert_gate", False)),
@@ -462,6 +476,10 @@ class LayerParams:
     kv_part: int = 0
     kv_heads: int = 0
     sinks: int = 0  # the attention sinks, one per query head: split over tp with the heads
+    # per-layer input embeddings: the gate, up and norm (replicated over tp), and the layer's table (an embedding,
+    # split by vocab rows over tp; not a matmul weight)
+    per_layer_input: int = 0
+    per_layer_table: int = 0
 
     @property
     def total(self) -> int:
@@ -472,7 +490,8 @@ class LayerParams:
         """Everything but the routed experts (what every token uses)."""
         return (self.qkv_weight + self.qkv_bias + self.proj_weight + self.proj_bias + self.mlp_in_weight
                 + self.mlp_in_bias + self.mlp_out_weight + self.mlp_out_bias + self.norms + self.router
-                + self.shared_gate + self.attention_replicated + self.sinks + self.indexer)
+                + self.shared_gate + self.attention_replicated + self.sinks + self.indexer + self.per_layer_input
+                + self.per_layer_table)
 
     @property
     def active(self) -> int:
@@ -490,7 +509,8 @@ class LayerParams:
                  + self.mlp_in_weight + self.mlp_in_bias + self.mlp_out_weight)
         kv_split = min(tp, self.kv_heads) if self.kv_heads else tp
         return (split / tp + self.kv_part / kv_split + self.proj_bias + self.mlp_out_bias + self.norms + self.router + self.shared_gate
-                + self.attention_replicated + self.indexer + self.experts_split / (ep * etp) + self.experts_replicated / ep)
+                + self.attention_replicated + self.indexer + self.experts_split / (ep * etp) + self.experts_replicated / ep
+                + self.per_layer_input + self.per_layer_table / tp)
 
 
 def _mlp_params(shape: Shape, width: int) -> dict:
@@ -520,14 +540,18 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
         attention.update(_latent_params(shape))
     if layer in shape.linear:
         attention = _linear_params(shape)
+    if shape.ple:  # gate [p, h], up [h, p], the norm of their output; the table [V, p]
+        attention.update(per_layer_input=2 * h * shape.ple + norm_params(shape), per_layer_table=shape.ple_vocab * shape.ple)
     if not moe:
         return LayerParams(**attention, **_mlp_params(shape, shape.ffn_of(layer)))
     E, fe = shape.experts, shape.moe_ffn
     expert_in = (2 if shape.swiglu else 1) * fe
     bias = bias or shape.moe_bias
+    if shape.moe_beside:  # the dense MLP stays; the block's three norms, the router's norm and per-expert scale
+        attention["norms"] += 3 * norm_params(shape)
     return LayerParams(
-        **attention, **_mlp_params(shape, shape.shared_experts * fe),
-        router=E * h + (E if shape.moe_bias else 0),
+        **attention, **_mlp_params(shape, shape.ffn if shape.moe_beside else shape.shared_experts * fe),
+        router=E * h + (E if shape.moe_bias else 0) + ((h + E) if shape.moe_beside else 0),
         shared_gate=h if shape.shared_gate and shape.shared_experts else 0,
         experts_split=E * (expert_in * h + (expert_in if bias else 0) + h * fe),
         experts_replicated=E * h if bias else 0,
@@ -585,6 +609,10 @@ class ParamCounts:
     per_moe_layer: int = 0         # a MoE layer, all experts
     moe_layers: int = 0
     mtp: int = 0                   # of non_embedding: the multi-token prediction depths (all experts)
+    # per-layer input embeddings: every layer's table (of total, not of non_embedding) and the word embedding's
+    # projection to every layer's input with its norm (of non_embedding; on the first pipeline stage)
+    per_layer_tables: int = 0
+    per_layer_projection: int = 0
 
 
 def param_counts(model: Mapping[str, Any]) -> ParamCounts:
@@ -597,13 +625,22 @@ def param_counts(model: Mapping[str, Any]) -> ParamCounts:
     n_moe = shape.moe_layers
     mtp, mtp_active = mtp_params(shape)
     layers = [layer_params(shape, moe=shape.is_moe(i), layer=i) for i in range(shape.layers)]
-    non_embedding = sum(p.total for p in layers) + final_norm + mtp
-    active_non_embedding = sum(p.active for p in layers) + final_norm + mtp_active
-    return ParamCounts(total=non_embedding + word + pos + out, non_embedding=non_embedding,
+    tables = sum(p.per_layer_table for p in layers)
+    projection = per_layer_projection_params(shape)
+    non_embedding = sum(p.total for p in layers) - tables + projection + final_norm + mtp
+    active_non_embedding = sum(p.active for p in layers) - tables + projection + final_norm + mtp_active
+    return ParamCounts(total=non_embedding + tables + word + pos + out, non_embedding=non_embedding,
                        per_layer=dense.total, word_embedding=word, position_embedding=pos,
                        output_layer=out, final_norm=final_norm,
-                       active=active_non_embedding + word + pos + out, active_non_embedding=active_non_embedding,
-                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe, mtp=mtp)
+                       active=active_non_embedding + tables + word + pos + out, active_non_embedding=active_non_embedding,
+                       per_moe_layer=moe.total if n_moe else 0, moe_layers=n_moe, mtp=mtp, per_layer_tables=tables,
+                       per_layer_projection=projection)
+
+
+def per_layer_projection_params(shape: Shape) -> int:
+    """The word embedding's projection to every layer's per-layer input ``[L·p, h]`` and its norm ``[p]`` (the
+    first stage's, replicated over tp); 0 without per-layer input embeddings."""
+    return shape.layers * shape.ple * shape.hidden + shape.ple if shape.ple else 0
 
 
 def mtp_depth_extra(shape: Shape) -> int:
@@ -652,6 +689,7 @@ class ForwardFlopsPerToken:
     # FLOPs, never model FLOPs; 0 on the dense mask
     topk_core_recompute: int = 0
     topk_loss_recompute: int = 0
+    per_layer_projection: int = 0  # the word embedding's projection to every layer's per-layer input (2·h·L·p)
 
     @property
     def attention(self) -> int:
@@ -671,7 +709,7 @@ class ForwardFlopsPerToken:
 
     @property
     def total(self) -> int:
-        return self.layers_matmul + self.attention + self.logits + self.mtp
+        return self.layers_matmul + self.attention + self.logits + self.mtp + self.per_layer_projection
 
 
 def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> ForwardFlopsPerToken:
@@ -684,11 +722,13 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         latent = _latent_params(s)
         attention = 2 * (latent["qkv_weight"] + latent["proj_weight"] + latent["attention_replicated"]
                          - (s.q_lora if s.q_lora else 0) - s.kv_lora)  # the norms are no matmul
-    dense = attention + mlp * h * s.ffn
+    ple = 4 * h * s.ple  # per-layer inputs: the gate and up of every layer (0 without)
+    dense = attention + ple + mlp * h * s.ffn
     moe = 0
     if s.moe_layers:
-        moe = (attention + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
-               + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0))
+        moe = (attention + ple + 2 * h * s.experts + s.top_k * mlp * h * s.moe_ffn
+               + mlp * h * s.shared_experts * s.moe_ffn + (2 * h if s.shared_gate and s.shared_experts else 0)
+               + (mlp * h * s.ffn if s.moe_beside else 0))
     core = 2 * (q + s.value_dim)  # per key seen: scores and context
     windowed = (sum(s.core_flops(i) for i in range(s.layers)) if s.windows or s.linear or s.index_topk or s.varied
                 else None)
@@ -707,6 +747,7 @@ def forward_flops_per_token(model: Mapping[str, Any], tp: int | None = None) -> 
         mtp_proj=s.mtp_layers * 2 * (2 * h) * h,
         mtp_attention=sum(core * s.keys_seen(i) for i in s.mtp_layer_ids), mtp_logits=s.mtp_layers * logits,
         indexer=(s.layers + s.mtp_layers) * s.indexer_forward, indexer_step=(s.layers + s.mtp_layers) * s.indexer_step,
+        per_layer_projection=2 * h * s.layers * s.ple,
         **_topk_recompute(s, windowed + sum(core * s.keys_seen(i) for i in s.mtp_layer_ids) if s.topk_path else 0))
 
 

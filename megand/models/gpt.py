@@ -16,7 +16,6 @@ from megand.core.sharding import EMBEDDING, OUTPUT, ParamMeta, retag, split_by_t
 from megand.core.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    VocabParallelEmbedding,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
@@ -25,6 +24,7 @@ from megand.core.tensor_parallel import (
 from megand.core.tensor_parallel.layers import column_parallel_linear, vocab_parallel_lookup
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
+from megand.core.transformer.per_layer_input import PerLayerProjection
 from megand.core.transformer.rope import rope_cos_sin
 from megand.models.mtp import MultiTokenPrediction, depth_losses, shift_left
 
@@ -94,6 +94,8 @@ class GPTModel(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(cfg.num_layers) if layer_ids is None else layer_ids)
         self.embedding = Embedding(cfg, topo, rng, device) if pre_process else None
+        # per-layer input embeddings: the word embedding's part of every layer's input, made where it is
+        self.per_layer_inputs = PerLayerProjection(cfg, topo, device) if pre_process and cfg.per_layer_input_size else None
         stored = dataclasses.replace(cfg, recompute="none")  # the layers that keep their activations
         self.layers = torch.nn.ModuleDict({
             str(i): TransformerLayer(cfg if recompute_ids is None or i in recompute_ids else stored, topo, rng, device,
@@ -126,6 +128,12 @@ class GPTModel(torch.nn.Module):
         if pre_process and not post_process and (cfg.tie_embeddings or cfg.mtp_layers):
             retag(self.embedding.word.weight, embedding_group_grad=True)
         self.vocab_start = topo.tp_rank * cfg.padded_vocab_size(topo.tp_size) // topo.tp_size
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether this chunk's forward reads the token ids: the first stage, and every stage when its layers look
+        up per-layer input embeddings."""
+        return self.pre_process or bool(self.cfg.per_layer_input_size)
 
     def borrowed_parameters(self):
         """Parameters of submodules that this module's own forward reads (the data-parallel engine
@@ -183,6 +191,10 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids=None, positions=None, labels=None, hidden=None, kv_cache=None, documents=None):
         """First stage: ``input_ids [b, s]``; other stages: ``hidden`` from the previous stage.
 
+        With per-layer input embeddings the hidden states between stages carry every layer's projected word
+        embedding after the hidden size (``[s, b, h + L·p]``, :attr:`TransformerConfig.pipeline_width`) and every
+        stage reads ``input_ids`` (its layers look their own tables up).
+
         Returns the hidden states ``[s, b, h]`` unless this is the last stage, where it returns the
         per-token loss ``[b, s]`` when ``labels`` are given, else the logits ``[b, s, vocab]``. With
         multi-token prediction a training forward with ``labels`` returns ``(loss, mtp_loss)`` instead
@@ -201,12 +213,22 @@ class GPTModel(torch.nn.Module):
                 self.topo.tp_size if self.cfg.sequence_parallel else 1)
             positions = torch.arange(s, device=self.topo.device)
         x = self.embedding(input_ids, positions) if self.pre_process else hidden
+        projected = None  # per-layer input embeddings: the projected word embedding, every layer's columns
+        if self.per_layer_inputs is not None:
+            projected = self.per_layer_inputs(x)
+        elif self.cfg.per_layer_input_size:  # it came with the hidden state
+            x, projected = x.split([self.cfg.hidden_size, self.cfg.per_layer_inputs_width], dim=-1)
         rope = self.rope(positions)
         shared = {} if self.cfg.num_kv_shared_layers else None  # keys and values layers share (by layer id)
         for name, layer in self.layers.items():
-            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents, shared)
+            per_layer = None
+            if projected is not None:
+                p = self.cfg.per_layer_input_size
+                per_layer = (input_ids, projected[..., int(name) * p: (int(name) + 1) * p])
+            x = layer(x, rope, kv_cache.layers[name] if kv_cache is not None else None, documents, shared, per_layer)
         if not self.post_process:
-            return x
+            return x if projected is None else torch.cat([x, projected], dim=-1)
+
         if self.mtp is not None and labels is not None and self.training:
             return self.loss_with_mtp(x, labels, rope, documents)
         logits = self.logits(self.final_norm(x))

@@ -39,10 +39,25 @@ class Rule:
     hf: tuple[str, ...]
     to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = _one  # megand tensor -> HF tensors (order of hf)
     from_hf: Callable[..., torch.Tensor] = _same  # HF tensors (order of hf) -> megand tensor
+    # ``(dim, index, count)``: the one HF tensor packs ``count`` megand tensors side by side along ``dim`` and this
+    # rule's is block ``index`` (Gemma 4's per-layer embeddings: every layer's table in one): export joins the
+    # blocks of the rules naming that tensor, import cuts each rule its own. None: the HF tensors are this rule's
+    block: tuple[int, int, int] | None = None
 
     def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-        """The HF tensors' shapes for a megand tensor of ``shape`` (computed on meta tensors)."""
-        return {n: tuple(t.shape) for n, t in zip(self.hf, self.to_hf(torch.empty(shape, device="meta")))}
+        """The HF tensors' shapes for a megand tensor of ``shape`` (computed on meta tensors; a packed tensor's
+        whole shape)."""
+        shapes = {n: tuple(t.shape) for n, t in zip(self.hf, self.to_hf(torch.empty(shape, device="meta")))}
+        if self.block is None:
+            return shapes
+        dim, _, count = self.block
+        return {n: s[:dim] + (s[dim] * count,) + s[dim + 1:] for n, s in shapes.items()}
+
+    def cut(self, packed: torch.Tensor) -> torch.Tensor:
+        """This rule's block of the packed HF tensor (a copy: the packed tensor is not kept alive by it)."""
+        dim, index, count = self.block
+        return packed.chunk(count, dim)[index].contiguous()
+
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,14 @@ from ``global_head_dim`` and ``num_global_key_value_heads``: megand's ``model.gl
 the last earlier layer of their type (``model.num_kv_shared_layers``: no ``k_proj``, ``v_proj`` nor
 ``k_norm``), with an MLP twice as wide under ``use_double_wide_mlp`` (``model.double_wide_mlp``).
 
-Refused by name (megand cannot express them yet): per-layer input embeddings (``hidden_size_per_layer_input``),
-the MoE block (``enable_moe_block``), a ``per_layer_config`` that sets anything but a layer type's head width and key/value heads, bidirectional
-attention.
+Per-layer input embeddings (``hidden_size_per_layer_input``: megand's ``model.per_layer_input_size``; see
+:mod:`megand.core.transformer.per_layer_input`): the files pack every layer's table in one
+``embed_tokens_per_layer [V, L·p]``, megand holds one per layer (with the layer, on its pipeline stage), joined
+on export and cut on import. The MoE block (``enable_moe_block``: ``model.moe_beside_mlp``): routed GeGLU experts
+beside the dense MLP, ``experts.gate_up_proj [E, 2f, h]`` (gate rows, then up rows) being megand's fused fc1.
+
+Refused by name (megand cannot express them yet): a ``per_layer_config`` that sets anything but a layer type's
+head width and key/value heads, bidirectional attention.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import torch
 
 from megand.core.transformer import TransformerConfig
 from megand.core.transformer.attention import fuse_qkv, split_qkv
+from megand.core.transformer.mlp import fuse_swiglu, split_swiglu
 from megand.models import hf_local_global as lg
-from megand.models.hf import SIZE, Family, Rule, When, dims, equals, norm_eps
+from megand.models.hf import SIZE, Family, Rule, When, dims, equals, is_moe_layer, norm_eps
 from megand.models.hf_gemma3_text import rules as gemma_rules
 from megand.models.hf_llama import ATTENTION, llama_like_config
 
@@ -47,11 +53,13 @@ EXPRESSES = {**SIZE, **ATTENTION, **{k: equals(k, v) for k, v in dict(
     "rope_local_theta": lg.LOCAL_THETA, "final_logit_softcapping": None,
     # the full layers' own attention shape, their keys as values, the last layers reading earlier keys/values
     "global_head_dim": None, "num_global_query_groups": None, "global_k_eq_v": None, "num_kv_shared_layers": None,
-    "double_wide_mlp": None}
+    "double_wide_mlp": None,
+    # per-layer input embeddings and the MoE block (Gemma 4's own, in every layer)
+    "per_layer_input_size": None, "per_layer_input_vocab_size": None, "moe_top_k": None, "moe_ffn_hidden_size": None,
+    "num_experts": When("model.moe_beside_mlp=true (Gemma 4's MoE block)", lambda m: bool(m.get("moe_beside_mlp"))),
+    "moe_beside_mlp": None}
 # what megand cannot follow: the config.json key and the value that leaves it inert
-INERT = {"hidden_size_per_layer_input": "per-layer input embeddings",
-         "enable_moe_block": "the MoE block beside the MLP",
-         "use_bidirectional_attention": "bidirectional attention (megand's is causal)",
+INERT = {"use_bidirectional_attention": "bidirectional attention (megand's is causal)",
          "attention_bias": "attention biases"}
 # the attention shape a per_layer_config entry may set for a layer type
 PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
@@ -76,9 +84,9 @@ def hf_config(m: dict):
         tie_word_embeddings=bool(m["tie_embeddings"]), attention_bias=False,
         attention_dropout=m.get("attention_dropout", 0.0), **lg.layer_types(m),
         final_logit_softcapping=m.get("final_logit_softcapping"), use_bidirectional_attention=None,
-        hidden_size_per_layer_input=0, num_kv_shared_layers=m.get("num_kv_shared_layers") or 0, enable_moe_block=False,
-        attention_k_eq_v=bool(m.get("global_k_eq_v")), use_double_wide_mlp=bool(m.get("double_wide_mlp")),
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        num_kv_shared_layers=m.get("num_kv_shared_layers") or 0, attention_k_eq_v=bool(m.get("global_k_eq_v")),
+        use_double_wide_mlp=bool(m.get("double_wide_mlp")), bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        **ple_moe_hf(m))
 
 
 def model_config(config) -> dict:
@@ -100,7 +108,8 @@ def model_config(config) -> dict:
                 num_global_query_groups=full[1] if full[1] != sliding[1] else None,
                 global_k_eq_v=bool(config.attention_k_eq_v), num_kv_shared_layers=int(config.num_kv_shared_layers),
                 # inert without key/value-sharing layers
-                double_wide_mlp=bool(config.use_double_wide_mlp and config.num_kv_shared_layers))
+                double_wide_mlp=bool(config.use_double_wide_mlp and config.num_kv_shared_layers),
+                **ple_moe_model(config))
 
 
 def attention_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -152,6 +161,72 @@ def rules(m: dict) -> list[Rule]:
         elif rule.megand.endswith("attention.k_norm.weight") and not cfg.kv_rows(i):
             continue
         out.append(rule)
+    return out + ple_moe_rules(m)  # Gemma 3's names and Gemma 4's attention shapes, then its own blocks
+
+
+# ---------------------------------------------------------------- per-layer input embeddings and the MoE block
+def ple_moe_hf(m: dict) -> dict:
+    """The ``Gemma4TextConfig`` keys of megand's per-layer input embeddings and MoE block."""
+    experts = m.get("num_experts")
+    return dict(hidden_size_per_layer_input=m.get("per_layer_input_size") or 0,
+                vocab_size_per_layer_input=m.get("per_layer_input_vocab_size") or m["vocab_size"],
+                enable_moe_block=bool(experts), num_experts=experts,
+                top_k_experts=m.get("moe_top_k", 2) if experts else None,
+                moe_intermediate_size=(m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]) if experts else None)
+
+
+def ple_moe_model(config) -> dict:
+    """The megand ``model`` keys of a ``Gemma4TextConfig``'s per-layer input embeddings and MoE block."""
+    out = {}
+    if config.hidden_size_per_layer_input:
+        rows = config.vocab_size_per_layer_input
+        if rows < config.vocab_size:  # transformers' lookup fails on the ids beyond it
+            raise ValueError(f"vocab_size_per_layer_input={rows} is below vocab_size={config.vocab_size}: megand's "
+                             f"per-layer tables hold a row for every id")
+
+        out.update(per_layer_input_size=config.hidden_size_per_layer_input,
+                   per_layer_input_vocab_size=None if rows == config.vocab_size else rows)
+    if config.enable_moe_block:
+        out.update(num_experts=config.num_experts, moe_top_k=config.top_k_experts,
+                   moe_ffn_hidden_size=config.moe_intermediate_size, moe_beside_mlp=True, moe_router="softmax",
+                   moe_norm_topk_prob=True)
+    return out
+
+
+def _gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor]:
+    """megand's fused experts' fc1 ``[E, 2f, h]`` (rows: gate, up, gate, ...) -> Gemma 4's ``gate_up_proj`` (each
+    expert's gate rows, then its up rows)."""
+    return (torch.stack([torch.cat(split_swiglu(expert)) for expert in fc1]),)
+
+
+def _fused(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.stack([fuse_swiglu(*expert.chunk(2)) for expert in gate_up])
+
+
+def ple_moe_rules(m: dict) -> list[Rule]:
+    """The rules of the per-layer input embeddings (every layer's table a block of the one packed table, their
+    rules together so that export joins them at once) and of each layer's MoE block."""
+    out, layers = [], m["num_layers"]
+    if m.get("per_layer_input_size"):
+        out += [Rule("per_layer_inputs.weight", ("model.per_layer_model_projection.weight",)),
+                Rule("per_layer_inputs.norm.weight", ("model.per_layer_projection_norm.weight",))]
+        out += [Rule(f"layers.{i}.per_layer_input.embedding.weight", ("model.embed_tokens_per_layer.weight",),
+                     block=(1, i, layers)) for i in range(layers)]
+        for i in range(layers):
+            p, q = f"layers.{i}.per_layer_input.", f"model.layers.{i}."
+            out += [Rule(p + "gate", (q + "per_layer_input_gate.weight",)),
+                    Rule(p + "up", (q + "per_layer_projection.weight",)),
+                    Rule(p + "norm.weight", (q + "post_per_layer_input_norm.weight",))]
+    for i in (i for i in range(layers) if is_moe_layer(m, i)):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        out += [Rule(p + "moe_input_norm.weight", (q + "pre_feedforward_layernorm_2.weight",)),
+                Rule(p + "mlp_branch_norm.weight", (q + "post_feedforward_layernorm_1.weight",)),
+                Rule(p + "moe_output_norm.weight", (q + "post_feedforward_layernorm_2.weight",)),
+                Rule(p + "moe.router.weight", (q + "router.proj.weight",)),
+                Rule(p + "moe.router.norm.weight", (q + "router.scale",)),
+                Rule(p + "moe.router.expert_scale", (q + "router.per_expert_scale",)),
+                Rule(p + "moe.experts.fc1.weight", (q + "experts.gate_up_proj",), _gate_up, _fused),
+                Rule(p + "moe.experts.fc2.weight", (q + "experts.down_proj",))]
     return out
 
 
@@ -160,10 +235,9 @@ FAMILY = Family("gemma4_text", "Gemma4ForCausalLM", expresses=EXPRESSES, marks=M
                                  "head_dim", "hidden_activation", "intermediate_size", "vocab_size", "rms_norm_eps",
                                  "tie_word_embeddings", "initializer_range", "final_logit_softcapping",
                                  "per_layer_config", "global_head_dim", "num_global_key_value_heads",
-                                 "attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp", *INERT})
+                                 "attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp", *INERT,
+                                 "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block",
+                                 "num_experts", "top_k_experts", "moe_intermediate_size"})
                 | lg.READS,
-                # inert without the features refused above: the per-layer embeddings' vocabulary, the experts'
-                # shape; dropout is a training choice
-                ignores=frozenset({"attention_dropout", "vocab_size_per_layer_input",
-                                   "num_experts", "top_k_experts", "moe_intermediate_size"}),
+                ignores=frozenset({"attention_dropout"}),  # dropout is a training choice
                 hf_config=hf_config, model_config=model_config, rules=rules, constants=constants)

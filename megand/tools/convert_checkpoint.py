@@ -110,17 +110,26 @@ def export(load: str, out: str, dtype: torch.dtype | None = torch.bfloat16, max_
             if name in ("config.json", *TOKENIZER_FILES) or (name.startswith("model") and (name.endswith(".safetensors") or name == INDEX)):
                 os.remove(os.path.join(out, name))
 
-    entries = [(name, shape, dtype or stored[rule.megand][1]) for rule in rules
-               for name, shape in rule.hf_shapes(stored[rule.megand][0]).items()]
+    entries = list({name: (name, shape, dtype or stored[rule.megand][1]) for rule in rules  # a packed tensor once
+                    for name, shape in rule.hf_shapes(stored[rule.megand][0]).items()}.values())
     constants = adapter.constants(model_cfg) if adapter.constants else {}
     entries = [(name, tuple(t.shape), dtype or t.dtype) for name, t in constants.items()] + entries  # written first
     writer = ShardWriter(out, entries, max_shard_bytes)
     for name, tensor in constants.items():
         writer.add(name, _cast(tensor, dtype))
+    blocks = {}  # a packed HF tensor's blocks until the last of its rules (Rule.block)
     for rule in tqdm(rules, desc="tensors", unit="tensor", disable=None):
         tensor = offline.load_tensors(load, [rule.megand])[rule.megand]
         for name, piece in zip(rule.hf, rule.to_hf(tensor)):
-            writer.add(name, _cast(piece, dtype))
+            if rule.block is None:
+                writer.add(name, _cast(piece, dtype))
+                continue
+            dim, index, count = rule.block
+            blocks.setdefault(name, {})[index] = piece
+            if len(blocks[name]) == count:
+                joined = blocks.pop(name)
+                writer.add(name, _cast(torch.cat([joined[i] for i in range(count)], dim), dtype))
+
         del tensor
     shards = writer.close()
     config = adapter.hf_config(model_cfg)
@@ -245,11 +254,25 @@ def import_(hf_dir: str, save: str, dtype: torch.dtype | None = None, force: boo
         tensor = reader.get(name)
         return dequantize_blocks(tensor, reader.get(name + "_scale_inv"), block) if tensor.dtype == FP8 else tensor
 
+    packed = {}  # a packed HF tensor, read once, with the blocks its rules have yet to cut (Rule.block)
+
+    def read_for(rule, name: str) -> torch.Tensor:
+        if rule.block is None:
+            return read(source_name(name))
+        if name not in packed:
+            packed[name] = [read(source_name(name)), rule.block[2]]
+        entry = packed[name]
+        entry[1] -= 1
+        if not entry[1]:
+            del packed[name]
+        return rule.cut(entry[0])
+
     def produce(name: str) -> torch.Tensor:
         rule = by_megand[name]
-        tensor = rule.from_hf(*(read(source_name(n)) for n in rule.hf))
+        tensor = rule.from_hf(*(read_for(rule, n) for n in rule.hf))
         progress.update()
         return _cast(tensor, shapes[name][1])
+
 
     config_yaml = OmegaConf.to_yaml({"model": model_cfg})
     try:

@@ -39,6 +39,15 @@ dropout the sum is their ``s·b·h·(34 + 5·a·s/h)``; here each term is writte
 ``e`` is the activation element size (2 for bf16/fp16, 4 for fp32). With ``fused_attention``
 (flash / memory-efficient kernels) the s×s probabilities are never stored: the core keeps one fp32
 log-sum-exp per query and head (4·a bytes per token), which makes ``selective`` nearly free.
+Per-layer input embeddings (``model.per_layer_input_size`` p, Gemma 4): each layer's gated branch keeps, per
+token and replicated over tp (/tp with sequence parallelism), the gate's input and the branch norm's input
+2·e·h and four p-wide tensors (gate output, its activation, the per-layer input, up's input) 4·e·p; every stage
+holds the projected word embedding of all L layers (e·L·p per token, received over the pipeline link, or made
+on the first stage, which also keeps the norm's input: 2·e·L·p) per micro-batch in flight. Weights: each layer's
+table ``[V, p]`` is split over tp by vocab rows on its own stage (an embedding for the optimizer), gate and up
+replicated; the projection ``[L·p, h]`` on the first stage, replicated. Gemma 4's MoE block beside the MLP
+(``model.moe_beside_mlp``) keeps the dense MLP's terms too, and its three norms' inputs and the router norm's
+output, 4·e·h replicated.
 A Gated DeltaNet layer (``model.layer_types``) stores its token mixer's terms instead of attention's (see
 :func:`linear_attention_bytes`: its projections, its fp32 chunked core with the C×C chunk matrices, and the
 recurrent state at each chunk boundary); ``selective`` drops its core.
@@ -118,7 +127,8 @@ from megand.core.pipeline_parallel.actions import peak_live_chunks
 from megand.core.pipeline_parallel.layout import stage_layers as layers_of_stages
 from megand.core.sharding import EMBEDDING, EXPERT_MATRIX, MATRIX
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
-from megand.models.flops import FrozenModel, Shape, layer_params, mtp_depth_extra, norm_params
+from megand.models.flops import (FrozenModel, Shape, layer_params, mtp_depth_extra, norm_params,
+                                 per_layer_projection_params)
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelLayout))  # tp, pp, cp, dp, vpp, order, dp_shard, ep, etp, pp_schedule
@@ -431,8 +441,12 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
         return tokens * (e * h / seq_split + (e * 2 * kv / layout.tp if shared else 0))
     masks = 2 * h if _dropout(model, "hidden_dropout") else 0
     replicated = (2 + shape.layer_norms) * e * h + masks  # sandwich: the two branch-output norms' inputs too
+    replicated += (2 * e * h + 4 * e * shape.ple) if shape.ple else 0  # the per-layer input's gated branch
+    beside = moe and shape.moe_beside  # Gemma 4: the dense MLP stays beside the experts
+    replicated += 4 * e * h if beside else 0
+    mlp = (3 if shape.swiglu else 2) * e * f if beside or not moe else 0
     values = (e * kv if shape.v_norm else 0) + (e * kv if rows == 2 else 0)  # the value norm's output, V's rows
-    split = e * (q + (kv if rows else 0)) + (values if rows else 0) + e * q + (0 if moe else (3 if shape.swiglu else 2) * e * f)
+    split = e * (q + (kv if rows else 0)) + (values if rows else 0) + e * q + mlp
     core = a * s * ((2 * e + 1) if _dropout(model, "attention_dropout") else e)
     if layout.fused_attention:
         core = 4 * a  # the kernel keeps one fp32 log-sum-exp per query and head
@@ -442,7 +456,7 @@ def layer_activation_bytes(model: Mapping[str, Any], layout: Layout, recompute: 
     if shape.index_topk and not linear:
         core, indexer = sparse_attention_bytes(shape, layout, e, recompute, _dropout(model, "attention_dropout"))
     if linear:  # the token mixer is Gated DeltaNet's instead of attention's
-        split = linear_attention_bytes(shape, e, recompute) + (0 if moe else (3 if shape.swiglu else 2) * e * f)
+        split = linear_attention_bytes(shape, e, recompute) + mlp
         core = 0
     block = moe_block_activation_bytes(model, layout) if moe else 0.0
     return tokens * (replicated / seq_split + (split + core) / layout.tp + indexer) + block
@@ -602,6 +616,7 @@ def stage_params(model: Mapping[str, Any], layout: Layout, stage: int) -> float:
     word = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if stage == 0:
         params += word + (shape.seq * shape.hidden if shape.learned_positions else 0)
+        params += per_layer_projection_params(shape)
     if stage == last_stage(layout):
         params += norm_params(shape)
         # untied: the output layer; tied with pp>1: the last stage holds a copy of the embedding
@@ -673,6 +688,9 @@ def _extra_activation_bytes(model: Mapping[str, Any], layout: Layout, stage: int
     extra = 0.0
     if stage == 0 and _dropout(model, "hidden_dropout"):
         extra += microbatches_in_flight(layout, stage) * tokens * shape.hidden / seq_split
+    if shape.ple:  # every layer's projected word embedding, until the micro-batch's backward (+ its norm's input)
+        extra += (microbatches_in_flight(layout, stage) * tokens * e * shape.layers * shape.ple
+                  * (2 if stage == 0 else 1) / seq_split)
     if stage == last_stage(layout):
         # the final norm and output-layer inputs, and at the loss the logits next to the one fp32 copy the
         # vocab-parallel cross entropy turns into its softmax; with multi-token prediction each depth's too
@@ -745,7 +763,10 @@ def stage_params_by_role(model: Mapping[str, Any], layout: Layout, stage: int) -
     experts as expert matrices, the rest (embeddings, output layer, final norm) as embeddings."""
     params, layer = stage_params(model, layout, stage), stage_layer_params(model, layout, stage)
     experts = stage_expert_params(model, layout, stage)
-    return {EMBEDDING: params - layer, MATRIX: layer - experts, EXPERT_MATRIX: experts}
+    shape = Shape.from_config(model)  # per-layer input tables: embeddings held with their layers
+    tables = len(stage_layers(shape.layers, layout, stage)) * shape.ple_vocab * shape.ple / layout.tp
+    return {EMBEDDING: params - layer + tables, MATRIX: layer - experts - tables, EXPERT_MATRIX: experts}
+
 
 
 @per_frozen_model

@@ -250,8 +250,8 @@ class Trainer:
         cfg = self.cfg
         self.batch_size = global_batch_size  # of the step being run (a batch-size ramp-up changes it)
         self.tokens_per_batch = global_batch_size * cfg.model.seq_length
-        # stages with neither the embedding nor the loss read no tokens
-        needs_tokens = any(chunk.pre_process or chunk.post_process for chunk in self.chunks)
+        # stages with neither the embedding, the loss nor per-layer input embeddings read no tokens
+        needs_tokens = any(chunk.reads_tokens or chunk.post_process for chunk in self.chunks)
         self.has_loss = any(chunk.post_process for chunk in self.chunks)
         self.batch_needs = dict(seq_length=cfg.model.seq_length, needs_tokens=needs_tokens,
                                 documents=self.configs.documents)
@@ -537,7 +537,8 @@ class Trainer:
     def forward_step(self, model, microbatch, hidden):
         documents = (None if microbatch.document_ids is None
                      else DocumentMask(microbatch.document_ids, host_ids=microbatch.host_document_ids))
-        out = model(input_ids=microbatch.input_ids if model.pre_process else None, positions=microbatch.positions,
+        out = model(input_ids=microbatch.input_ids if model.reads_tokens else None, positions=microbatch.positions,
+
                     labels=microbatch.labels if model.post_process else None, hidden=hidden, documents=documents)
         if model.post_process:  # per-token loss -> this micro-batch's share of the global mean
             out, mtp = out if isinstance(out, tuple) else (out, None)

@@ -32,6 +32,8 @@ SMOLLM3 = dict(no_rope=[False, True])
 # Gemma 4: Gemma 3's block with plain norms, value norms, unscaled scores, a proportional global RoPE, soft-capped logits
 GEMMA4 = dict(GEMMA3, norm_unit_offset=False, v_norm=True, query_pre_attn_scalar=1, final_logit_softcapping=30.0,
               rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25})
+# Gemma 4's per-layer input embeddings and its MoE block beside the MLP
+GEMMA4_BLOCKS = dict(per_layer_input_size=8, moe_beside_mlp=True)
 # GPT-OSS: attention sinks, biases on every attention projection, biased router and experts, clamped SwiGLU
 GPT_OSS = dict(attention_sinks=True, qkv_bias=True, attention_out_bias=True, moe_bias=True, swiglu_limit=7.0)
 # one model per family: what export must write as that family
@@ -54,7 +56,7 @@ FAMILY_MODELS = {
     "gemma3_text": dict(LLAMA, **GEMMA3, head_dim=24, query_pre_attn_scalar=16),
     "olmo3": dict(LLAMA, **OLMO3),
     "smollm3": dict(LLAMA, **SMOLLM3),
-    "gemma4_text": dict(LLAMA, **GEMMA4, head_dim=24),
+    "gemma4_text": dict(LLAMA, **GEMMA4, head_dim=24, **GEMMA4_BLOCKS, **MOE),
     "gpt_oss": dict(LLAMA, **MOE, **GPT_OSS, sliding_window=[8, None]),
     "deepseek_v32": dict(LLAMA, num_query_groups=None, **LATENT, **MOE, moe_router="sigmoid", moe_shared_experts=1,
                          moe_first_k_dense_replace=1, **DSA),
@@ -73,7 +75,8 @@ def grid():
             moe, [{}, LATENT], [{}, NEXT, GLM]]
     # the local/global and NoPE families' keys over the attention axes, with and without MoE, latent attention
     # and linear attention (each MoE variant again would multiply the grid's size)
-    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT], [GEMMA3, OLMO3, SMOLLM3, GEMMA4, GPT_OSS]]
+    local_global = axes[:5] + [[{}, MOE], [{}, LATENT], [{}, NEXT],
+                               [GEMMA3, OLMO3, SMOLLM3, GEMMA4, dict(GEMMA4, **GEMMA4_BLOCKS), GPT_OSS]]
     # DeepSeek Sparse Attention over latent attention, with and without DeepSeek's MoE
     sparse = [axes[0], [{}, {"num_query_groups": None}], [{}, dict(MOE, moe_router="sigmoid", moe_shared_experts=1)],
               [LATENT], [DSA]]
@@ -120,7 +123,14 @@ def test_rules_cover_the_model_and_write_the_files_transformers_writes(name, tmp
     rules = family.rules(m)
     assert sorted(r.megand for r in rules) == sorted(shapes)
     ours = {n: s for r in rules for n, s in r.hf_shapes(shapes[r.megand]).items()}
-    assert len(ours) == sum(len(r.hf) for r in rules)
+    # no two rules write one tensor, but the blocks of a packed one (each block once)
+    packed = {}
+    for r in rules:
+        if r.block is not None:
+            packed.setdefault(r.hf[0], []).append(r.block[1:])
+    assert all(sorted(b) == [(i, len(b)) for i in range(len(b))] for b in packed.values())
+    assert len(ours) == sum(len(r.hf) for r in rules if r.block is None) + len(packed)
+
     ours.update({n: tuple(t.shape) for n, t in (family.constants(m) if family.constants else {}).items()})
     model = hf.build_hf_model(m)
     assert type(model).__name__ == family.model_class

@@ -119,11 +119,13 @@ def posting_order(every, rank) -> list:
 
 
 def tensor_shape(cfg, microbatch, topo) -> tuple[int, int, int]:
-    """The shape of what crosses a pipeline link for ``microbatch``: ``[s_local(/tp), b, h]``."""
+    """The shape of what crosses a pipeline link for ``microbatch``: ``[s_local(/tp), b, w]``, ``w`` the hidden
+    size and the per-layer inputs' width (:attr:`TransformerConfig.pipeline_width`)."""
     batch, seq = microbatch.batch_size, microbatch.positions.shape[-1]  # this rank's context-parallel share; positions may be per sample [b, s]
     if cfg.sequence_parallel:
         seq //= topo.tp_size
-    return seq, batch, cfg.hidden_size
+    return seq, batch, cfg.pipeline_width
+
 
 
 class PipelineP2P:

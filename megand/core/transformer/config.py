@@ -94,6 +94,9 @@ class TransformerConfig:
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient
     moe_bias: bool = False  # biases on the router's logits and on each routed expert's fc1 and fc2 (GPT-OSS)
     moe_capacity_factor: float | None = None  # per rank and expert keep ceil(factor * tokens * k / experts) assignments; null: dropless
+    moe_beside_mlp: bool = False  # Gemma 4's MoE block: the routed experts run beside the layer's dense MLP (not in its place), on the residual with their own input norm, each branch's output normalised before the two are added; the router reads the RMS-normalised residual times a learned per-channel scale and 1/sqrt(hidden_size), and each chosen expert's weight is times a learned per-expert scale
+    per_layer_input_size: int = 0  # per-layer input embeddings (Gemma 4's PLE) when > 0: each layer adds a gated projection of its own token embedding of this width (a table of per_layer_input_vocab_size rows per layer) plus a projection of the word embedding; 0: none
+    per_layer_input_vocab_size: int | None = None  # rows of each layer's per-layer input embedding (at least vocab_size: every id has a row); null: vocab_size
     mtp_layers: int = 0  # multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead with one transformer layer of its own and the shared embedding and output layer, on the last pipeline stage; 0: none
     mtp_loss_weight: float = 0.3  # the depths' mean loss times this is added to the training objective (DeepSeek-V3: 0.3, then 0.1); logged apart as mtp_loss
     dsa_index_topk: int | None = None  # DeepSeek Sparse Attention (DeepSeek-V3.2, on latent attention with q_lora_rank): each query attends only to the keys its lightning indexer scores best, this many (causal); null: dense attention
@@ -189,9 +192,14 @@ class TransformerConfig:
             raise ValueError(f"model.norm_placement={self.norm_placement!r}: expected one of {', '.join(NORM_PLACEMENTS)}")
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope!r}: expected one of {', '.join(QK_NORM_SCOPES)}")
-        if self.activation == "geglu" and self.num_experts is not None:
-            raise ValueError(f"model.activation=geglu with model.num_experts={self.num_experts}: the routed experts "
-                             f"have gelu or swiglu")
+        if self.moe_beside_mlp and (self.num_experts is None or self.norm_placement != "sandwich" or self.norm != "rmsnorm"
+                                    or self.moe_router != "softmax" or self.moe_shared_experts):
+            raise ValueError(f"model.moe_beside_mlp (Gemma 4's MoE block) needs model.num_experts (got "
+                             f"{self.num_experts}), norm_placement=sandwich (got {self.norm_placement}), norm=rmsnorm "
+                             f"(got {self.norm}), moe_router=softmax (got {self.moe_router}) and no shared experts "
+                             f"(got moe_shared_experts={self.moe_shared_experts})")
+        if self.per_layer_input_size:
+            self._check_per_layer_inputs()
         if self.embedding_scale and self.mtp_layers:
             raise ValueError(f"model.embedding_scale with model.mtp_layers={self.mtp_layers}: the depths' embeddings "
                              f"are not scaled")
@@ -291,6 +299,29 @@ class TransformerConfig:
         """Whether a later layer reads the keys and values of layer ``layer_id``."""
         return any(self.kv_source(i) == layer_id for i in range(self.num_layers - self.num_kv_shared_layers,
                                                                self.num_layers))
+
+    def _check_per_layer_inputs(self):
+        """One line naming the values for per-layer input embeddings that cannot be built."""
+        size, rows = self.per_layer_input_size, self.per_layer_input_vocab_size
+        if (isinstance(size, bool) or not isinstance(size, int) or size < 0 or self.activation != "geglu"
+                or self.norm != "rmsnorm" or self.mtp_layers or (rows is not None and rows < self.vocab_size)):
+            raise ValueError(f"model.per_layer_input_size={size} model.per_layer_input_vocab_size={rows}: per-layer "
+                             f"input embeddings need a width >= 0, activation=geglu (their gate is GeGLU's gelu-tanh; "
+                             f"got {self.activation}), norm=rmsnorm (got {self.norm}), no multi-token prediction (got "
+                             f"mtp_layers={self.mtp_layers}) and a table of at least vocab_size={self.vocab_size} rows")
+
+    @property
+    def per_layer_inputs_width(self) -> int:
+        """Width of every layer's per-layer inputs together (0: none): what the word embedding is projected to,
+        and what a pipeline link carries beside the hidden state."""
+        return self.num_layers * self.per_layer_input_size
+
+    @property
+    def pipeline_width(self) -> int:
+        """The last dim of what crosses a pipeline link: the hidden state, and with per-layer input embeddings the
+        projected word embedding of every layer (computed on the first stage, which alone holds the word
+        embedding; each stage reads its layers' columns)."""
+        return self.hidden_size + self.per_layer_inputs_width
 
     def layer_rope(self, layer_id: int) -> str | None:
         """Which RoPE layer ``layer_id`` applies: None (NoPE, or no rotary embedding), ``local`` (a
@@ -474,6 +505,8 @@ def architecture(m: Mapping[str, Any]) -> dict[str, Any]:
     inert = set()
     if not m.get("num_experts"):
         inert |= _MOE
+    if not m.get("per_layer_input_size"):
+        inert.add("per_layer_input_vocab_size")
     if not m.get("moe_shared_experts"):
         inert.add("moe_shared_expert_gate")
     if m.get("position_embedding", _DEFAULTS["position_embedding"]) != "rope":

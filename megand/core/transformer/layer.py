@@ -14,6 +14,7 @@ from megand.core.transformer.mla import LatentAttention
 from megand.core.transformer.mlp import MLP
 from megand.core.transformer.moe import MoE
 from megand.core.transformer.norms import Norm
+from megand.core.transformer.per_layer_input import PerLayerInput
 
 
 class TransformerLayer(torch.nn.Module):
@@ -34,10 +35,20 @@ class TransformerLayer(torch.nn.Module):
         # the norms on the branch outputs (before the residual add)
         self.attention_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if pre else None  # the MLP's input norm
+        moe = cfg.is_moe_layer(layer_id)
         width = cfg.ffn_width(layer_id)  # the key/value-sharing layers' double-wide MLP (model.double_wide_mlp)
-        self.mlp = MoE(cfg, topo, device) if cfg.is_moe_layer(layer_id) else MLP(
+        self.mlp = MoE(cfg, topo, device) if moe and not cfg.moe_beside_mlp else MLP(
             cfg if width == cfg.ffn_hidden_size else replace(cfg, ffn_hidden_size=width), topo, device)
         self.mlp_output_norm = Norm(cfg.norm, cfg.hidden_size, **norm) if post else None
+        # Gemma 4's MoE block (model.moe_beside_mlp): the routed experts beside the dense MLP, on the residual with
+        # an input norm of their own; each branch's output normalised before the two are added
+        self.moe = self.moe_input_norm = self.mlp_branch_norm = self.moe_output_norm = None
+        if moe and cfg.moe_beside_mlp:
+            self.moe = MoE(cfg, topo, device)
+            self.moe_input_norm, self.mlp_branch_norm, self.moe_output_norm = (
+                Norm(cfg.norm, cfg.hidden_size, **norm) for _ in range(3))
+        # per-layer input embeddings (model.per_layer_input_size): a gated branch after the MLP's residual add
+        self.per_layer_input = PerLayerInput(cfg, topo, device) if cfg.per_layer_input_size else None
         self.rope_kind = cfg.layer_rope(layer_id)  # which of the model's RoPE tables this layer reads (None: NoPE)
         self.compiled = None  # the compiled body (compile_body), else the body runs eagerly
 
@@ -46,7 +57,7 @@ class TransformerLayer(torch.nn.Module):
         ``compiler(body)`` (``torch.compile``), and what the compiler cannot trace through ``eager``
         (``torch.compiler.disable``). What runs around the body (the module hooks, the checkpoint of full
         recomputation) stays eager."""
-        for block in (self.attention, self.mlp):
+        for block in (self.attention, self.mlp, self.moe):
             if hasattr(block, "keep_eager"):
                 block.keep_eager(eager)
         self.compiled = compiler(self._forward)
@@ -63,25 +74,33 @@ class TransformerLayer(torch.nn.Module):
     def _norm(norm, x):
         return x if norm is None else norm(x)
 
-    def _forward(self, x, rope, cache=None, documents=None, shared=None):
+    def _forward(self, x, rope, cache=None, documents=None, shared=None, ids=None, projected=None):
         h = self.attention(self._norm(self.input_norm, x), rope, cache, documents, **self._shared(shared))
         x = x + self.dropout(self._norm(self.attention_output_norm, h))
         h = self.mlp(self._norm(self.post_attention_norm, x))
-        return x + self.dropout(self._norm(self.mlp_output_norm, h))
+        if self.moe is not None:  # the router reads the residual itself, the experts their own norm of it
+            h = self.mlp_branch_norm(h) + self.moe_output_norm(self.moe(self.moe_input_norm(x), route_from=x))
+        x = x + self.dropout(self._norm(self.mlp_output_norm, h))
+        if self.per_layer_input is not None:
+            x = self.per_layer_input(x, ids, projected)
+        return x
 
     def _shared(self, shared) -> dict:
         """The keys and values shared across layers (model.num_kv_shared_layers), for attention that reads them."""
         return {} if shared is None else {"shared": shared}
 
-    def forward(self, x, rope=None, cache=None, documents=None, shared=None):
+    def forward(self, x, rope=None, cache=None, documents=None, shared=None, per_layer=None):
         """``cache``: this layer's :class:`~megand.core.transformer.kv_cache.LayerKVCache` (generation);
         ``documents``: a :class:`~megand.core.transformer.documents.DocumentMask` (attention within documents);
         ``rope``: the model's RoPE tables by kind (``{"global": (cos, sin), "local": ...}``), of which the layer
-        reads its own; ``shared``: the forward's keys and values by layer id (model.num_kv_shared_layers)."""
+        reads its own; ``shared``: the forward's keys and values by layer id (model.num_kv_shared_layers);
+        ``per_layer``: with per-layer input embeddings, ``(token ids [b, s], this layer's columns of the projected
+        word embedding [s, b, p])``."""
         rope = None if rope is None or self.rope_kind is None else rope[self.rope_kind]
+        ids, projected = (None, None) if per_layer is None else per_layer
         if cache is not None:
-            return self._forward(x, rope, cache, shared=shared)
+            return self._forward(x, rope, cache, None, shared, ids, projected)
         body = self._forward if self.compiled is None else self.compiled
         if self.cfg.recompute == "full":  # what this layer leaves in ``shared`` is recomputed in backward too
-            return checkpoint(body, x, rope, None, documents, shared, rng=self.rng)
-        return body(x, rope, None, documents, shared)
+            return checkpoint(body, x, rope, None, documents, shared, ids, projected, rng=self.rng)
+        return body(x, rope, None, documents, shared, ids, projected)

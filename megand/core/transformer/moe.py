@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megand.core.expert_parallel import AllToAllDispatcher
 from megand.core.expert_parallel.combine import weighted_sum
 from megand.core.metrics import MAX, MEAN, SUM, Metric
-from megand.core.sharding import BIAS, EXPERT_MATRIX, ROUTER, ParamMeta, retag, split_by_tokens, tag
+from megand.core.sharding import BIAS, EXPERT_MATRIX, NORM, ROUTER, ParamMeta, retag, split_by_tokens, tag
 from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
 from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
@@ -41,6 +41,7 @@ from megand.core.tensor_parallel.mappings import (
     scatter_to_sp,
 )
 from megand.core.transformer.mlp import MLP, SwiGLU, clamped_swiglu
+from megand.core.transformer.norms import Norm
 
 
 def _param(shape, meta, dtype, device):
@@ -84,7 +85,10 @@ class Router(torch.nn.Module):
     ``weight`` ``[E, h]`` is replicated over tp; ``sharded_tokens``: each tp rank routes other tokens
     (sequence parallelism or etp = 1), so its gradient is summed over tp. The sigmoid router chooses by
     ``scores + expert_bias`` (the auxiliary-loss-free balancing bias, a persistent fp32 buffer) and
-    weights by the scores alone."""
+    weights by the scores alone.
+
+    Gemma 4's router (``model.moe_beside_mlp``) reads ``rmsnorm(x) * scale / sqrt(h)`` (``norm``, whose weight
+    is the per-channel scale) and multiplies each chosen expert's weight by a learned ``expert_scale[e]``."""
 
     def __init__(self, cfg, topo, sharded_tokens: bool, device):
         super().__init__()
@@ -101,6 +105,16 @@ class Router(torch.nn.Module):
                                                              init_std=cfg.init_std, role=BIAS,
                                                              input_split=split_by_tokens(sharded_tokens)),
                                cfg.params_dtype, device)
+        self.norm = self.expert_scale = None
+        if cfg.moe_beside_mlp:
+            split = split_by_tokens(sharded_tokens)
+            self.norm = Norm("rmsnorm", cfg.hidden_size, eps=cfg.norm_eps, input_split=split, tp_rank=topo.tp_rank,
+                             tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
+            self.input_factor = cfg.hidden_size ** -0.5
+            # a gain per expert, undecayed like a norm's weight
+            self.expert_scale = _param((cfg.num_experts,), ParamMeta((cfg.num_experts,), None, topo.tp_rank, topo.tp_size,
+                                                                     init="ones", input_split=split, role=NORM),
+                                       cfg.params_dtype, device)
         if self.kind == "sigmoid":
             # state, not a parameter; tiny: created on the run's device even when the model is built on meta
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device=topo.device))
@@ -109,6 +123,8 @@ class Router(torch.nn.Module):
 
     def forward(self, x):
         """``x [T, h]`` -> ``(logits [T, E], scores [T, E], experts [T, k], weights [T, k])``, fp32."""
+        if self.norm is not None:
+            x = self.norm(x) * self.input_factor
         logits = x.float() @ self.weight.float().t()
         if self.bias is not None:
             logits = logits + self.bias.float()
@@ -126,6 +142,8 @@ class Router(torch.nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
         if self.scaling != 1.0:
             weights = weights * self.scaling
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.float()[experts]
         return logits, scores, experts, weights
 
     def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
@@ -326,14 +344,14 @@ class Experts(torch.nn.Module):
 
     def __init__(self, cfg, topo, split: bool, sharded_tokens: bool, device):
         super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
+        self.swiglu, self.geglu = cfg.activation == "swiglu", cfg.activation == "geglu"
         self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         f, h, e = cfg.expert_ffn_hidden_size, cfg.hidden_size, cfg.num_experts
         common = dict(bias=cfg.add_bias or cfg.moe_bias, topo=topo, sharded_tokens=sharded_tokens, dtype=cfg.params_dtype,
                       device=device)
-        self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu else 1), split_dim=1 if split else None,
+        self.fc1 = GroupedLinear(e, h, f * (2 if self.swiglu or self.geglu else 1), split_dim=1 if split else None,
                                  init_std=cfg.init_std, bias_split=split, **common)
-        if self.swiglu:  # rows alternate gate, up
+        if self.swiglu or self.geglu:  # rows alternate gate, up
             retag(self.fc1.weight, fused_rows=(1, 1))
         # split over tp, fc2's bias is added once after the tp reduction (by the MoE block)
         self.fc2 = GroupedLinear(e, f, h, split_dim=2 if split else None,
@@ -346,6 +364,9 @@ class Experts(torch.nn.Module):
         h = self.fc1(x, counts, offsets, host_offsets=host)
         if self.clamp is not None:
             h = clamped_swiglu(h.unflatten(-1, (-1, 2)), *self.clamp)
+        elif self.geglu:  # [..., f, 2]: gate, up (the dense MLP's GeGLU)
+            pairs = h.unflatten(-1, (-1, 2))
+            h = F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
         else:
             h = SwiGLU.apply(h.unflatten(-1, (-1, 2))) if self.swiglu else F.gelu(h, approximate="tanh")
         return self.fc2(h, counts, offsets, add_bias=fc2_bias, host_offsets=host)
@@ -470,8 +491,8 @@ class MoE(torch.nn.Module):
     def __init__(self, cfg, topo, device=None):
         super().__init__()
         device = topo.device if device is None else device
-        if cfg.activation not in ("gelu", "swiglu"):
-            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu or swiglu")
+        if cfg.activation not in ("gelu", "swiglu", "geglu"):
+            raise ValueError(f"model.activation={cfg.activation!r}: expected gelu, swiglu or geglu")
         self.cfg, self.topo = cfg, topo
         tp = topo.tp_size
         self.split_experts = cfg.expert_tensor_parallel and tp > 1
@@ -508,13 +529,16 @@ class MoE(torch.nn.Module):
         b = self.experts.fc2.bias
         return [b] if self.split_experts and b is not None else []
 
-    def forward(self, x):
+    def forward(self, x, route_from=None):
+        """``x [s, b, h]``: the experts' input; ``route_from``: what the router reads, when not ``x`` (Gemma 4's
+        router reads the residual, its experts a norm of it)."""
         cfg, topo = self.cfg, self.topo
         split_here = not cfg.expert_tensor_parallel and topo.tp_size > 1 and not cfg.sequence_parallel
         local = scatter_to_sp(x, topo.tp_group) if split_here else x  # [s', b, h]: the tokens routed here
+        route = local if route_from is None else scatter_to_sp(route_from, topo.tp_group) if split_here else route_from
         s, b, h = local.shape
-        tokens = local.reshape(s * b, h)
-        logits, scores, experts, weights = self.router(tokens)
+        logits, scores, experts, weights = self.router(route.reshape(s * b, h))
+
         balancing_loss = self._balance(logits, scores, experts)
         out = self._routed(local, experts, scores, weights)
         if self.training and torch.is_grad_enabled() and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
