@@ -550,7 +550,7 @@ def layer_params(shape: Shape, moe: bool = False, layer: int | None = None) -> L
     if shape.moe_beside:  # the dense MLP stays; the block's three norms, the router's norm and per-expert scale
         attention["norms"] += 3 * norm_params(shape)
     return LayerParams(
-        **attention, **_mlp_params(shape, shape.ffn if shape.moe_beside else shape.shared_experts * fe),
+        **attention, **_mlp_params(shape, shape.ffn_of(layer) if shape.moe_beside else shape.shared_experts * fe),
         router=E * h + (E if shape.moe_bias else 0) + ((h + E) if shape.moe_beside else 0),
         shared_gate=h if shape.shared_gate and shape.shared_experts else 0,
         experts_split=E * (expert_in * h + (expert_in if bias else 0) + h * fe),

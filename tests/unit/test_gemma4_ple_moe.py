@@ -21,16 +21,20 @@ GEMMA4 = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, nu
 PLE = dict(GEMMA4, per_layer_input_size=8)
 MOE = dict(GEMMA4, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_beside_mlp=True)
 BOTH = dict(PLE, **{k: v for k, v in MOE.items() if k not in GEMMA4})
+# with Gemma 4's attention shapes too: the full layers' own head width and key/value head, keys as values, the last
+# two layers reading earlier keys/values with their MLP (beside the experts) twice as wide
+ALL = dict(BOTH, num_layers=6, sliding_window=[32, 32, None] * 2, global_head_dim=32, num_global_query_groups=1,
+           global_k_eq_v=True, num_kv_shared_layers=2, double_wide_mlp=True)
 
 
-@pytest.mark.parametrize("cfg", [PLE, MOE, BOTH], ids=["ple", "moe", "ple_moe"])
+@pytest.mark.parametrize("cfg", [PLE, MOE, BOTH, ALL], ids=["ple", "moe", "ple_moe", "with_attention_shapes"])
 def test_params_and_flops_match_transformers(cfg):
     model = build_hf_model(cfg, attn_implementation="eager", experts_implementation="eager")
     counts = flops.param_counts(cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())
     if cfg.get("per_layer_input_size"):
         assert counts.per_layer_tables == model.model.embed_tokens_per_layer.weight.numel()
-        assert counts.per_layer_projection == 4 * 8 * 64 + 8
+        assert counts.per_layer_projection == cfg["num_layers"] * 8 * 64 + 8
     ids = torch.randint(0, cfg["vocab_size"], (2, cfg["seq_length"]), generator=torch.Generator().manual_seed(0))
     counter = FlopCounterMode(display=False)
     with counter:

@@ -255,7 +255,7 @@ class TransformerConfig:
             raise ValueError(f"model.num_kv_shared_layers={n!r}: expected 0 <= it < model.num_layers={self.num_layers}")
         for i in range(self.num_layers - n, self.num_layers):
             self.kv_source(i)  # each sharing layer has a source
-        if self.double_wide_mlp and (not n or self.num_experts is not None):
+        if self.double_wide_mlp and (not n or (self.num_experts is not None and not self.moe_beside_mlp)):
             raise ValueError(f"model.double_wide_mlp with model.num_kv_shared_layers={n}, model.num_experts="
                              f"{self.num_experts}: it widens the dense MLP of the key/value-sharing layers")
 
