@@ -70,7 +70,6 @@ def test_gemma_keys_megand_cannot_follow_are_refused_in_one_line(key, value, tmp
     (dict(LLAMA, norm_placement="middle"), "model.norm_placement='middle'"),
     (dict(LLAMA, qk_norm=True, qk_norm_scope="group"), "model.qk_norm_scope='group'"),
     (dict(LLAMA, no_rope=[True]), "model.no_rope=[True]"),
-    (dict(LLAMA, activation="geglu", num_experts=4), "model.activation=geglu with model.num_experts=4"),
     (dict(LLAMA, position_embedding="learned", no_rope=[False] * 4), "model.position_embedding=learned"),
 ])
 def test_the_schema_refuses_bad_block_variants_naming_the_values(changes, needle):

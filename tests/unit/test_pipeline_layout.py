@@ -73,7 +73,7 @@ def test_schedule_choice_and_link_shape():
     assert get_schedule(topo(2, vpp=1)) is forward_backward_pipelining_without_interleaving
     assert get_schedule(topo(2, vpp=2)) is forward_backward_pipelining_with_interleaving
     microbatch = SimpleNamespace(batch_size=2, positions=torch.arange(32))
-    cfg = SimpleNamespace(sequence_parallel=True, hidden_size=64)
+    cfg = SimpleNamespace(sequence_parallel=True, hidden_size=64, pipeline_width=64)
     assert tensor_shape(cfg, microbatch, topo(2, tp=4)) == (8, 2, 64)  # bsh/tp per link
     cfg.sequence_parallel = False
     assert tensor_shape(cfg, microbatch, topo(2, tp=4)) == (32, 2, 64)

@@ -194,7 +194,8 @@ def _record(monkeypatch, pp, vpp, m, schedule, rank, forward_only=False, topo=No
     v = vpp or 1
     placement = placement_for(pp, v, schedule)
     stages = range(pp * v)
-    chunks = [SimpleNamespace(cfg=SimpleNamespace(sequence_parallel=False, hidden_size=SHAPE[2], params_dtype=torch.float32),
+    chunks = [SimpleNamespace(cfg=SimpleNamespace(sequence_parallel=False, hidden_size=SHAPE[2], pipeline_width=SHAPE[2],
+                                              params_dtype=torch.float32),
                               pre_process=placement.stage(rank, c) == 0, post_process=placement.stage(rank, c) == stages[-1])
               for c in range(v)]
     topo = topo or SimpleNamespace(pp_size=pp, pp_rank=rank, vpp=vpp, device=torch.device("cpu"),
