@@ -582,7 +582,7 @@ def per_frozen_model(fn):
     """Memoise ``fn(model, layout, stage)`` when ``model`` is a :class:`FrozenModel` (the planner's: one
     estimate asks about the same stage's parameters several times, the search about thousands of
     layouts); any other mapping is computed every time, as it may change between calls."""
-    cached = lru_cache(maxsize=1 << 16)(fn)
+    cached = lru_cache(maxsize=1 << 18)(fn)
 
     @wraps(fn)
     def wrapper(model, layout, stage):

@@ -109,3 +109,23 @@ def test_planner_memory_of_a_mixed_plan_is_the_estimate_of_its_config():
     planned = stage_memory_gib(FrozenModel(model), c, layout.num_microbatches)
     assert planned == pytest.approx([st.total_bytes / GIB for st in mixed], rel=1e-12)
     assert mixed[0].hand_off_bytes > 0
+
+
+def test_the_search_counts_a_mixed_plan_as_the_estimator_does():
+    """The search asks for each width's stages once (shared by the candidates of that width) and adds the
+    hand-off: the same GiB as the estimator's answer for the whole mixed layout."""
+    from megand.tools.plan import pinned_keys
+    from megand.tools.planner.cluster import parse_cluster
+    from megand.tools.planner.cost import stage_memory_gib
+    from megand.tools.planner.layout import Candidate
+    from megand.tools.planner.search import Planner
+    from megand.training.config import compose
+
+    overrides = ["+experiment=tiny_llama", "train.global_batch_size=8"]
+    planner = Planner(compose(overrides), pinned_keys(overrides), parse_cluster({"groups": [
+        {"name": "h100", "nodes": 1, "devices_per_node": 4, "device": "h100"}]}))
+    for widths, layers in ((((2, True), (1, False)), (3, 1)), (((1, False), (2, True), (2, True)), (1, 2, 1))):
+        c = Candidate.of(tp=2, pp=len(widths), dp=1, micro_batch_size=2, precision="bf16", fused_attention=False,
+                         pipeline_layout=layers).with_(stage_widths=widths)
+        m = c.parallel.microbatches(8, 2)
+        assert planner.memory(c) == pytest.approx(stage_memory_gib(planner.model, c, m), rel=1e-12)

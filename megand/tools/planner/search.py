@@ -29,7 +29,7 @@ from megand.core.batch_shares import is_uneven
 from megand.core.parallel_layout import LayoutError
 from megand.core.pipeline_parallel.registry import DEFAULT_SCHEDULE, schedule_error, schedule_names
 from megand.models.flops import FrozenModel, Shape
-from megand.tools.estimate_memory import estimate_memory, virtual_stage_sizes
+from megand.tools.estimate_memory import estimate_memory, hand_off_bytes, virtual_stage_sizes
 from megand.tools.planner.cost import (GIB, Prediction, memory_layout, predict, rank_virtual_stages,
                                        stage_memory_gib, stage_times)
 from megand.tools.planner.layout import Candidate, override_value, place, planned_layout
@@ -272,6 +272,15 @@ class Planner:
         even split), memoised: many candidates differ only in what memory does not see."""
         m = c.parallel.microbatches(self.gbs, c.micro_batch_size) if microbatches is None else microbatches
         stages = tuple(range(c.pp)) if stages is None else tuple(stages)
+        if c.stage_widths is not None:  # each stage as the one-width layout of its width (asked once per width
+            by_width = {}  # and shared by every candidate with that width), plus the hand-off between widths
+            for r in stages:
+                by_width.setdefault(c.stage_widths[r], []).append(r)
+            peak = {}
+            for ranks in by_width.values():
+                peak.update(zip(ranks, self.memory(c.of_rank(ranks[0]), ranks, m)))
+            layout = memory_layout(c, m)
+            return [peak[r] + hand_off_bytes(self.model, layout, r) / GIB for r in stages]
         layout = memory_layout(c, m)
         missing = [s for s in stages if (layout, s) not in self._memory]  # cached per stage: fits() asks for
         if missing:  # all of them, fewest_recomputed for one at a time
