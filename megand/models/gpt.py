@@ -24,7 +24,7 @@ from megand.core.tensor_parallel import (
 from megand.core.tensor_parallel.layers import column_parallel_linear, vocab_parallel_lookup
 from megand.core.transformer import TransformerConfig, TransformerLayer
 from megand.core.transformer.norms import Norm
-from megand.core.transformer.per_layer_input import PerLayerProjection
+from megand.core.transformer.per_layer_input import PerLayerProjection, embedding_scale
 from megand.core.transformer.rope import rope_cos_sin
 from megand.models.mtp import MultiTokenPrediction, depth_losses, shift_left
 
@@ -58,7 +58,7 @@ class Embedding(torch.nn.Module):
         """Gemma's embedding scale: times sqrt(hidden), a factor rounded to the table's dtype as Gemma rounds it."""
         if not self.cfg.embedding_scale:
             return x
-        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.word.weight.dtype, device=x.device)
+        return x * embedding_scale(self.cfg.hidden_size, self.word.weight.dtype)
 
     def forward(self, input_ids, positions):
         if self.cfg.sequence_parallel:

@@ -71,6 +71,11 @@ CAUGHT = {  # layouts on which earlier code synchronised with the host where a G
     "ep2_grouped_gemm": (T + ["model=moe_tiny", "parallel.ep=2", "--world-size", "2", "--rank", "1"],
                          "two blocking host-to-device copies per MoE layer and micro-batch (dispatcher.py permute: "
                          "torch.tensor(per_expert, device=...) and offsets.to(device) from pageable memory)"),
+    "gemma_embedding_scales": (T + ["model.embedding_scale=true", "model.per_layer_input_size=4", "model.activation=geglu",
+                                    "--world-size", "1"],
+                               "a blocking host-to-device copy per forward for Gemma's embedding scale and per layer "
+                               "for its per-layer inputs' scale (gpt.py scale, per_layer_input.py inputs: "
+                               "torch.tensor(factor, device=...))"),
 }
 MOE_BUG = CAUGHT["ep2_grouped_gemm"][1]
 EXTRA = {

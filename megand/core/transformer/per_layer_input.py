@@ -22,6 +22,8 @@ Parallel layout, so that each rank's cost follows its shard:
   whose partial weight gradients are then summed over tp).
 """
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,13 @@ def _norm(cfg, topo, width, device):
     return Norm("rmsnorm", width, eps=cfg.norm_eps, input_split=split_by_tokens(cfg.sequence_parallel),
                 tp_rank=topo.tp_rank, tp_size=topo.tp_size, dtype=cfg.params_dtype, device=device)
 
+
+
+@lru_cache(maxsize=None)
+def embedding_scale(width: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding scale sqrt(width) rounded to ``dtype``, as Gemma rounds it, as a Python number: a
+    tensor made for it in the forward would be a blocking host-to-device copy on every step."""
+    return torch.tensor(width ** 0.5, dtype=dtype).item()
 
 class PerLayerProjection(torch.nn.Module):
     """The word embedding's part of every layer's input (first stage): ``x [s, b, h] -> [s, b, L·p]``, each
@@ -78,8 +87,7 @@ class PerLayerInput(torch.nn.Module):
             looked_up = reduce_scatter_to_sp(looked_up, self.tp_group)
         else:
             looked_up = reduce_from_tp(looked_up, self.tp_group)
-        # the scale rounded to the table's dtype, as Gemma's scaled embedding rounds it
-        scale = torch.tensor(self.cfg.per_layer_input_size ** 0.5, dtype=looked_up.dtype, device=looked_up.device)
+        scale = embedding_scale(self.cfg.per_layer_input_size, looked_up.dtype)
         return (projected + looked_up * scale) * 2 ** -0.5
 
     def forward(self, y, ids, projected):
