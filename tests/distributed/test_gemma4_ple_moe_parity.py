@@ -2,7 +2,8 @@
 tolerances of tests/harness.py): each layer's table split by vocab rows over tp and held on its own stage, the
 projected word embedding carried over the pipeline links (interleaved chunks too), per-token over cp, the routed
 experts beside the dense MLP over ep, ZeRO-3 and full recompute. The default suite holds these features through
-the transformers check of tests/distributed/test_hf_gemma4.py (its ple_moe model at tp=2 x pp=2 with sp); this matrix is slow."""
+the transformers check of tests/distributed/test_hf_gemma4.py (its ple_moe model at tp=2 x pp=2 with sp); this
+matrix is slow."""
 
 import pytest
 import torch
