@@ -10,14 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from megand.core.transformer import TransformerConfig
 from megand.models import flops
 from megand.models.hf import build_hf_model
+from tests.unit.test_gemma4 import GEMMA4  # the sandwich-norm, soft-capped Gemma 4 the pieces are added to
 
-# windows as long as the sequence: transformers' eager attention computes every score, as megand counts them then
-GEMMA4 = dict(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-              num_query_groups=2, head_dim=16, seq_length=32, vocab_size=256, norm="rmsnorm", activation="geglu",
-              position_embedding="rope", norm_placement="sandwich", embedding_scale=True, qk_norm=True, v_norm=True,
-              query_pre_attn_scalar=1, sliding_window=[32, 32, 32, None], rope_local_theta=10000.0, rope_theta=1e6,
-              rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
-              final_logit_softcapping=30.0, tie_embeddings=True)
 PLE = dict(GEMMA4, per_layer_input_size=8)
 MOE = dict(GEMMA4, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_beside_mlp=True)
 BOTH = dict(PLE, **{k: v for k, v in MOE.items() if k not in GEMMA4})
