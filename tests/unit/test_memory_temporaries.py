@@ -36,10 +36,11 @@ def test_grad_norm_squares_a_piece_at_a_time(monkeypatch):
     monkeypatch.setattr(grad_norm, "SQUARES_CHUNK", 4096, raising=False)
     torch.manual_seed(0)
     big, small = torch.randn(5 * 4096 + 17), torch.randn(100)
+    bf16 = torch.randn(5 * 4096 + 17).bfloat16()  # converted to fp32 a piece at a time, not whole
     with Allocations() as allocations:
-        sums = grad_norm._sums_of_squares([big, small])
-    assert max(allocations.sizes) <= 4096 * 4, max(allocations.sizes)  # one piece's fp32 squares
-    expected = torch.stack([big.double().square().sum(), small.double().square().sum()]).float()
+        sums = grad_norm._sums_of_squares([big, small, bf16])
+    assert max(allocations.sizes) <= 4096 * 4, max(allocations.sizes)  # one piece in fp32
+    expected = torch.stack([x.double().square().sum() for x in (big, small, bf16)]).float()
     torch.testing.assert_close(sums, expected, rtol=1e-6, atol=0)
 
 

@@ -120,6 +120,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.shape[-1] < x.shape[-1]:
         d = cos.shape[-1]
         return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], dim=-1)
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    # x * cos + [-second, first] * sin, written half by half: the same operations on the same values (bitwise
+    # equal), without the rotated copy of x, which a compiled layer wrote in two passes of its own
+    first, second = x.float().chunk(2, dim=-1)
+    (cos_1, cos_2), (sin_1, sin_2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
+    return torch.cat([first * cos_1 - second * sin_1, second * cos_2 + first * sin_2], dim=-1).to(x.dtype)
