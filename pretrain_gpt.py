@@ -3,10 +3,14 @@
 import os
 import sys
 
-import hydra
+import megand
 
-from megand.training.config import ConfigError, register_schema
-from megand.training.peers import EXIT_PEER_LOST, peer_lost
+megand.prefer_huge_pages()  # before anything imports torch
+
+import hydra  # noqa: E402
+
+from megand.training.config import ConfigError, register_schema  # noqa: E402
+from megand.training.peers import EXIT_PEER_LOST, peer_lost  # noqa: E402
 
 register_schema()
 

@@ -7,6 +7,8 @@ after ``--warmup``), the best round of each, and the ratios over transformers; t
 The transformers loop trains with the run's recipe where a plain loop has it: AdamW with the config's
 betas, weight decay and learning rate, and gradient clipping at ``optim.clip_grad`` (as megand, and as
 transformers' Trainer by default: ``max_grad_norm=1.0``); ``--no-baseline-clip`` leaves the clipping out.
+megand's runs ask torch's CPU allocator for huge pages, as ``pretrain_gpt.py`` does (``megand.prefer_huge_pages``);
+the plain loop does not, unless ``--baseline-thp`` (the same setting for both sides).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_e2e.py --iters 8 --warmup 3 --rounds 2 model=llama_50m \\
         train.micro_batch_size=4
@@ -75,11 +77,12 @@ print(json.dumps(sorted(rates)[len(rates) // 2]))
 """
 
 
-def transformers_run(overrides, iters, warmup, clip: bool) -> float:
-    """Median tokens/s of the transformers loop after ``warmup``; ``clip``: at the config's ``optim.clip_grad``."""
+def transformers_run(overrides, iters, warmup, clip: bool, thp: bool) -> float:
+    """Median tokens/s of the transformers loop after ``warmup``; ``clip``: at the config's ``optim.clip_grad``;
+    ``thp``: with torch's huge pages for large CPU tensors, as megand's runs."""
     out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOOP, json.dumps(overrides), str(iters), str(warmup),
                           "1" if clip else "0"],
-                         check=True, capture_output=True, text=True, cwd=ROOT)
+                         check=True, capture_output=True, text=True, cwd=ROOT, env=_side_env("transformers", thp))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -182,12 +185,12 @@ def gemms_side(side, overrides, clip: bool, steps: int = 2) -> dict:
     return {k: (n // steps, gflop / steps, t / steps) for k, (n, gflop, t) in table.items()}
 
 
-def gemms(overrides, clip: bool) -> None:
+def gemms(overrides, clip: bool, thp: bool) -> None:
     """The products of megand's eager step and the transformers step, each side in a process of its own."""
     for side in ("megand", "transformers"):
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--gemms-side", side, *overrides,
                               *([] if clip else ["--no-baseline-clip"])],
-                             check=True, capture_output=True, text=True, cwd=ROOT, env=_this_tree_env())
+                             check=True, capture_output=True, text=True, cwd=ROOT, env=_side_env(side, thp))
         rows = json.loads(out.stdout.strip().splitlines()[-1])
         gflop, seconds = sum(r[1] for r in rows.values()), sum(r[2] for r in rows.values())
         print(f"{side}: products {seconds:.3f} s CPU per step, {gflop:.1f} GFLOP, {gflop / seconds:.1f} GFLOP/s")
@@ -196,19 +199,24 @@ def gemms(overrides, clip: bool) -> None:
             print(f"  {key:58s} {n:5d} {g:7.2f} {t * 1e3:8.1f} {g / t:8.1f}")
 
 
-def _this_tree_env() -> dict:
-    """The environment of a child process that imports megand from this tree."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+def _side_env(side: str, thp: bool) -> dict:
+    """The environment of a child process running ``side`` with megand from this tree: huge pages for torch's
+    large CPU tensors on megand's sides, as ``pretrain_gpt.py`` asks for them, and on the transformers loop's
+    only with ``thp`` (a setting of the caller's own wins on every side)."""
+    from megand import HUGE_PAGES
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    return {**HUGE_PAGES, **env} if side != "transformers" or thp else env
 
 
-def profile(overrides, clip: bool, top: int = 30) -> None:
+def profile(overrides, clip: bool, thp: bool, top: int = 30) -> None:
     """Each side profiled in a process of its own (in one process the second side's step runs on the first
     one's heap, which changes its page faults and its time), then their operators side by side."""
     got = {}
     for side in PROFILED:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-side", side, *overrides,
                               *([] if clip else ["--no-baseline-clip"])],
-                             check=True, capture_output=True, text=True, cwd=ROOT, env=_this_tree_env())
+                             check=True, capture_output=True, text=True, cwd=ROOT, env=_side_env(side, thp))
         got[side] = json.loads(out.stdout.strip().splitlines()[-1])
     # the process's CPU time (user + system: page faults of fresh allocations are system time) and each
     # operator's self time, side by side, the largest first
@@ -235,6 +243,8 @@ def main():
                    help="instead, each matrix product of megand's eager step and the transformers step: "
                         "operand layouts, GFLOP, CPU time and GFLOP/s")
     p.add_argument("--gemms-side", choices=PROFILED, help=argparse.SUPPRESS)  # one side of --gemms
+    p.add_argument("--baseline-thp", action="store_true",
+                   help="the transformers loop with huge pages for torch's large CPU tensors too, as megand's runs")
     p.add_argument("--no-baseline-clip", dest="clip", action="store_false",
                    help="the transformers loop without gradient clipping (megand clips at optim.clip_grad)")
     args = p.parse_intermixed_args()
@@ -245,21 +255,23 @@ def main():
     if args.profile_side:
         return print(json.dumps(profile_side(args.profile_side, overrides, args.clip)))
     if args.profile:
-        return profile(overrides, args.clip)
+        return profile(overrides, args.clip, args.baseline_thp)
     if args.gemms_side:
         return print(json.dumps(gemms_side(args.gemms_side, overrides, args.clip)))
     if args.gemms:
-        return gemms(overrides, args.clip)
+        return gemms(overrides, args.clip, args.baseline_thp)
     results = {"megand": [], "megand_compiled": [], "transformers": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             results["megand"].append(megand_run(overrides, args.iters, args.warmup, False, f"{tmp}/e{r}"))
             results["megand_compiled"].append(megand_run(overrides, args.iters, args.warmup, True, f"{tmp}/c{r}"))
-            results["transformers"].append(transformers_run(overrides, args.iters, args.warmup, args.clip))
+            results["transformers"].append(transformers_run(overrides, args.iters, args.warmup, args.clip,
+                                                            args.baseline_thp))
     best = {k: max(v) for k, v in results.items()}
     eager, compiled = best["megand"] / best["transformers"], best["megand_compiled"] / best["transformers"]
     print(json.dumps({
         "overrides": overrides, "iters": args.iters, "warmup": args.warmup, "baseline_clip": args.clip,
+        "baseline_thp": args.baseline_thp,
         "tokens_per_s": results, "best": best, "eager_ratio": eager, "compiled_ratio": compiled,
         "loadavg": open("/proc/loadavg").read().split()[:3], "time": time.strftime("%H:%M:%S")}))
     print(f"eager    megand / transformers tokens/s: {eager:.3f}  (target >= 1.0)")
