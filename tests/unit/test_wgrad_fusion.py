@@ -84,3 +84,32 @@ def test_swiglu_fc1_adds_the_gradients_of_its_gate_and_up_rows(sharding):
     assert made == []
     torch.testing.assert_close(grads[module.weight], reference.weight.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[module.bias], reference.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sharding", ["none", "optim", "optim_grads"])
+def test_a_step_gradient_is_its_own_and_a_parameter_without_one_reads_zero(sharding):
+    """Unsharded gradients are not zeroed between steps: each parameter's first gradient of a step is written
+    over what the buffer held (NaN here), the later micro-batches' added; a parameter that receives none reads
+    zero after finish_grad_sync. Weights (fused GEMM, beta 0) and biases (autograd's gradient, copied) alike."""
+    used, unused = layer("column", torch.float32), layer("row", torch.float32)
+    engine = DataParallel([torch.nn.ModuleList([used, unused])], topo(), DataParallelConfig(sharding=sharding))
+    torch.manual_seed(1)
+    for module in (used, unused):  # step 1: both receive gradients
+        module(torch.randn(16, 2, 64)).sum().backward()
+    engine.finish_grad_sync()
+    engine.zero_grad()
+    if sharding != "optim_grads":
+        assert all(p.main_grad.abs().sum() > 0 for p in engine.params)  # zero_grad wrote nothing
+        for p in engine.params:
+            p.main_grad.fill_(float("nan"))
+    xs, gs = torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 96)
+    for i, (x, g) in enumerate(zip(xs, gs)):  # step 2: two micro-batches, the row layer unused
+        with last_backward(engine if i == 1 else None):
+            used(x).backward(g)
+    engine.finish_grad_sync()
+    pieces = dict(engine.grad_pieces())
+    exact = sum(g.double().reshape(-1, 96).t() @ x.double().reshape(-1, 64) for x, g in zip(xs, gs))
+    torch.testing.assert_close(pieces[used.weight].view(96, 64).double(), exact, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(pieces[used.bias].double(), gs.double().sum((0, 1, 2)), rtol=1e-6, atol=1e-5)
+    for p in unused.parameters():
+        assert torch.equal(pieces[p], torch.zeros_like(pieces[p]))

@@ -101,7 +101,7 @@ from megand.core.distributed.param_gather import ParamGatherer
 from megand.core.tensor_parallel.fp8 import Fp8Policy
 from megand.core.tensor_parallel.fp8_recipes import fp8_recipe
 from megand.core.tensor_parallel.mappings import all_gather_flat, reduce_scatter_flat
-from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, WeightGradSink
+from megand.core.tensor_parallel.wgrad import DeferredWeightGrads, WeightGradSink, add_product
 
 
 @dataclass(frozen=True)
@@ -254,10 +254,19 @@ class DataParallel:
 
     # -- gradients ---------------------------------------------------------------------------------
     def zero_grad(self):
-        """Start a step: empty the gradient buffers; no bucket has its final gradients yet."""
+        """Start a step: no parameter has a gradient of it yet; no bucket has its final gradients yet.
+
+        Unsharded gradients are not zeroed here: each parameter's first gradient of the step is written
+        over its ``main_grad`` (a GEMM with beta 0, a copy), the later ones added, and
+        :meth:`finish_grad_sync` zeroes those of parameters that received none. That is one write of the
+        whole fp32 buffer less per step, and a read less in every first weight-gradient GEMM. (The buffer's
+        padding is never written: zero since it was made.) Sharded gradient slices are zeroed: each
+        micro-batch's reduce-scatter adds into them."""
         assert not self._grad_handles, "zero_grad() while gradient reductions are in flight"
-        for buf in self.buffers:
-            buf.grad_data.zero_()
+        if self.shard_grads:
+            for buf in self.buffers:
+                buf.grad_data.zero_()
+        self._unwritten = set() if self.shard_grads else set(self.params)
         for p in self.params:
             p.grad = None
         self._pending = {b.index: {p for p, _ in b.params} for b in self.buckets}
@@ -300,12 +309,13 @@ class DataParallel:
         if p.grad is None:  # the layer has added this backward's gradient itself (accumulate_grad)
             return
         grad, p.grad = p.grad, None
-        self.accumulate_grad(p, lambda main: main.add_(grad))
+        self.accumulate_grad(p, lambda main, overwrite: add_product(main, grad, overwrite))
 
     def accumulate_grad(self, p, add):
-        """One backward's gradient of ``p`` arrives: ``add(main)`` adds it into ``main``, the fp32 tensor
-        of ``p``'s shape that accumulates it (``p.main_grad``, or under sharded gradients p's part of the
-        bucket's scratch), then the bucket's reduction starts if that was the last gradient it awaited.
+        """One backward's gradient of ``p`` arrives: ``add(main, overwrite)`` adds it into ``main``, the fp32
+        tensor of ``p``'s shape that accumulates it (``p.main_grad``, or under sharded gradients p's part of
+        the bucket's scratch), or writes it there where ``overwrite`` (``p``'s first gradient of the step:
+        see :meth:`zero_grad`), then the bucket's reduction starts if that was the last gradient it awaited.
 
         Parameters carry this as ``p.accumulate_grad(add)``: a layer that computes its weight gradient
         itself adds the GEMM's product here directly, in fp32, instead of returning a ``p.grad`` in the
@@ -324,7 +334,9 @@ class DataParallel:
         if bucket.index in self._launched:
             raise RuntimeError("a gradient arrived after its bucket was reduced: the schedule ran more than one "
                                "backward per chunk inside last_backward()")
-        add(p.main_grad)
+        overwrite = p in self._unwritten
+        self._unwritten.discard(p)
+        add(p.main_grad, overwrite)
         if final:
             pending = self._pending[bucket.index]
             pending.discard(p)
@@ -335,7 +347,7 @@ class DataParallel:
         """ZeRO-2/3: accumulate into the bucket's scratch; reduce-scatter it once every parameter of the
         bucket has contributed (sums are linear: flushing early or late changes only the traffic)."""
         off = bucket.buffer.offset[p]
-        add(bucket.grads[off - bucket.start: off - bucket.start + p.numel()].view(p.shape))
+        add(bucket.grads[off - bucket.start: off - bucket.start + p.numel()].view(p.shape), False)
         unflushed = self._unflushed[bucket.index]
         unflushed.discard(p)
         if not unflushed:
@@ -402,6 +414,9 @@ class DataParallel:
                     self._flush(bucket)
             self._wait_flushes()
         else:
+            for p in self._unwritten:  # received no gradient this step (a bucket holding one was not launched)
+                p.main_grad.zero_()
+            self._unwritten.clear()
             for bucket in self.buckets:
                 if bucket.index not in self._launched:
                     self._reduce(bucket)

@@ -43,6 +43,7 @@ from megand.core.tensor_parallel.fp8_recipes import RECIPES, Fp8Recipe, fp8_reci
 from megand.core.tensor_parallel.fp8_recipes.mxfp8 import MX_BLOCK, mx_blocked_scales, mx_scale  # noqa: F401
 from megand.core.tensor_parallel.fp8_recipes.scaling import _TINY, E4M3, E5M2, _agreed_max, fmax  # noqa: F401
 from megand.core.tensor_parallel.gemm import GemmPolicy, weight_grad_target
+from megand.core.tensor_parallel.wgrad import add_product
 
 
 @dataclasses.dataclass
@@ -267,8 +268,8 @@ class Fp8Policy(GemmPolicy):
     def weight_grad(self, grad, x):
         return self._weight_product(grad, x, grad.dtype)
 
-    def add_weight_grad(self, main, grad, x):
-        main.add_(self._weight_product(grad, x, main.dtype, widen=False))
+    def add_weight_grad(self, main, grad, x, overwrite=False):
+        add_product(main, self._weight_product(grad, x, main.dtype, widen=False), overwrite)
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):

@@ -35,7 +35,7 @@ import torch
 
 from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel.fp8_recipes.scaling import _TINY, E4M3, _agreed_max, fmax
-from megand.core.tensor_parallel.wgrad import hand_over
+from megand.core.tensor_parallel.wgrad import add_product, hand_over
 
 
 def expert_row_splits(x: torch.Tensor, offsets, experts: int) -> list[torch.Tensor]:
@@ -229,7 +229,7 @@ class GroupedFp8Linear(torch.autograd.Function):
         if ctx.target is None:
             grad_weight = products.weight_grad(grad, x).to(weight.dtype)
         else:
-            hand_over(ctx.target, lambda main: main.add_(products.weight_grad(grad, x)))
+            hand_over(ctx.target, lambda main, overwrite: add_product(main, products.weight_grad(grad, x), overwrite))
         if ctx.has_bias:
             experts = weight.shape[0]
             sums = grad.new_zeros(experts + 1, grad.shape[1], dtype=torch.float32)

@@ -85,9 +85,9 @@ class GemmPolicy:
         """``dy^T x`` ``[n, k]`` in the operands' dtype (autograd's ``p.grad``)."""
         return grad.t().matmul(x)
 
-    def add_weight_grad(self, main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
-        """``main += dy^T x`` at ``main``'s precision (the engine's fp32 accumulator)."""
-        self.accumulating(main, grad.t(), x)
+    def add_weight_grad(self, main: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, overwrite: bool = False) -> None:
+        """``main += dy^T x`` at ``main``'s precision (the engine's fp32 accumulator); ``overwrite``: ``main = dy^T x``."""
+        self.accumulating(main, grad.t(), x, overwrite)
 
     # -- the routed experts ------------------------------------------------------------------------
     def grouped(self, x, weight, counts, offsets, bias=None):
@@ -125,7 +125,7 @@ def weight_grad_pass(policy: GemmPolicy, weight: torch.Tensor, grad: torch.Tenso
     if target is True:  # compiled: x is a tensor here (a recipe gathers high precision when compiled)
         torch.ops.megand.weight_grad_pass(weight, grad, x)
     else:
-        hand_over(target, lambda main: policy.add_weight_grad(main, grad, x))
+        hand_over(target, lambda main, overwrite: policy.add_weight_grad(main, grad, x, overwrite))
     return None
 
 

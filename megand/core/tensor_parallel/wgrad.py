@@ -59,13 +59,23 @@ class AccumulatingGemm:
             return False
         return True
 
-    def __call__(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __call__(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool = False) -> None:
+        """``out += a @ b``; ``overwrite``: ``out = a @ b`` (``out``'s contents are not read: beta 0)."""
+        beta = 0 if overwrite else 1
         if a.dtype == out.dtype:
-            out.addmm_(a, b)
+            out.addmm_(a, b, beta=beta)
         elif self.takes_out_dtype(out, a):
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
         else:
-            out.addmm_(a.to(out.dtype), b.to(out.dtype))
+            out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta)
+
+
+def add_product(main: torch.Tensor, product: torch.Tensor, overwrite: bool) -> None:
+    """``main += product`` at ``main``'s precision, or ``main = product`` where ``overwrite`` (see :class:`Accumulator`)."""
+    if overwrite:
+        main.copy_(product)
+    else:
+        main.add_(product)
 
 
 def fused_accumulator(weight: torch.Tensor, fuse: bool = True):
@@ -125,8 +135,10 @@ class WeightGradSink:
 
 
 class Accumulator:
-    """A parameter's ``accumulate_grad``: ``accumulate_grad(add)`` gives ``add(main)`` to ``receive`` (the
-    engine's accumulation), which adds one backward's gradient into the fp32 ``main``."""
+    """A parameter's ``accumulate_grad``: ``accumulate_grad(add)`` gives ``add(main, overwrite)`` to ``receive``
+    (the engine's accumulation), which adds one backward's gradient into the fp32 ``main``, or with
+    ``overwrite`` writes it there: ``main`` holds nothing of this step yet (the engine does not zero it
+    between steps: the step's first gradient is written, the later ones added)."""
 
     __slots__ = ("sink", "receive")
 
@@ -143,7 +155,8 @@ def deferral_of(accumulate) -> DeferredWeightGrads | None:
 
 
 def hand_over(accumulate, add) -> None:
-    """Give ``add(main)`` to the engine's accumulator now, or queue it while its sink defers W passes."""
+    """Give ``add(main, overwrite)`` to the engine's accumulator now, or queue it while its sink defers W passes
+    (whether it overwrites is decided when it runs)."""
     queue = deferral_of(accumulate)
     if queue is None:
         accumulate(add)
@@ -160,7 +173,7 @@ def weight_grad_op(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) ->
     gemm, accumulate = weight.gemm_policy, weight.accumulate_grad
     if deferral_of(accumulate) is not None:  # queued past this call: the compiled graph may reuse its buffers
         grad, x = grad.clone(), x.clone()
-    hand_over(accumulate, lambda main: gemm.add_weight_grad(main, grad, x))
+    hand_over(accumulate, lambda main, overwrite: gemm.add_weight_grad(main, grad, x, overwrite))
 
 
 @weight_grad_op.register_fake

@@ -31,7 +31,7 @@ from megand.core.metrics import MAX, MEAN, SUM, Metric
 from megand.core.sharding import BIAS, EXPERT_MATRIX, NORM, ROUTER, ParamMeta, retag, split_by_tokens, tag
 from megand.core.host_reads import even_offsets, host_list
 from megand.core.tensor_parallel.gemm import use_policy, weight_grad_target
-from megand.core.tensor_parallel.wgrad import AccumulatingGemm, hand_over
+from megand.core.tensor_parallel.wgrad import AccumulatingGemm, add_product, hand_over
 from megand.core.tensor_parallel.gemm import DEFAULT, GemmPolicy
 from megand.core.tensor_parallel.mappings import (
     copy_to_tp,
@@ -259,9 +259,9 @@ class ExpertLoopLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             pairs, accumulating = [(grads[e], inputs[e]) for e in range(experts)], ctx.accumulating
 
-            def add(main):
+            def add(main, overwrite):
                 for e, (g, inp) in enumerate(pairs):
-                    accumulating(main[e], g.t(), inp)
+                    accumulating(main[e], g.t(), inp, overwrite)
 
             hand_over(ctx.target, add)
         return grad_x, None, None, None, None
@@ -292,7 +292,8 @@ class GroupedExpertGemm(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, weight, offs=offs) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            hand_over(ctx.target, lambda main: main.add_(torch._grouped_mm(grad.t(), x, offs=offs)))
+            hand_over(ctx.target, lambda main, overwrite: add_product(main, torch._grouped_mm(grad.t(), x, offs=offs),
+                                                                      overwrite))
         return grad_x, None, None, None
 
 
