@@ -67,7 +67,7 @@ def test_weight_gradient_is_deferred_into_the_w_pass():
     main, handed, sink = torch.zeros_like(w), [], WeightGradSink()
     with sink.deferring(DeferredWeightGrads()) as w_pass:
         ww = w.clone().requires_grad_()
-        accumulate = sink.accumulator(lambda add: (handed.append(1), add(main)))
+        accumulate = sink.accumulator(lambda add: (handed.append(1), add(main, False)))
         GroupedFp8Linear.apply(x, ww, None, offsets, policy, accumulate).backward(dy)
     assert ww.grad is None and len(w_pass) == 1 and not handed  # B ran without it (it used to run there)
     w_pass.run()

@@ -36,7 +36,7 @@ def fake_engine(module):
     engine's sink, ``w.sink``, which a split schedule defers)."""
     w = module.weight
     w.main_grad, w.handed, w.sink = torch.zeros_like(w, dtype=torch.float32), [], WeightGradSink()
-    w.accumulate_grad = w.sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad)))
+    w.accumulate_grad = w.sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad, False)))
     return w
 
 
@@ -199,7 +199,7 @@ def test_fused_grouped_expert_gemm_defers_its_weight_gradient():
     grouped_linear(ref_x, ref_w, counts, offsets, fused=True).backward(grad)  # no engine: autograd's gradient
     w = weight.clone().requires_grad_()
     w.main_grad, w.handed, sink = torch.zeros_like(w), [], WeightGradSink()
-    w.accumulate_grad = sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad)))
+    w.accumulate_grad = sink.accumulator(lambda add: (w.handed.append(1), add(w.main_grad, False)))
     xx = x.clone().requires_grad_()
     with sink.deferring(DeferredWeightGrads()) as w_pass:
         grouped_linear(xx, w, counts, offsets, fused=True).backward(grad)  # B
