@@ -89,6 +89,16 @@ def expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, heads: i
     return _expands(device, dtype, head_dim, heads, groups)
 
 
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``x [s, b, heads, d]`` as the ``[b, heads, s, d]`` operand of :func:`causal_attention`: a view, except on
+    the CPU, whose flash kernel runs forward and backward ~7 % faster on queries and keys laid out densely
+    in that order (a compiled layer writes them so in the kernel that makes them). Only for tensors made
+    for attention (the rotated queries and keys), which the copy replaces: a copy of a view into the fused
+    projection's output would be kept for backward besides that output."""
+    x = x.permute(1, 2, 0, 3)
+    return x.contiguous() if x.device.type == "cpu" else x
+
+
 def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, heads: int, groups: int) -> str:
     """The kernel :func:`causal_attention` runs for queries with ``heads`` heads and K/V with ``groups``:
     ``"cudnn"``, ``"flash"``, ``"efficient"`` (``"efficient (K/V expanded)"``) or ``"math"`` (``s x s``

@@ -18,6 +18,7 @@ import torch
 
 from megand.core.attention_masks import local_attention
 from megand.core.context_parallel import all_gather_attention, ring_attention, ulysses_attention
+from megand.core.sdpa import heads_first
 from megand.core.sharding import BIAS, HEADS, MATRIX, ParamMeta, retag
 from megand.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megand.core.tensor_parallel.gemm import DEFAULT, use_policy
@@ -229,7 +230,7 @@ class Attention(AttentionCore):
             q = apply_rope(q, *rope)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        q = q.permute(1, 2, 0, 3)  # [b, heads, s, d]
+        q = heads_first(q) if rope is not None else q.permute(1, 2, 0, 3)  # [b, heads, s, d]
         if self.kv_source is not None:  # an earlier layer's keys and values (its cached ones in generation)
             k, v = shared[self.kv_source]
         else:
@@ -241,7 +242,8 @@ class Attention(AttentionCore):
                 v = torch.nn.functional.rms_norm(v, (v.shape[-1],), eps=self.cfg.norm_eps)
             if rope is not None:
                 k = apply_rope(k, *rope)
-            k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d]
+            k = heads_first(k) if rope is not None else k.permute(1, 2, 0, 3)  # [b, groups, s, d]
+            v = v.permute(1, 2, 0, 3)
             if cache is not None:
                 k, v = cache.append(k, v)
             if self.stores_kv:
