@@ -162,10 +162,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prepare_config(args):
     """The composed config with the rehearsal's changes: mock data, the cut global batch, no checkpoints."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from megand.core.parallel_layout import LayoutError, ParallelLayout
     from megand.training.config import ConfigError, compose, validate
 
-    cfg = compose(args.overrides)
+    try:
+        cfg = compose(args.overrides)
+    except (HydraException, OmegaConfBaseException) as e:  # an unknown preset or key, a bad value
+        message = str(e).split("Config search path")[0]  # Hydra appends its search path: noise here
+        raise SystemExit(f"rehearse: {' '.join(message.split())}")
     p, t = cfg.parallel, cfg.train
     try:
         world = args.world_size or ParallelLayout.world_of(p)

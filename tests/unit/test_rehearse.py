@@ -67,6 +67,12 @@ def _within_tolerances(report):
     assert 1.0 <= peak["checkpoint_state_dict"] / est["checkpoint_state_dict"] <= 2.5, (peak, est)
 
 
+def test_a_bad_override_is_one_line_before_work():
+    with pytest.raises(SystemExit, match=r"^rehearse: Could not override 'model.params_dtype'\. To append to your "
+                                         r"config use \+model.params_dtype=bf16$"):
+        main(["+experiment=tiny_llama", "model.params_dtype=bf16", "--world-size", "1", "--rank", "0"])
+
+
 def test_bad_rank_is_one_line_before_work():
     with pytest.raises(SystemExit, match="--rank 9 is not in a world of 4 ranks"):
         main(["+experiment=tiny_llama", "--world-size", "4", "--rank", "9"])
