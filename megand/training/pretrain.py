@@ -55,7 +55,7 @@ from megand.training.output_dirs import check_output_dirs, check_run_dir_reuse
 from megand.training.peak import device_peak_flops, machine_cache_dir, mfu
 from megand.training.rampup import ConstantBatch, batch_ramp
 from megand.training.resume import open_local_tier
-from megand.training.save_failures import SaveFailures
+from megand.training.save_failures import SaveFailures, SaveFailureStop
 from megand.training.wandb_logger import WandbLogger
 
 
@@ -916,13 +916,17 @@ def final_summary(trainer, seconds: float, best_val: float) -> str:
     return human + "\n" + machine
 
 
+# The errors every rank raises alike, on which the run ends with its own exit code (the entry script's)
+ENDS_EVERY_RANK = (*USER_ERRORS, SaveFailureStop, NonFiniteStop)
+
+
 def pretrain(cfg, adopt_model=None) -> None:
     """Train as ``cfg`` says (``adopt_model``: :class:`Trainer`'s)."""
     try:
         trainer = Trainer(cfg, adopt_model=adopt_model)
         trainer.run()
         dist.barrier()
-    except USER_ERRORS:
+    except ENDS_EVERY_RANK:
         # raised on every rank alike: tear the process groups down now, not during interpreter exit, where
         # a gloo group's threads may be destroyed still running (abort: "terminate called without an
         # active exception", after the one-line message)
