@@ -130,10 +130,13 @@ def summarize(reports: dict[int, dict], world_size: int | None = None) -> list[s
             continue
         top = max(seen[r][0] for r in waiting)
         entry = seen[waiting[0]][1]
+        late = [r for r in ranks if r not in seen or seen[r][0] < top]
         behind = [f"rank {r} (no report)" if r not in seen else
-                  f"rank {r} (last entered #{seen[r][0]}{': ' + _describe(seen[r][1]) if seen[r][1] else ''})"
-                  for r in ranks if r not in seen or seen[r][0] < top]
-        named.update(r for r in ranks if r not in seen or seen[r][0] < top)
+                  f"rank {r} ({'waits in' if r in waiting else 'last entered'} #{seen[r][0]}"
+                  f"{': ' + _describe(seen[r][1]) if seen[r][1] else ''})" for r in late]
+        # a late rank that itself waits, in an earlier collective that its peers have left (a ring whose
+        # transfer from a stopped rank never came), is held up too: the others wait for the rest
+        named.update([r for r in late if r not in waiting] or late)
         lines.append(f"process group {name} (ranks {ranks}): rank(s) {[r for r in waiting if seen[r][0] == top]} "
                      f"wait in collective #{top}, {_describe(entry)}; not reached by: "
                      + (", ".join(behind) if behind else "none (every member entered it: a slow or lost transfer)"))

@@ -39,7 +39,10 @@ def test_stopped_rank_is_named_in_the_hang_report(tmp_path):
     assert "ranks the others wait for: [1]" in summary
     waits = [line for line in summary.splitlines() if line.startswith("process group") and "wait in collective #" in line]
     assert waits and all("rank 1 (no report)" in line for line in waits), summary
-    assert any("ranks [0, 1, 2]" in line and "rank(s) [0, 2] wait" in line for line in waits), summary
+    world = [line for line in waits if "ranks [0, 1, 2]" in line]
+    # ranks 0 and 2 wait in one collective; or rank 1 stopped mid-ring after one of them had its share, and
+    # that one went on into the next collective while the other still waits in this one
+    assert world and all("rank(s) [0, 2] wait" in line or "waits in #" in line for line in world), summary
 
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "hang_report.py"), run_dir],
                           capture_output=True, text=True, cwd=ROOT)

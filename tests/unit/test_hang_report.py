@@ -37,3 +37,23 @@ def test_nothing_pending_names_nobody():
     groups = {"1": [0, 1]}
     reports = {r: report(r, 2, groups, [entry("1", 4)], {"1": 4}) for r in (0, 1)}
     assert [line for line in summarize(reports) if "wait" in line] == []
+
+
+def test_a_rank_held_in_an_earlier_collective_is_not_the_one_waited_for():
+    # rank 1 stopped mid all-reduce #5: rank 0 got its share and went on into #6, rank 2 still waits in #5
+    groups = {"1": [0, 1, 2]}
+    reports = {0: report(0, 3, groups, [entry("1", 5), entry("1", 6)], {"1": 5}),
+               2: report(2, 3, groups, [entry("1", 4), entry("1", 5)], {"1": 4})}
+    lines = summarize(reports)
+    assert [line for line in lines if line.startswith("process group")] == [
+        "process group 1 (ranks [0, 1, 2]): rank(s) [0] wait in collective #6, all_reduce of sizes [[4]] (Float); "
+        "not reached by: rank 1 (no report), rank 2 (waits in #5: all_reduce of sizes [[4]] (Float))"]
+    assert lines[-1] == "ranks the others wait for: [1]"
+
+
+def test_ranks_that_all_wait_are_named_when_no_other_is_behind():
+    # every member reported and waits: rank 1 in #5, which ranks 0 and 2 left (a lost transfer)
+    groups = {"1": [0, 1, 2]}
+    reports = {0: report(0, 3, groups, [entry("1", 6)], {"1": 5}), 1: report(1, 3, groups, [entry("1", 5)], {"1": 4}),
+               2: report(2, 3, groups, [entry("1", 6)], {"1": 5})}
+    assert summarize(reports)[-1] == "ranks the others wait for: [1]"
